@@ -1,0 +1,28 @@
+"""ringsplash: exact long-context attention for JAX.
+
+Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash kernels
+(``splash_attention``) -> ring attention over a mesh axis (``ring_attention``) -> model.
+"""
+
+from ringsplash import layouts, masks
+from ringsplash.mask_info import BlockSchedule, MaskInfo, build_mask_info
+from ringsplash.reference import MASKED_LSE, reference_attention
+from ringsplash.segment_ids import SegmentIds
+
+__all__ = [
+    "BlockSchedule",
+    "MASKED_LSE",
+    "MaskInfo",
+    "SegmentIds",
+    "build_mask_info",
+    "layouts",
+    "masks",
+    "reference_attention",
+]
+
+try:  # kernels and ring are optional until their layers exist in this checkout
+    from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward  # noqa: F401
+
+    __all__ += ["SplashConfig", "splash_attention", "splash_backward", "splash_forward"]
+except ImportError:  # pragma: no cover
+    pass

@@ -1,0 +1,519 @@
+"""Block-sparse metadata (``MaskInfo``) built on the host from lazy masks.
+
+For every per-head mask and every (q shard, kv shard) pair, ``build_mask_info`` lists the
+(q block, kv block) pairs a kernel must visit, each FULL or PARTIAL, in the order the kernel
+walks them (q-major, or kv-major with ``transpose=True``). See ``docs/INTERNALS.md`` for the
+array contract. Cost: for structured masks O(number of non-empty block pairs + tokens), never
+O(q_len * kv_len) — candidate blocks come from each block row's attendable position interval
+and are classified from per-block position ranges; only one representative of each distinct
+partial block is ever materialised.
+"""
+
+import collections
+import dataclasses
+import hashlib
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from ringsplash import masks as masks_lib
+from ringsplash.masks import EMPTY, FULL, PARTIAL, AnyMask, Mask, NumpyMask
+
+PARTIAL_MODES = ("auto", "stored", "function")
+#: "auto" stores partial blocks while there are at most this many distinct ones.
+MAX_STORED_PARTIAL_BLOCKS = 64
+
+
+def smallest_int_dtype(lo: int, hi: int) -> np.dtype:
+    """The smallest signed integer dtype holding every value in [lo, hi]."""
+    for dtype in (np.int8, np.int16, np.int32, np.int64):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return np.dtype(dtype)
+    raise OverflowError(f"no integer dtype holds [{lo}, {hi}]")
+
+
+class BlockSchedule(NamedTuple):
+    """One shard pair's work lists as jnp int32 arrays ``[lists, max_steps]``."""
+
+    q_block: object
+    kv_block: object
+    kind: object
+    partial_index: object
+    head_to_list: object  # [mask_heads]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskInfo:
+    block_shape: tuple[int, int]
+    q_len: int
+    kv_len: int
+    q_shards: int
+    kv_shards: int
+    transpose: bool
+    head_to_list: np.ndarray  # [mask_heads]
+    q_block: np.ndarray  # [lists, q_shards, kv_shards, max_steps], local to the q shard
+    kv_block: np.ndarray  # same, local to the kv shard
+    kind: np.ndarray  # same, int8: 0 no compute, 1 partial, 2 full
+    partial_index: np.ndarray  # same: row of partial_mask_blocks, -1 = mask_function in kernel
+    num_active: np.ndarray  # [lists, q_shards, kv_shards]
+    partial_mask_blocks: np.ndarray  # [num_partials, bq, bkv] bool
+    masks: tuple[Mask, ...]  # one per list
+    q_positions: np.ndarray  # int32 [q_len]
+    kv_positions: np.ndarray  # int32 [kv_len]
+
+    @property
+    def num_lists(self) -> int:
+        return self.kind.shape[0]
+
+    @property
+    def max_steps(self) -> int:
+        return self.kind.shape[-1]
+
+    @property
+    def q_blocks_per_shard(self) -> int:
+        return self.q_len // self.q_shards // self.block_shape[0]
+
+    @property
+    def kv_blocks_per_shard(self) -> int:
+        return self.kv_len // self.kv_shards // self.block_shape[1]
+
+    @property
+    def uses_mask_function(self) -> bool:
+        return bool(np.any((self.kind == PARTIAL) & (self.partial_index < 0)))
+
+    def schedule(self, q_shard=0, kv_shard=0) -> BlockSchedule:
+        """The work lists of one shard pair; ``q_shard``/``kv_shard`` may be traced."""
+        import jax.numpy as jnp
+
+        def pick(a):
+            a = jnp.asarray(a.astype(np.int32))
+            if self.q_shards == 1 and self.kv_shards == 1:
+                return a[:, 0, 0]
+            return a[:, q_shard, kv_shard]
+
+        return BlockSchedule(
+            pick(self.q_block),
+            pick(self.kv_block),
+            pick(self.kind),
+            pick(self.partial_index),
+            jnp.asarray(self.head_to_list.astype(np.int32)),
+        )
+
+    def to_dense(self, head: int = 0) -> np.ndarray:
+        """Rebuild the dense ``[q_len, kv_len]`` mask of ``head`` (laid-out frame; tests)."""
+        bq, bkv = self.block_shape
+        nq, nk = self.q_blocks_per_shard, self.kv_blocks_per_shard
+        out = np.zeros((self.q_len, self.kv_len), dtype=bool)
+        lst = int(self.head_to_list[head])
+        for a in range(self.q_shards):
+            for b in range(self.kv_shards):
+                for t in np.flatnonzero(self.kind[lst, a, b] != EMPTY):
+                    qb = a * nq + int(self.q_block[lst, a, b, t])
+                    kb = b * nk + int(self.kv_block[lst, a, b, t])
+                    rows, cols = slice(qb * bq, (qb + 1) * bq), slice(kb * bkv, (kb + 1) * bkv)
+                    if self.kind[lst, a, b, t] == FULL:
+                        out[rows, cols] = True
+                    elif (p := int(self.partial_index[lst, a, b, t])) >= 0:
+                        out[rows, cols] = self.partial_mask_blocks[p]
+                    else:
+                        qp = self.q_positions[rows][:, None]
+                        out[rows, cols] = self.masks[lst].evaluate(np, qp, self.kv_positions[cols][None, :])
+        return out
+
+
+# ----------------------------------------------------------------------------------------
+# validation
+
+
+def _check_positions(positions, length: int, name: str) -> np.ndarray:
+    if positions is None:
+        return np.arange(length, dtype=np.int32)
+    pos = np.asarray(positions)
+    if pos.shape != (length,):
+        raise ValueError(f"{name} must have shape ({length},), got {pos.shape}")
+    if not np.issubdtype(pos.dtype, np.integer):
+        raise TypeError(f"{name} must be integers, got dtype {pos.dtype}")
+    seen = np.zeros(length, dtype=bool)
+    if pos.min() < 0 or pos.max() >= length:
+        raise ValueError(f"{name} must be a permutation of range({length}); values out of range")
+    seen[pos] = True
+    if not seen.all():
+        raise ValueError(f"{name} must be a permutation of range({length}); it repeats positions")
+    return pos.astype(np.int32)
+
+
+def _check_blocking(length: int, block: int, shards: int, what: str) -> None:
+    if not isinstance(shards, (int, np.integer)) or isinstance(shards, bool) or shards <= 0:
+        raise ValueError(f"{what}_shards must be a positive int, got {shards!r}")
+    if length % shards:
+        raise ValueError(f"{what}_shards={shards} must divide {what}_len={length}")
+    if (length // shards) % block:
+        raise ValueError(
+            f"block size {block} must divide the per-shard {what} length "
+            f"{what}_len // {what}_shards = {length // shards}"
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# per-block position summaries
+
+
+class _Blocks(NamedTuple):
+    lo: np.ndarray  # int32 [num_blocks] min position in each block
+    hi: np.ndarray  # int32 [num_blocks] max position
+    start: np.ndarray  # int32 position of each block's first row/column
+    stride: int | None  # common stride if every block is an arithmetic progression
+    positions: np.ndarray  # int32 [length]
+
+
+def _summarise(positions: np.ndarray, block: int, identity: bool) -> _Blocks:
+    n = positions.size // block
+    if identity:
+        start = np.arange(n, dtype=np.int32) * block
+        return _Blocks(start, start + (block - 1), start, 1, positions)
+    p = positions.reshape(n, block)
+    start = p[:, 0]
+    stride = None
+    if block == 1:
+        stride = 1
+    else:
+        steps = p[:, 1] - p[:, 0]
+        if np.all(steps == steps[0]) and steps[0] > 0:
+            if np.array_equal(p, start[:, None] + steps[0] * np.arange(block)):
+                stride = int(steps[0])
+    return _Blocks(p.min(1), p.max(1), start, stride, positions)
+
+
+# ----------------------------------------------------------------------------------------
+# candidate enumeration and classification for one mask and one shard pair
+#
+# A pair's work list is kept run-length encoded while it is built: ``counts[m]`` entries for
+# major block m (q block, or kv block when transposed), then per entry the local ``minor``
+# block and its ``kind``. Only PARTIAL entries (a thin band for structured masks) are ever
+# looked at individually.
+
+
+class _PairWork(NamedTuple):
+    counts: np.ndarray  # [n_major] entries of each major block
+    minor: np.ndarray  # int32 [n] local minor block of each entry
+    kinds: np.ndarray  # int8 [n]
+
+
+def _pair_entries(mask: Mask, qb: _Blocks, kb: _Blocks, q_sel: slice, kv_sel: slice, transpose: bool) -> _PairWork:
+    """Non-empty block pairs of one shard pair, in the kernel's walk order.
+
+    Each major block gets the interval of minor positions it may touch; minor blocks of one
+    shard are sorted by their lowest position, so its candidates are one contiguous run found
+    by two binary searches. Nothing outside those runs is touched.
+    """
+    major, minor = (kb, qb) if transpose else (qb, kb)
+    major_sel, minor_sel = (kv_sel, q_sel) if transpose else (q_sel, kv_sel)
+    m_lo, m_hi = major.lo[major_sel], major.hi[major_sel]
+    n_lo, n_hi = minor.lo[minor_sel], minor.hi[minor_sel]
+    range_fn = mask.attending_q_range if transpose else mask.attended_kv_range
+    want_lo, want_hi = range_fn(m_lo.astype(np.int64), m_hi.astype(np.int64))
+
+    order = None
+    if np.any(np.diff(n_lo) < 0):  # unusual custom orders: sort minor blocks by position
+        order = np.argsort(n_lo, kind="stable")
+        n_lo, n_hi = n_lo[order], n_hi[order]
+    first = np.searchsorted(np.maximum.accumulate(n_hi), want_lo, side="left")
+    end = np.searchsorted(n_lo, want_hi, side="right")
+    counts = np.maximum(end - first, 0)
+    offsets = np.cumsum(counts) - counts
+    minor_idx = np.arange(int(counts.sum()), dtype=np.int32)
+    minor_idx += np.repeat((first - offsets).astype(np.int32), counts)
+
+    ml, mh = np.repeat(m_lo, counts), np.repeat(m_hi, counts)
+    nl, nh = n_lo[minor_idx], n_hi[minor_idx]
+    kinds = mask.classify_blocks(nl, nh, ml, mh) if transpose else mask.classify_blocks(ml, mh, nl, nh)
+    work = _PairWork(counts, minor_idx, kinds)
+    if order is not None:
+        work = _drop_empty(work)
+        major_of = np.repeat(np.arange(counts.size), work.counts)
+        minor_idx = order[work.minor].astype(np.int32)
+        resort = np.lexsort((minor_idx, major_of))
+        work = _PairWork(work.counts, minor_idx[resort], work.kinds[resort])
+    return work
+
+
+def _drop_empty(work: _PairWork) -> _PairWork:
+    keep = work.kinds != EMPTY
+    if keep.all():
+        return work
+    major_of = np.repeat(np.arange(work.counts.size), work.counts)
+    counts = np.bincount(major_of[keep], minlength=work.counts.size)
+    return _PairWork(counts, work.minor[keep], work.kinds[keep])
+
+
+def _dense_kinds(mask: NumpyMask, qb: _Blocks, kb: _Blocks, bq: int, bkv: int) -> np.ndarray:
+    arr = mask.array[qb.positions][:, kb.positions]
+    arr = arr.reshape(arr.shape[0] // bq, bq, arr.shape[1] // bkv, bkv)
+    any_, all_ = arr.any(axis=(1, 3)), arr.all(axis=(1, 3))
+    return np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
+
+
+def _dense_pair_entries(kinds: np.ndarray, q_sel: slice, kv_sel: slice, transpose: bool) -> _PairWork:
+    sub = kinds[q_sel, kv_sel]
+    sub = sub.T if transpose else sub
+    major, minor = np.nonzero(sub)
+    return _PairWork(np.bincount(major, minlength=sub.shape[0]), minor.astype(np.int32), sub[major, minor])
+
+
+# ----------------------------------------------------------------------------------------
+# partial blocks: deduplicate by content key, verify, store
+
+
+def _materialise(mask: Mask, qb: _Blocks, kb: _Blocks, q_block: int, kv_block: int, bq: int, bkv: int):
+    rows = qb.positions[q_block * bq : (q_block + 1) * bq].astype(np.int64)
+    cols = kb.positions[kv_block * bkv : (kv_block + 1) * bkv].astype(np.int64)
+    return np.broadcast_to(mask.evaluate(np, rows[:, None], cols[None, :]), (bq, bkv))
+
+
+def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
+    """Content ids for the PARTIAL candidates at global blocks (q_idx, kv_idx).
+
+    Returns (new kind per candidate, id per candidate (-1 unless stored partial), unique
+    blocks). Candidates with equal content keys share one materialised block; when the
+    classification is not exact, that block also decides whether they are really partial.
+    Without ``store`` (mask_function mode) and with an exact classification nothing is
+    materialised.
+    """
+    n = q_idx.size
+    partial_kinds = np.full(n, PARTIAL, np.int8)
+    no_ids = np.full(n, -1, np.int64)
+    if n == 0 or (exact and not store):
+        return partial_kinds, no_ids, []
+    key_cols = None
+    if qb.stride is not None and qb.stride == kb.stride:
+        key_cols = mask.block_key(qb.start[q_idx], kb.start[kv_idx], qb.stride)
+    if key_cols:
+        keys = np.stack([np.asarray(c, dtype=np.int64) for c in key_cols], axis=1)
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+    elif key_cols == []:  # content never varies
+        first, inverse = np.zeros(1, np.int64), np.zeros(n, np.int64)
+    else:  # no analytic key: hash each candidate's content
+        digests, first, inverse = {}, [], np.empty(n, np.int64)
+        for i in range(n):
+            blk = _materialise(mask, qb, kb, q_idx[i], kv_idx[i], bq, bkv)
+            d = hashlib.blake2b(np.packbits(blk).tobytes(), digest_size=16).digest()
+            inverse[i] = digests.setdefault(d, len(digests))
+            if inverse[i] == len(first):
+                first.append(i)
+        first = np.asarray(first, np.int64)
+    blocks, unique_kind = [], np.empty(first.size, np.int8)
+    for u, i in enumerate(first):
+        blk = _materialise(mask, qb, kb, q_idx[i], kv_idx[i], bq, bkv)
+        unique_kind[u] = FULL if blk.all() else (EMPTY if not blk.any() else PARTIAL)
+        blocks.append(blk)
+    still_partial = np.flatnonzero(unique_kind == PARTIAL)
+    renumber = np.full(first.size, -1, np.int64)
+    renumber[still_partial] = np.arange(still_partial.size)
+    return unique_kind[inverse], renumber[inverse], [blocks[u] for u in still_partial]
+
+
+# ----------------------------------------------------------------------------------------
+# assembling work lists
+
+
+class _PairList(NamedTuple):
+    """A finished work list in walk order, local block indices."""
+
+    q_block: np.ndarray
+    kv_block: np.ndarray
+    kind: np.ndarray
+    partial: np.ndarray  # id into the list's stored blocks, -1 otherwise
+
+
+def _finish(work: _PairWork, partial_ids: np.ndarray, transpose: bool) -> _PairList:
+    """Expand the run-length form; a major block without work gets one kind-0 visit."""
+    counts, minor, kinds = work
+    if np.any(counts == 0):
+        out_counts = np.maximum(counts, 1)
+        pos = np.arange(minor.size) + np.repeat(np.cumsum(out_counts - counts) - (out_counts - counts), counts)
+        n = int(out_counts.sum())
+        visits = np.ones(n, bool)
+        visits[pos] = False
+        new_minor, new_kinds, new_partial = np.zeros(n, np.int32), np.zeros(n, np.int8), np.full(n, -1, np.int64)
+        new_minor[pos], new_kinds[pos], new_partial[pos] = minor, kinds, partial_ids
+        # a visit keeps the previous entry's minor block, so no new block is fetched
+        last_real = np.maximum.accumulate(np.where(visits, 0, np.arange(n)))
+        new_minor[visits] = new_minor[last_real[visits]]
+        counts, minor, kinds, partial_ids = out_counts, new_minor, new_kinds, new_partial
+    major = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
+    q_block, kv_block = (minor, major) if transpose else (major, minor)
+    return _PairList(q_block, kv_block, kinds, partial_ids)
+
+
+def _build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, partial_mode):
+    """Work lists of every shard pair for one 2-D mask: ({(a, b): _PairList}, blocks | None)."""
+    nq_s, nk_s = qb.lo.size // q_shards, kb.lo.size // kv_shards
+    dense_kinds = _dense_kinds(mask, qb, kb, bq, bkv) if isinstance(mask, NumpyMask) else None
+    works = {}
+    for a in range(q_shards):
+        for b in range(kv_shards):
+            q_sel, kv_sel = slice(a * nq_s, (a + 1) * nq_s), slice(b * nk_s, (b + 1) * nk_s)
+            if dense_kinds is not None:
+                works[a, b] = _dense_pair_entries(dense_kinds, q_sel, kv_sel, transpose)
+            else:
+                works[a, b] = _pair_entries(mask, qb, kb, q_sel, kv_sel, transpose)
+
+    # Gather every PARTIAL candidate (global block indices) to deduplicate across pairs.
+    parts, q_glob, kv_glob = {}, [], []
+    for (a, b), w in works.items():
+        p = np.flatnonzero(w.kinds == PARTIAL)
+        major = np.searchsorted(np.cumsum(w.counts), p, side="right")
+        q_loc, kv_loc = (w.minor[p], major) if transpose else (major, w.minor[p])
+        parts[a, b] = p
+        q_glob.append(q_loc + a * nq_s)
+        kv_glob.append(kv_loc + b * nk_s)
+    q_glob, kv_glob = np.concatenate(q_glob), np.concatenate(kv_glob)
+
+    consecutive = qb.stride == 1 and kb.stride == 1
+    exact = mask.classification_exact == "any" or (mask.classification_exact == "consecutive" and consecutive)
+    store = partial_mode == "stored" or not mask.has_mask_function
+    new_kinds, ids, blocks = _resolve_partials(
+        mask, qb, kb, q_glob, kv_glob, bq, bkv, exact=exact, store=store or partial_mode == "auto"
+    )
+    if not store and (partial_mode == "function" or len(blocks) > MAX_STORED_PARTIAL_BLOCKS):
+        blocks, ids = None, np.full(ids.shape, -1, np.int64)  # evaluate mask_function in kernel
+
+    lists, start = {}, 0
+    for (a, b), w in works.items():
+        p = parts[a, b]
+        sl = slice(start, start + p.size)
+        start += p.size
+        kinds, partial_ids = w.kinds, np.full(w.kinds.shape, -1, np.int64)
+        if p.size:
+            kinds = kinds.copy()
+            kinds[p], partial_ids[p] = new_kinds[sl], ids[sl]
+            if np.any(new_kinds[sl] == EMPTY):  # inexact classification: drop what is empty
+                keep = kinds != EMPTY
+                major_of = np.repeat(np.arange(w.counts.size), w.counts)
+                w = _PairWork(np.bincount(major_of[keep], minlength=w.counts.size), w.minor[keep], kinds[keep])
+                kinds, partial_ids = w.kinds, partial_ids[keep]
+        lists[a, b] = _finish(_PairWork(w.counts, w.minor, kinds), partial_ids, transpose)
+    return lists, blocks
+
+
+def _assemble(builds, q_shards, kv_shards):
+    """Stack every list's pair work lists into padded [lists, q_shards, kv_shards, max_steps]."""
+    max_steps = max(pl.kind.size for lists, _ in builds for pl in lists.values())
+    offsets = np.cumsum([0] + [len(blocks or []) for _, blocks in builds])
+    n_part = int(offsets[-1])
+    hi_block = max(max(int(pl.q_block[-1]), int(pl.kv_block.max())) for lists, _ in builds for pl in lists.values())
+    idx_dtype = smallest_int_dtype(0, hi_block)
+    shape = (len(builds), q_shards, kv_shards, max_steps)
+    q_block, kv_block = np.empty(shape, idx_dtype), np.empty(shape, idx_dtype)
+    kind = np.zeros(shape, np.int8)
+    partial = np.full(shape, -1, smallest_int_dtype(-1, max(n_part - 1, 0)))
+    num_active = np.zeros(shape[:3], smallest_int_dtype(0, max_steps))
+    for li, (lists, _) in enumerate(builds):
+        for (a, b), pl in lists.items():
+            n = pl.kind.size
+            q_block[li, a, b, :n], kv_block[li, a, b, :n], kind[li, a, b, :n] = pl.q_block, pl.kv_block, pl.kind
+            stored = pl.partial >= 0
+            if stored.any():
+                partial[li, a, b, :n][stored] = pl.partial[stored] + offsets[li]
+            # padding repeats the last entry's blocks with kind 0 (no compute, no new fetch)
+            q_block[li, a, b, n:], kv_block[li, a, b, n:] = pl.q_block[-1], pl.kv_block[-1]
+            num_active[li, a, b] = n - int(np.count_nonzero(pl.kind == EMPTY))
+    return q_block, kv_block, kind, partial, num_active
+
+
+def _build(mask: AnyMask, block_shape, q_shards, kv_shards, q_pos, kv_pos, transpose, partial_mode) -> MaskInfo:
+    heads = masks_lib.head_masks(mask)
+    q_len, kv_len = heads[0].shape
+    bq, bkv = block_shape
+    qb = _summarise(q_pos, bq, identity=bool(np.array_equal(q_pos, np.arange(q_len))))
+    kb = _summarise(kv_pos, bkv, identity=bool(np.array_equal(kv_pos, np.arange(kv_len))))
+    unique, head_to_list = {}, []
+    for m in heads:  # heads with equal masks share one list
+        head_to_list.append(unique.setdefault(m, len(unique)))
+    builds = [_build_list(m, qb, kb, bq, bkv, q_shards, kv_shards, transpose, partial_mode) for m in unique]
+    q_block, kv_block, kind, partial, num_active = _assemble(builds, q_shards, kv_shards)
+    blocks = [blk for _, stored in builds for blk in (stored or [])]
+    pmb = np.stack(blocks).astype(bool) if blocks else np.zeros((0, bq, bkv), bool)
+    return MaskInfo(
+        block_shape=(bq, bkv), q_len=q_len, kv_len=kv_len, q_shards=q_shards, kv_shards=kv_shards,
+        transpose=transpose, head_to_list=np.asarray(head_to_list, smallest_int_dtype(0, len(unique))),
+        q_block=q_block, kv_block=kv_block, kind=kind, partial_index=partial, num_active=num_active,
+        partial_mask_blocks=pmb, masks=tuple(unique), q_positions=q_pos, kv_positions=kv_pos,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# public entry point with an LRU cache
+
+
+_CACHE: "collections.OrderedDict[tuple, MaskInfo]" = collections.OrderedDict()
+_CACHE_SIZE = 32
+_CACHE_LOCK = threading.Lock()
+
+
+def _digest(pos: np.ndarray | None):
+    if pos is None:
+        return None
+    return hashlib.blake2b(np.ascontiguousarray(pos).tobytes(), digest_size=16).digest()
+
+
+def build_mask_info(
+    mask: AnyMask,
+    block_shape: tuple[int, int],
+    *,
+    q_shards: int = 1,
+    kv_shards: int = 1,
+    q_positions=None,
+    kv_positions=None,
+    transpose: bool = False,
+    partial_mode: str = "auto",
+) -> MaskInfo:
+    """Block-sparse metadata for ``mask`` (LRU-cached on its arguments).
+
+    ``q_positions[i]`` is the original position of row ``i`` (a token layout), likewise
+    ``kv_positions``; the mask is evaluated on original positions. ``partial_mode``:
+    ``"stored"`` keeps deduplicated partial blocks, ``"function"`` flags partial blocks for
+    in-kernel ``mask_function`` evaluation, ``"auto"`` stores up to
+    ``MAX_STORED_PARTIAL_BLOCKS`` distinct blocks per mask (NumpyMask always stores).
+    """
+    heads = masks_lib.head_masks(mask)
+    q_len, kv_len = heads[0].shape
+    if (
+        not isinstance(block_shape, tuple | list)
+        or len(block_shape) != 2
+        or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_shape)
+    ):
+        raise ValueError(f"block_shape must be a pair of positive ints, got {block_shape!r}")
+    bq, bkv = int(block_shape[0]), int(block_shape[1])
+    if partial_mode not in PARTIAL_MODES:
+        raise ValueError(f"partial_mode must be one of {PARTIAL_MODES}, got {partial_mode!r}")
+    _check_blocking(q_len, bq, q_shards, "q")
+    _check_blocking(kv_len, bkv, kv_shards, "kv")
+    q_pos = _check_positions(q_positions, q_len, "q_positions")
+    kv_pos = _check_positions(kv_positions, kv_len, "kv_positions")
+    key = (mask, bq, bkv, int(q_shards), int(kv_shards), _digest(q_positions), _digest(kv_positions),
+           bool(transpose), partial_mode)
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    info = _build(mask, (bq, bkv), int(q_shards), int(kv_shards), q_pos, kv_pos, bool(transpose), partial_mode)
+    for a in (info.q_block, info.kv_block, info.kind, info.partial_index, info.num_active,
+              info.partial_mask_blocks, info.head_to_list):
+        a.flags.writeable = False
+    with _CACHE_LOCK:
+        _CACHE[key] = info
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return info
+
+
+def _cache_clear() -> None:
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+build_mask_info.cache_clear = _cache_clear

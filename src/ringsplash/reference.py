@@ -1,0 +1,64 @@
+"""Dense float32 attention oracle with the full feature set (tests and small runs only)."""
+
+import jax
+import jax.numpy as jnp
+
+from ringsplash import masks as masks_lib
+from ringsplash._checks import check_attention_inputs, default_scale
+from ringsplash._types import Array, Float
+from ringsplash.segment_ids import SegmentIds
+
+#: lse of a row with nothing to attend (and no sink): finite, so merges and gradients stay NaN-free.
+MASKED_LSE = -1e30
+
+
+def reference_attention(
+    q: Float[Array, "heads q_len d"],
+    k: Float[Array, "kv_heads kv_len d"],
+    v: Float[Array, "kv_heads kv_len d"],
+    mask: masks_lib.AnyMask | None = None,
+    *,
+    segment_ids: SegmentIds | None = None,
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: Float[Array, "heads"] | None = None,
+    return_residuals: bool = False,
+):
+    """softmax(scale * q k^T [soft-capped], masked [, sinks]) v, computed densely in float32.
+
+    Returns ``out`` (q.dtype) or ``(out, lse)`` with ``lse`` float32 ``[heads, q_len]``.
+    """
+    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks)
+    scale = default_scale(scale, d)
+    group = heads // kv_heads
+    qf = q.astype(jnp.float32).reshape(kv_heads, group, q_len, d)
+    s = jnp.einsum("hgqd,hkd->hgqk", qf, k.astype(jnp.float32)) * scale
+    if logit_soft_cap is not None:
+        s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+    s = s.reshape(heads, q_len, kv_len)
+
+    allowed = jnp.ones((1, q_len, kv_len), bool)
+    if mask is not None:
+        allowed = jnp.asarray(masks_lib.dense(mask))
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids.q[:, None] == segment_ids.kv[None, :])[None]
+    allowed = jnp.broadcast_to(allowed, s.shape)
+
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32)[:, None])
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(allowed, jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    if sinks is not None:
+        l = l + jnp.exp(sinks.astype(jnp.float32)[:, None] - m)
+    safe_l = jnp.where(l > 0, l, 1.0)
+    pv = jnp.einsum("hgqk,hkd->hgqd", p.reshape(kv_heads, group, q_len, kv_len), v.astype(jnp.float32))
+    out = pv.reshape(heads, q_len, d) / safe_l[..., None]
+    out = out.astype(q.dtype)
+    if not return_residuals:
+        return out
+    lse = jnp.where(l > 0, m + jnp.log(safe_l), MASKED_LSE)
+    return out, lse
+

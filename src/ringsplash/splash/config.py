@@ -1,0 +1,83 @@
+"""``SplashConfig``: block sizes and backend choice for the Splash kernels.
+
+Backends:
+
+* ``"mosaic_tpu"`` — the Pallas TPU kernels compiled by Mosaic (TPU lowering only);
+* ``"interpret"`` — the same kernels run by the Pallas TPU interpreter (any platform; slow,
+  for numerics);
+* ``"xla"`` — the same block-sparse algorithm in plain jnp (``splash/xla.py``);
+* ``"auto"`` — ``"mosaic_tpu"`` when the computation is *lowered* for TPU, ``"xla"``
+  otherwise. The choice is made at lowering time (``jax.lax.platform_dependent``), so
+  compiling for a TPU topology from a CPU host picks the TPU kernels.
+"""
+
+import dataclasses
+import numbers
+from typing import Any
+
+BACKENDS = ("auto", "mosaic_tpu", "interpret", "xla")
+NUM_LANES = 128
+NUM_SUBLANES = 8
+
+
+def _check_block(name: str, value: Any, multiple: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0 or value % multiple:
+        raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplashConfig:
+    """Block sizes (tokens) of the Splash kernels and the backend that runs them.
+
+    ``block_q`` x ``block_kv`` is the forward / dq tile (one MaskInfo block); the forward
+    walks each kv block in ``block_kv_compute`` slices to bound the size of the score tile.
+    ``block_q_dkv`` x ``block_kv_dkv`` is the dK/dV tile (the transposed MaskInfo).
+    ``interpret_params`` (a ``pltpu.InterpretParams``) tunes the ``"interpret"`` backend;
+    ``None`` uses ``InterpretParams()``. ``count_steps`` (tests only) makes the kernels also
+    return the number of grid steps that computed, per head.
+    """
+
+    block_q: int = 512
+    block_kv: int = 512
+    block_kv_compute: int | None = None  # None = block_kv
+    block_q_dkv: int = 512
+    block_kv_dkv: int = 512
+    backend: str = "auto"
+    interpret_params: Any = None
+    vmem_limit_bytes: int | None = None
+
+    def __post_init__(self):
+        _check_block("block_q", self.block_q, NUM_LANES)
+        _check_block("block_kv", self.block_kv, NUM_LANES)
+        _check_block("block_q_dkv", self.block_q_dkv, NUM_LANES)
+        _check_block("block_kv_dkv", self.block_kv_dkv, NUM_LANES)
+        if self.block_kv_compute is None:
+            object.__setattr__(self, "block_kv_compute", self.block_kv)
+        _check_block("block_kv_compute", self.block_kv_compute, NUM_LANES)
+        if self.block_kv % self.block_kv_compute:
+            raise ValueError(
+                f"block_kv_compute={self.block_kv_compute} must divide block_kv={self.block_kv}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
+        if self.vmem_limit_bytes is not None:
+            _check_block("vmem_limit_bytes", self.vmem_limit_bytes, 1)
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (self.block_q, self.block_kv)
+
+    @property
+    def block_shape_dkv(self) -> tuple[int, int]:
+        return (self.block_q_dkv, self.block_kv_dkv)
+
+    def check_lengths(self, q_len: int, kv_len: int) -> None:
+        """Raise if a block size does not divide the (per-shard) lengths."""
+        for name, block, length, lname in (
+            ("block_q", self.block_q, q_len, "q_len"),
+            ("block_q_dkv", self.block_q_dkv, q_len, "q_len"),
+            ("block_kv", self.block_kv, kv_len, "kv_len"),
+            ("block_kv_dkv", self.block_kv_dkv, kv_len, "kv_len"),
+        ):
+            if length % block:
+                raise ValueError(f"{name}={block} must divide {lname}={length}")

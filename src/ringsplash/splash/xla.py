@@ -1,0 +1,403 @@
+"""Plain-jnp block-sparse attention (``SplashConfig(backend="xla")``), forward and backward.
+
+The same MaskInfo-driven algorithm as the Pallas kernels, written as one ``lax.scan`` per
+head list over that list's work list (one shard pair's ``BlockSchedule``): a step visits one
+(q block, kv block) pair for *all* heads of the list at once, so each step is a few batched
+matmuls of ``[heads, bq, bkv]`` and the scan's per-step overhead is amortised. Steps of kind 0
+(padding, or a block row with nothing to attend) skip the arithmetic with ``lax.cond``; only
+the bookkeeping runs. Memory is O(S · d) for the outputs and accumulators plus O(heads · bq ·
+bkv) per step, never O(S²).
+
+It is the fast path on CPU (the Pallas interpreter is for proving numerics, not for speed) and
+a portable fallback elsewhere.
+
+Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics):
+
+* **Compute dtype.** Inputs are cast to float32 once; all arithmetic is float32 (CPU has no
+  fast bf16 matmul, and the oracle is float32). ``out`` is cast back to ``q.dtype``.
+* **GQA / MQA.** The q heads of a list are viewed as ``[kv_heads, group, q_len, d]`` against
+  ``k, v: [kv_heads, kv_len, d]``; K/V are never repeated. A list holding an arbitrary subset of
+  heads (``MultiHeadMask``) gathers its kv heads per step, a block at a time.
+* **Forward.** Online softmax with float32 ``m, l, acc`` for the current q block carried by the
+  scan; the first visit of a q block (its index differs from the previous entry's) resets them,
+  and every step writes the normalised block into the output, so the last visit's write stands.
+* **Backward.** One fused pass over the *forward* work list (sorted by q block): each step
+  recomputes ``P = exp(s - lse)`` once and accumulates dq, dK and dV by dynamic-update-slice
+  adds into float32 buffers. ``info_dkv`` / ``schedule_dkv`` (the transposed view) are
+  accepted for interface parity with the kernels and ignored: scatter-adding dK/dV from the
+  forward order does 5 block matmuls per pair instead of the 7 of separate dq and dK/dV passes.
+* **Masks.** Full blocks skip nothing at trace level (a ``where`` costs ~1/(4·heads·d) of the
+  matmuls); partial blocks take the deduplicated ``partial_mask_blocks`` row or, for
+  ``partial_index == -1``, the list mask's ``mask_function`` on the original positions.
+  Segment ids are applied to every visited block.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ringsplash._types import Array, Float, Int
+
+try:  # the dense oracle owns the sentinel
+    from ringsplash.reference import MASKED_LSE
+except ImportError:  # pragma: no cover - only while reference.py is being written
+    MASKED_LSE = -1e30
+
+__all__ = ["forward", "backward"]
+
+# Initial running max / masked-score value: finite, so no inf - inf appears anywhere.
+_NEG_INIT = -1e30
+_F32 = jnp.float32
+
+
+# --------------------------------------------------------------------------- static planning
+
+
+class _ListPlan:
+    """Static (host-side) description of how one head list is computed."""
+
+    def __init__(self, list_index: int, heads: np.ndarray, num_heads: int, num_kv_heads: int, mask):
+        group = num_heads // num_kv_heads
+        self.index = list_index
+        self.heads = heads
+        self.mask = mask
+        kv_of_head = heads // group
+        kvs = np.unique(kv_of_head)
+        complete = np.concatenate([kv * group + np.arange(group) for kv in kvs])
+        if np.array_equal(np.sort(heads), complete):
+            # Whole GQA groups: view as [len(kvs), group, ...], head order kv-major.
+            self.heads = complete
+            self.kv_heads = kvs
+            self.group = group
+        else:
+            # Arbitrary subset: one "group" of 1 per head; kv heads gathered per step.
+            self.kv_heads = kv_of_head
+            self.group = 1
+        self.all_heads = np.array_equal(self.heads, np.arange(num_heads))
+        self.kv_identity = np.array_equal(self.kv_heads, np.arange(num_kv_heads))
+
+
+def _list_plans(info, num_heads: int, num_kv_heads: int) -> list[_ListPlan]:
+    head_to_list = np.asarray(info.head_to_list)
+    if head_to_list.size == 1:
+        head_to_list = np.zeros(num_heads, dtype=np.int64)
+    elif head_to_list.size != num_heads:
+        raise ValueError(
+            f"MaskInfo has {head_to_list.size} mask heads, expected 1 or heads={num_heads}"
+        )
+    plans = []
+    for li in range(len(info.masks)):
+        heads = np.nonzero(head_to_list == li)[0]
+        if heads.size:
+            plans.append(_ListPlan(li, heads, num_heads, num_kv_heads, info.masks[li]))
+    return plans
+
+
+def _check_shapes(q, k, v, info):
+    heads, q_len, d = q.shape
+    kv_heads, kv_len, dk = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must have equal shapes, got k.shape={k.shape}, v.shape={v.shape}")
+    if dk != d:
+        raise ValueError(f"head_dim mismatch: q.shape={q.shape}, k.shape={k.shape}")
+    if heads % kv_heads:
+        raise ValueError(f"{kv_heads=} must divide {heads=}")
+    bq, bkv = info.block_shape
+    if q_len % bq or kv_len % bkv:
+        raise ValueError(f"block_shape={(bq, bkv)} must divide local (q_len, kv_len)={(q_len, kv_len)}")
+
+
+# --------------------------------------------------------------------------- per-step pieces
+
+
+def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
+    """Returns ``mask(kind, pidx, q_start, kv_start) -> bool [bq, bkv]`` for one list."""
+    bq, bkv = info.block_shape
+    pmb = np.asarray(info.partial_mask_blocks)
+    has_blocks = pmb.size > 0
+    has_fn = getattr(plan.mask, "has_mask_function", True)
+    pmb_j = jnp.asarray(pmb, dtype=bool) if has_blocks else None
+
+    def block_mask(kind, pidx, q_start, kv_start):
+        qp = lax.dynamic_slice_in_dim(q_pos, q_start, bq)
+        kp = lax.dynamic_slice_in_dim(kv_pos, kv_start, bkv)
+        if has_blocks and has_fn:
+            partial = jnp.where(
+                pidx >= 0,
+                pmb_j[jnp.maximum(pidx, 0)],
+                plan.mask.mask_function(qp[:, None], kp[None, :]),
+            )
+        elif has_blocks:
+            partial = pmb_j[jnp.maximum(pidx, 0)]
+        elif has_fn:
+            partial = plan.mask.mask_function(qp[:, None], kp[None, :])
+        else:  # no partial blocks exist at all: every visited block is full
+            partial = jnp.ones((bq, bkv), dtype=bool)
+        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind == 2)
+        if q_seg is not None:
+            qs = lax.dynamic_slice_in_dim(q_seg, q_start, bq)
+            ks = lax.dynamic_slice_in_dim(kv_seg, kv_start, bkv)
+            mask = mask & (qs[:, None] == ks[None, :])
+        return mask
+
+    return block_mask
+
+
+def _kv_block(x, plan: _ListPlan, kv_start, bkv):
+    blk = lax.dynamic_slice_in_dim(x, kv_start, bkv, axis=1)  # [kv_heads, bkv, d]
+    return blk if plan.kv_identity else blk[plan.kv_heads]
+
+
+def _scores(qb, kb, scale, logit_soft_cap):
+    """Scaled (and soft-capped) scores ``[kvh, group, bq, bkv]``; also the tanh for the VJP."""
+    s = jnp.einsum("kgqd,kcd->kgqc", qb, kb, preferred_element_type=_F32) * scale
+    if logit_soft_cap is None:
+        return s, None
+    t = jnp.tanh(s / logit_soft_cap)
+    return logit_soft_cap * t, t
+
+
+def _list_view(x, plan: _ListPlan):
+    """``[heads, n, d] -> [kvh, group, n, d]`` (or ``[heads, n] -> [kvh, group, n]``)."""
+    if not plan.all_heads:
+        x = x[plan.heads]
+    return x.reshape(len(plan.kv_heads), plan.group, *x.shape[1:])
+
+
+def _scatter_heads(full, part, plan: _ListPlan):
+    part = part.reshape(-1, *part.shape[2:])
+    if plan.all_heads:
+        return part
+    return full.at[plan.heads].set(part)
+
+
+def _schedule_xs(schedule, li):
+    return (
+        jnp.asarray(schedule.q_block)[li].astype(jnp.int32),
+        jnp.asarray(schedule.kv_block)[li].astype(jnp.int32),
+        jnp.asarray(schedule.kind)[li].astype(jnp.int32),
+        jnp.asarray(schedule.partial_index)[li].astype(jnp.int32),
+    )
+
+
+def _resolve_scale(scale, d):
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def forward(
+    q: Float[Array, "heads q_len d"],
+    k: Float[Array, "kv_heads kv_len d"],
+    v: Float[Array, "kv_heads kv_len d"],
+    info,
+    schedule,
+    q_pos: Int[Array, " q_len"],
+    kv_pos: Int[Array, " kv_len"],
+    q_seg: Int[Array, " q_len"] | None,
+    kv_seg: Int[Array, " kv_len"] | None,
+    *,
+    scale: float | None,
+    logit_soft_cap: float | None,
+    config=None,
+) -> tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]:
+    """Sink-free block-sparse attention of one shard pair: ``(out in q.dtype, lse float32)``.
+
+    ``info`` supplies the static parts (``block_shape``, ``head_to_list``, ``masks``,
+    ``partial_mask_blocks``); ``schedule`` the (possibly traced) ``[lists, max_steps]`` work
+    lists. Rows with nothing to attend get ``out = 0`` and ``lse = MASKED_LSE``.
+    """
+    del config  # block sizes come from info; nothing else is tunable here
+    _check_shapes(q, k, v, info)
+    heads, q_len, d = q.shape
+    kv_heads = k.shape[0]
+    bq, bkv = info.block_shape
+    scale = _resolve_scale(scale, d)
+    qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
+    q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
+
+    out = jnp.zeros((heads, q_len, d), _F32)
+    lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
+    for plan in _list_plans(info, heads, kv_heads):
+        o_l, lse_l = _forward_list(
+            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap
+        )
+        out = _scatter_heads(out, o_l, plan)
+        lse = _scatter_heads(lse, lse_l, plan)
+    return out.astype(q.dtype), lse
+
+
+def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap):
+    bq, bkv = info.block_shape
+    ql = _list_view(q, plan)  # [kvh, g, q_len, d]
+    kvh, g, q_len, d = ql.shape
+    block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
+
+    def compute(args):
+        m, l, acc, qi, ki, kind, pidx = args
+        qb = lax.dynamic_slice_in_dim(ql, qi * bq, bq, axis=2)
+        kb = _kv_block(k, plan, ki * bkv, bkv)
+        vb = _kv_block(v, plan, ki * bkv, bkv)
+        s, _ = _scores(qb, kb, scale, cap)
+        mask = block_mask(kind, pidx, qi * bq, ki * bkv)
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))  # finite: m starts at _NEG_INIT
+        p = jnp.exp(s - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        l_new = alpha * l + p.sum(-1)
+        pv = jnp.einsum("kgqc,kcd->kgqd", p, vb, preferred_element_type=_F32)
+        return m_new, l_new, alpha[..., None] * acc + pv
+
+    def skip(args):
+        return args[:3]
+
+    def step(carry, xs):
+        out, lse, m, l, acc, prev_qi = carry
+        qi, ki, kind, pidx = xs
+        fresh = qi != prev_qi
+        m = jnp.where(fresh, _NEG_INIT, m)
+        l = jnp.where(fresh, 0.0, l)
+        acc = jnp.where(fresh, 0.0, acc)
+        m, l, acc = lax.cond(kind > 0, compute, skip, (m, l, acc, qi, ki, kind, pidx))
+        has = l > 0
+        safe_l = jnp.where(has, l, 1.0)
+        o_blk = acc / safe_l[..., None]
+        lse_blk = jnp.where(has, m + jnp.log(safe_l), MASKED_LSE)
+        out = lax.dynamic_update_slice_in_dim(out, o_blk, qi * bq, axis=2)
+        lse = lax.dynamic_update_slice_in_dim(lse, lse_blk, qi * bq, axis=2)
+        return (out, lse, m, l, acc, qi), None
+
+    init = (
+        jnp.zeros((kvh, g, q_len, d), _F32),
+        jnp.full((kvh, g, q_len), MASKED_LSE, _F32),
+        jnp.full((kvh, g, bq), _NEG_INIT, _F32),
+        jnp.zeros((kvh, g, bq), _F32),
+        jnp.zeros((kvh, g, bq, d), _F32),
+        jnp.int32(-1),
+    )
+    (out, lse, *_), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    return out, lse
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def backward(
+    q: Float[Array, "heads q_len d"],
+    k: Float[Array, "kv_heads kv_len d"],
+    v: Float[Array, "kv_heads kv_len d"],
+    d_out: Float[Array, "heads q_len d"],
+    lse: Float[Array, "heads q_len"],
+    delta: Float[Array, "heads q_len"],
+    info,
+    schedule,
+    info_dkv,
+    schedule_dkv,
+    q_pos: Int[Array, " q_len"],
+    kv_pos: Int[Array, " kv_len"],
+    q_seg: Int[Array, " q_len"] | None,
+    kv_seg: Int[Array, " kv_len"] | None,
+    *,
+    scale: float | None,
+    logit_soft_cap: float | None,
+    config=None,
+) -> tuple[
+    Float[Array, "heads q_len d"],
+    Float[Array, "kv_heads kv_len d"],
+    Float[Array, "kv_heads kv_len d"],
+]:
+    """``(dq, dk, dv)`` in float32 for one shard pair, given the final ``lse`` and
+    ``delta = rowsum(d_out * out)``: ``P = exp(s - lse)``, ``dS = P * (dP - delta)``.
+
+    Walks the forward ``schedule`` once and scatter-adds dK/dV, so ``info_dkv`` and
+    ``schedule_dkv`` are unused (they may be None).
+    """
+    del info_dkv, schedule_dkv, config
+    _check_shapes(q, k, v, info)
+    heads, q_len, d = q.shape
+    kv_heads, kv_len, _ = k.shape
+    scale = _resolve_scale(scale, d)
+    qf, kf, vf, dof = (x.astype(_F32) for x in (q, k, v, d_out))
+    lse, delta = lse.astype(_F32), delta.astype(_F32)
+    q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
+
+    dq = jnp.zeros((heads, q_len, d), _F32)
+    dk = jnp.zeros((kv_heads, kv_len, d), _F32)
+    dv = jnp.zeros((kv_heads, kv_len, d), _F32)
+    for plan in _list_plans(info, heads, kv_heads):
+        dq_l, dk_l, dv_l = _backward_list(
+            qf, kf, vf, dof, lse, delta, plan, info, schedule,
+            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap,
+        )
+        dq = _scatter_heads(dq, dq_l, plan)
+        if plan.kv_identity:
+            dk, dv = dk + dk_l, dv + dv_l
+        else:
+            dk = dk.at[plan.kv_heads].add(dk_l)
+            dv = dv.at[plan.kv_heads].add(dv_l)
+    return dq, dk, dv
+
+
+def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
+                   q_pos, kv_pos, q_seg, kv_seg, scale, cap):
+    bq, bkv = info.block_shape
+    ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
+    lsel, deltal = _list_view(lse, plan), _list_view(delta, plan)  # [kvh, g, q_len]
+    kvh, g, q_len, d = ql.shape
+    kv_len = k.shape[1]
+    block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
+
+    def compute(args):
+        qi, ki, kind, pidx = args
+        qs, ks = qi * bq, ki * bkv
+        qb = lax.dynamic_slice_in_dim(ql, qs, bq, axis=2)
+        dob = lax.dynamic_slice_in_dim(dol, qs, bq, axis=2)
+        lse_b = lax.dynamic_slice_in_dim(lsel, qs, bq, axis=2)
+        delta_b = lax.dynamic_slice_in_dim(deltal, qs, bq, axis=2)
+        kb = _kv_block(k, plan, ks, bkv)
+        vb = _kv_block(v, plan, ks, bkv)
+        s, t = _scores(qb, kb, scale, cap)
+        mask = block_mask(kind, pidx, qs, ks)
+        # Masked entries (and rows with lse = MASKED_LSE, which are fully masked) give P = 0.
+        p = jnp.where(mask, jnp.exp(jnp.where(mask, s, -jnp.inf) - lse_b[..., None]), 0.0)
+        dp = jnp.einsum("kgqd,kcd->kgqc", dob, vb, preferred_element_type=_F32)
+        ds = p * (dp - delta_b[..., None])
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        ds = ds * scale
+        dq_b = jnp.einsum("kgqc,kcd->kgqd", ds, kb, preferred_element_type=_F32)
+        dk_b = jnp.einsum("kgqc,kgqd->kcd", ds, qb, preferred_element_type=_F32)
+        dv_b = jnp.einsum("kgqc,kgqd->kcd", p, dob, preferred_element_type=_F32)
+        return dq_b, dk_b, dv_b
+
+    def skip(args):
+        return (
+            jnp.zeros((kvh, g, bq, d), _F32),
+            jnp.zeros((kvh, bkv, d), _F32),
+            jnp.zeros((kvh, bkv, d), _F32),
+        )
+
+    def add_block(buf, blk, start, axis):
+        cur = lax.dynamic_slice_in_dim(buf, start, blk.shape[axis], axis=axis)
+        return lax.dynamic_update_slice_in_dim(buf, cur + blk, start, axis=axis)
+
+    def step(carry, xs):
+        dq, dk, dv = carry
+        qi, ki, kind, pidx = xs
+        dq_b, dk_b, dv_b = lax.cond(kind > 0, compute, skip, (qi, ki, kind, pidx))
+        dq = add_block(dq, dq_b, qi * bq, 2)
+        dk = add_block(dk, dk_b, ki * bkv, 1)
+        dv = add_block(dv, dv_b, ki * bkv, 1)
+        return (dq, dk, dv), None
+
+    init = (
+        jnp.zeros((kvh, g, q_len, d), _F32),
+        jnp.zeros((kvh, kv_len, d), _F32),
+        jnp.zeros((kvh, kv_len, d), _F32),
+    )
+    (dq, dk, dv), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    return dq, dk, dv
