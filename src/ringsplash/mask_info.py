@@ -87,11 +87,10 @@ class MaskInfo:
         """The work lists of one shard pair; ``q_shard``/``kv_shard`` may be traced."""
         import jax.numpy as jnp
 
-        def pick(a):
-            a = jnp.asarray(a.astype(np.int32))
+        def pick(a):  # slice in the compact dtype, widen only the selected pair
             if self.q_shards == 1 and self.kv_shards == 1:
-                return a[:, 0, 0]
-            return a[:, q_shard, kv_shard]
+                return jnp.asarray(a[:, 0, 0]).astype(jnp.int32)
+            return jnp.asarray(a)[:, q_shard, kv_shard].astype(jnp.int32)
 
         return BlockSchedule(
             pick(self.q_block),
@@ -151,8 +150,8 @@ def _check_blocking(length: int, block: int, shards: int, what: str) -> None:
         raise ValueError(f"{what}_shards={shards} must divide {what}_len={length}")
     if (length // shards) % block:
         raise ValueError(
-            f"block size {block} must divide the per-shard {what} length "
-            f"{what}_len // {what}_shards = {length // shards}"
+            f"block_shape[{0 if what == 'q' else 1}]={block} must divide the per-shard {what} length "
+            f"{what}_len // {what}_shards = {length} // {shards} = {length // shards}"
         )
 
 
@@ -298,7 +297,7 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
     else:  # no analytic key: hash each candidate's content
         digests, first, inverse = {}, [], np.empty(n, np.int64)
         for i in range(n):
-            blk = _materialise(mask, qb, kb, q_idx[i], kv_idx[i], bq, bkv)
+            blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
             d = hashlib.blake2b(np.packbits(blk).tobytes(), digest_size=16).digest()
             inverse[i] = digests.setdefault(d, len(digests))
             if inverse[i] == len(first):
@@ -306,7 +305,7 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
         first = np.asarray(first, np.int64)
     blocks, unique_kind = [], np.empty(first.size, np.int8)
     for u, i in enumerate(first):
-        blk = _materialise(mask, qb, kb, q_idx[i], kv_idx[i], bq, bkv)
+        blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
         unique_kind[u] = FULL if blk.all() else (EMPTY if not blk.any() else PARTIAL)
         blocks.append(blk)
     still_partial = np.flatnonzero(unique_kind == PARTIAL)
@@ -404,7 +403,8 @@ def _assemble(builds, q_shards, kv_shards):
     max_steps = max(pl.kind.size for lists, _ in builds for pl in lists.values())
     offsets = np.cumsum([0] + [len(blocks or []) for _, blocks in builds])
     n_part = int(offsets[-1])
-    hi_block = max(max(int(pl.q_block[-1]), int(pl.kv_block.max())) for lists, _ in builds for pl in lists.values())
+    # the largest local block index of either array (the minor one is not sorted: take its max)
+    hi_block = max(max(int(pl.q_block.max()), int(pl.kv_block.max())) for lists, _ in builds for pl in lists.values())
     idx_dtype = smallest_int_dtype(0, hi_block)
     shape = (len(builds), q_shards, kv_shards, max_steps)
     q_block, kv_block = np.empty(shape, idx_dtype), np.empty(shape, idx_dtype)

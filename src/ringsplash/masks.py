@@ -15,7 +15,7 @@ builds a dense array unless asked for a slice. Every mask offers
 """
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -108,7 +108,8 @@ class Mask:
         rows, cols = np.atleast_1d(q), np.atleast_1d(kv)
         out = self.evaluate(np, rows[:, None], cols[None, :])
         out = np.broadcast_to(np.asarray(out, dtype=bool), (rows.size, cols.size))
-        return out[(0 if q.ndim == 0 else slice(None)), (0 if kv.ndim == 0 else slice(None))].copy()
+        # np.array (not .copy()) so an int, int index gives a 0-d ndarray, not a numpy scalar
+        return np.array(out[(0 if q.ndim == 0 else slice(None)), (0 if kv.ndim == 0 else slice(None))])
 
     # --- block analytics ---------------------------------------------------------------------
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi) -> np.ndarray:

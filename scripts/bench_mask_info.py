@@ -1,0 +1,163 @@
+"""Benchmark: build_mask_info seconds and peak RSS for structured masks at 32K .. 4M tokens.
+
+Every (mask, S) row runs in a fresh subprocess (JAX and ringsplash imported), so its peak RSS
+is that row's process total. Build time is the median of ``--repeats`` builds, each after
+``build_mask_info.cache_clear()``. Targets (issue 3, on a 2-core CPU machine): every row at
+S = 1M in <= 0.3 s and <= 1 GiB peak RSS, at 4M <= 2 s, at 128K <= 20 ms. The "dense" row
+is the approach ringsplash avoids: evaluate the whole S x S causal mask and classify its
+blocks with numpy (32K only: it is O(S^2) in time and memory).
+
+    python scripts/bench_mask_info.py                 # full table (markdown)
+    python scripts/bench_mask_info.py --sizes 32K 1M  # a subset
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+BLOCK = (512, 512)
+MASKS = ("causal", "local", "chunked", "prefix", "causal_zigzag8")
+DESCRIPTIONS = {
+    "causal": "CausalMask",
+    "local": "LocalMask(window=(4096, 0))",
+    "chunked": "ChunkedCausalMask(8192)",
+    "prefix": "PrefixLMMask(S // 4)",
+    "causal_zigzag8": "CausalMask, 8x8 shards, zigzag",
+    "dense": "dense causal + numpy block classification",
+}
+SIZES = {"32K": 1 << 15, "128K": 1 << 17, "1M": 1 << 20, "4M": 1 << 22}
+# S -> (max seconds, max peak RSS MiB or None)
+TARGETS = {1 << 17: (0.020, None), 1 << 20: (0.300, 1024), 1 << 22: (2.0, None)}
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_row(name: str, seq_len: int, repeats: int) -> dict:
+    """One row, in this (fresh) process."""
+    import jax  # noqa: F401  (the RSS we report includes JAX, as in real use)
+    import numpy as np
+
+    import ringsplash as rs
+    from ringsplash import masks
+
+    shape = (seq_len, seq_len)
+    rss_before = _peak_rss_mib()
+    times, entries = [], None
+    if name == "dense":
+        bq, bk = BLOCK
+        mask = masks.CausalMask(shape)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            arr = mask[:, :]  # S x S bool
+            blocks = arr.reshape(seq_len // bq, bq, seq_len // bk, bk)
+            any_, all_ = blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3))
+            kinds = np.where(all_, 2, np.where(any_, 1, 0)).astype(np.int8)
+            times.append(time.perf_counter() - t0)
+            entries = int(np.count_nonzero(kinds))
+            del arr, blocks
+    else:
+        kw = {}
+        if name == "causal":
+            mask = masks.CausalMask(shape)
+        elif name == "local":
+            mask = masks.LocalMask(shape, window=(4096, 0))
+        elif name == "chunked":
+            mask = masks.ChunkedCausalMask(shape, 8192)
+        elif name == "prefix":
+            mask = masks.PrefixLMMask(shape, seq_len // 4)
+        elif name == "causal_zigzag8":
+            mask = masks.CausalMask(shape)
+            pos = rs.layouts.permutation("zigzag", seq_len, 8)
+            kw = dict(q_shards=8, kv_shards=8, q_positions=pos, kv_positions=pos)
+        else:
+            raise ValueError(f"unknown row {name=}")
+        for _ in range(repeats):
+            rs.build_mask_info.cache_clear()
+            t0 = time.perf_counter()
+            info = rs.build_mask_info(mask, BLOCK, **kw)
+            times.append(time.perf_counter() - t0)
+            entries = int(info.num_active.sum())
+            del info
+    return {
+        "name": name,
+        "seq_len": seq_len,
+        "seconds": statistics.median(times),
+        "all_seconds": times,
+        "peak_rss_mib": _peak_rss_mib(),
+        "rss_after_import_mib": rss_before,
+        "entries": entries,
+    }
+
+
+def run_row_subprocess(name: str, seq_len: int, repeats: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+    cmd = [sys.executable, __file__, "--row", name, str(seq_len), "--repeats", str(repeats)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"row {name} S={seq_len} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def verdict(row: dict) -> tuple[str, str]:
+    target = TARGETS.get(row["seq_len"])
+    if row["name"] == "dense" or target is None:
+        return "—", "—"
+    max_s, max_mib = target
+    text = f"≤ {max_s * 1e3:.0f} ms" if max_s < 1 else f"≤ {max_s:g} s"
+    ok = row["seconds"] <= max_s
+    if max_mib is not None:
+        text += f", ≤ {max_mib / 1024:g} GiB"
+        ok = ok and row["peak_rss_mib"] <= max_mib
+    return text, "pass" if ok else "**FAIL**"
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--row", nargs=2, metavar=("MASK", "SEQ_LEN"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
+    parser.add_argument("--no-dense", action="store_true", help="skip the dense 32K comparison row")
+    parser.add_argument("--json", help="also write the rows to this JSONL file")
+    args = parser.parse_args()
+
+    if args.row:
+        print(json.dumps(run_row(args.row[0], int(args.row[1]), args.repeats)))
+        return
+
+    rows = []
+    jobs = [(m, SIZES[s]) for m in args.masks for s in args.sizes]
+    if not args.no_dense:
+        jobs.append(("dense", SIZES["32K"]))
+    for i, (name, seq_len) in enumerate(jobs):
+        print(f"[{i + 1}/{len(jobs)}] {name} S={fmt_size(seq_len)}", file=sys.stderr, flush=True)
+        rows.append(run_row_subprocess(name, seq_len, args.repeats))
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+    print(f"build_mask_info, blocks {BLOCK}, median of {args.repeats} (cache cleared each time); "
+          f"peak RSS = whole process with JAX imported, one fresh process per row; {os.cpu_count()} CPUs\n")
+    print("| mask | S | build (s) | runs (s) | peak RSS (MiB) | RSS after import (MiB) | non-empty block pairs | target | result |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        target, result = verdict(r)
+        runs = " / ".join(f"{t:.3f}" for t in r["all_seconds"])
+        print(f"| {DESCRIPTIONS[r['name']]} | {fmt_size(r['seq_len'])} | {r['seconds']:.4f} | {runs} | "
+              f"{r['peak_rss_mib']:.0f} | {r['rss_after_import_mib']:.0f} | {r['entries']:,} | {target} | {result} |")
+
+
+if __name__ == "__main__":
+    main()
