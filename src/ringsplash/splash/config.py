@@ -33,8 +33,8 @@ class SplashConfig:
     walks each kv block in ``block_kv_compute`` slices to bound the size of the score tile.
     ``block_q_dkv`` x ``block_kv_dkv`` is the dK/dV tile (the transposed MaskInfo).
     ``interpret_params`` (a ``pltpu.InterpretParams``) tunes the ``"interpret"`` backend;
-    ``None`` uses ``InterpretParams()``. ``count_steps`` (tests only) makes the kernels also
-    return the number of grid steps that computed, per head.
+    ``None`` uses ``InterpretParams()``. Blocks longer than a sequence shrink to its length
+    in ``splash_attention``.
     """
 
     block_q: int = 512
@@ -70,14 +70,3 @@ class SplashConfig:
     @property
     def block_shape_dkv(self) -> tuple[int, int]:
         return (self.block_q_dkv, self.block_kv_dkv)
-
-    def check_lengths(self, q_len: int, kv_len: int) -> None:
-        """Raise if a block size does not divide the (per-shard) lengths."""
-        for name, block, length, lname in (
-            ("block_q", self.block_q, q_len, "q_len"),
-            ("block_q_dkv", self.block_q_dkv, q_len, "q_len"),
-            ("block_kv", self.block_kv, kv_len, "kv_len"),
-            ("block_kv_dkv", self.block_kv_dkv, kv_len, "kv_len"),
-        ):
-            if length % block:
-                raise ValueError(f"{name}={block} must divide {lname}={length}")

@@ -11,6 +11,7 @@ last ("first" / "last" = the neighbouring entry names another q block).
 import functools
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -39,6 +40,35 @@ def scores(q, k, *, scale, logit_soft_cap):
     return s
 
 
+def _eval_without_int_sign(closed, *args):
+    """Evaluate a closed jaxpr inline, replacing integer ``sign`` (emitted by ``//`` and
+    ``%``) with compares: Mosaic's ``sign`` lowering asks for the *default* device's TPU
+    generation, which fails when compiling for a TPU topology from a CPU host."""
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, args))
+    read = lambda var: var.val if isinstance(var, jex_core.Literal) else env[var]
+    for eqn in closed.jaxpr.eqns:
+        invals = [read(var) for var in eqn.invars]
+        sub = eqn.params.get("jaxpr")
+        if eqn.primitive is lax.sign_p and jnp.issubdtype(invals[0].dtype, jnp.integer):
+            x = invals[0]
+            outs = [(x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)]
+        elif isinstance(sub, jex_core.ClosedJaxpr) and eqn.primitive.name in ("pjit", "jit", "closed_call"):
+            outs = _eval_without_int_sign(sub, *invals)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(var) for var in closed.jaxpr.outvars]
+
+
+def mask_function_value(mask, q_pos, kv_pos):
+    """``mask.mask_function(q_pos, kv_pos)`` broadcast to a tile, Mosaic-safe."""
+    shape = jnp.broadcast_shapes(q_pos.shape, kv_pos.shape)
+    closed = jax.make_jaxpr(lambda a, b: jnp.broadcast_to(mask.mask_function(a, b), shape))(q_pos, kv_pos)
+    return _eval_without_int_sign(closed, q_pos, kv_pos)[0]
+
+
 def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, masks):
     """The bool mask of one tile, or None when every entry may attend.
 
@@ -55,7 +85,7 @@ def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, mask
             for index, m in enumerate(masks):
                 if m is None:
                     continue
-                value = m.mask_function(q_pos, kv_pos)
+                value = mask_function_value(m, q_pos, kv_pos)
                 fn_mask = value if fn_mask is None else jnp.where(lst == index, value, fn_mask)
         if stored is not None and fn_mask is not None:
             mask = jnp.where(partial >= 0, stored, fn_mask)
@@ -65,6 +95,17 @@ def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, mask
         same = q_seg == kv_seg
         mask = same if mask is None else mask & same
     return mask
+
+
+def _sds(like, shape, dtype):
+    """An output shape that varies over the same manual mesh axes as ``like`` (shard_map)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def _semantics(interpret):
+    # The TPU interpreter does not account for grid dimensions added by vmap in
+    # dimension_semantics (Mosaic does); it only uses them to shuffle parallel dimensions.
+    return None if interpret else ("parallel", "arbitrary")
 
 
 # ----------------------------------------------------------------------------------------
@@ -245,12 +286,12 @@ def splash_forward_kernel(
             operands.append(arr)
 
     out_shape = [
-        jax.ShapeDtypeStruct((heads, q_len, d), q.dtype),
-        jax.ShapeDtypeStruct((heads, 1, q_len), jnp.float32),
+        _sds(q, (heads, q_len, d), q.dtype),
+        _sds(q, (heads, 1, q_len), jnp.float32),
     ]
     out_specs = [pl.BlockSpec((None, bq, d), _q_map), pl.BlockSpec((None, 1, bq), _lse_map)]
     if count_steps:
-        out_shape.append(jax.ShapeDtypeStruct((heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
+        out_shape.append(_sds(q, (heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
         out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _count_map))
 
     body = functools.partial(
@@ -284,7 +325,7 @@ def splash_forward_kernel(
         grid_spec=grid_spec,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes
+            dimension_semantics=_semantics(interpret), vmem_limit_bytes=vmem_limit_bytes
         ),
         cost_estimate=pl.CostEstimate(
             flops=flops, transcendentals=heads * num_steps * bq * bkv,

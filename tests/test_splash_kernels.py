@@ -1,0 +1,389 @@
+"""Splash kernels in Pallas TPU interpret mode vs the dense reference, forward and gradients.
+
+Every case draws fresh unit-normal inputs, runs the kernels with
+``InterpretParams(uninitialized_memory="nan")`` (a read of unwritten memory shows as NaN) and
+compares ``out``, ``lse`` and the gradients of q, k, v (and sinks) with
+``reference_attention``: float32 max abs error <= 1e-4, bfloat16 <= 2e-2.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, PartitionSpec as P
+
+import ringsplash as rs
+from ringsplash import layouts, masks
+from ringsplash.splash import attention as attention_lib
+from ringsplash.splash.config import SplashConfig
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+NAN_PARAMS = pltpu.InterpretParams(uninitialized_memory="nan")
+
+
+def config(bq=128, bkv=128, bq_dkv=128, bkv_dkv=128, bkv_compute=None, backend="interpret"):
+    return SplashConfig(
+        block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute, block_q_dkv=bq_dkv,
+        block_kv_dkv=bkv_dkv, backend=backend, interpret_params=NAN_PARAMS,
+    )
+
+
+def inputs(key, heads, kv_heads, q_len, kv_len, d=64, dtype=jnp.float32):
+    kq, kk, kv, kd, ks = jax.random.split(key, 5)
+    q = jax.random.normal(kq, (heads, q_len, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (kv_heads, kv_len, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (kv_heads, kv_len, d), jnp.float32).astype(dtype)
+    d_out = jax.random.normal(kd, (heads, q_len, d), jnp.float32).astype(dtype)
+    sinks = jax.random.normal(ks, (heads,), jnp.float32)
+    return q, k, v, d_out, sinks
+
+
+def max_err(a, b):
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def check_against_reference(key, mask, *, heads=2, kv_heads=2, q_len=256, kv_len=256, d=64,
+                            dtype=jnp.float32, cfg=None, sinks=False, segment_ids=None,
+                            logit_soft_cap=None):
+    """Compare out, lse and all gradients (through both out and lse) with the reference."""
+    cfg = cfg or config()
+    q, k, v, d_out, s = inputs(key, heads, kv_heads, q_len, kv_len, d, dtype)
+    s = s if sinks else None
+    d_lse = jax.random.normal(jax.random.fold_in(key, 7), (heads, q_len), jnp.float32)
+    kw = dict(segment_ids=segment_ids, logit_soft_cap=logit_soft_cap, return_residuals=True)
+
+    def loss(fn, q, k, v, s):
+        out, lse = fn(q, k, v, mask, sinks=s, **kw)
+        # masked rows have lse = MASKED_LSE in both; keep the loss finite and well scaled
+        value = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)) + jnp.sum(
+            jnp.where(lse > -1e29, lse, 0.0) * d_lse)
+        return value, (out, lse)
+
+    def run(fn):  # one jit: forward, residuals and every gradient
+        grad = jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3) if sinks else (0, 1, 2), has_aux=True)
+        return jax.jit(grad)(q, k, v, s)
+
+    grads, (out, lse) = run(functools.partial(rs.splash_attention, config=cfg))
+    ref_grads, (ref_out, ref_lse) = run(rs.reference_attention)
+
+    tol = TOL[dtype]
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    assert out.shape == q.shape and lse.shape == (heads, q_len)
+    for name, a in [("out", out), ("lse", lse), *zip(["dq", "dk", "dv", "dsinks"], grads)]:
+        assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), f"{name} has non-finite values"
+    assert max_err(out, ref_out) <= tol, ("out", max_err(out, ref_out))
+    live = ref_lse > -1e29
+    assert bool(jnp.all(live == (lse > -1e29))), "masked rows differ"
+    assert max_err(jnp.where(live, lse, 0), jnp.where(live, ref_lse, 0)) <= tol * 10, "lse"
+    for name, g, r in zip(["dq", "dk", "dv", "dsinks"], grads, ref_grads):
+        assert g.dtype == r.dtype, name
+        assert max_err(g, r) <= tol, (name, max_err(g, r))
+    return out, lse
+
+
+S = 256
+
+
+def _random_numpy_mask(seed, q_len, kv_len):
+    rng = np.random.default_rng(seed)
+    arr = rng.random((q_len, kv_len)) < 0.3
+    arr[: q_len // 2, : kv_len // 2] = True  # a full block, an empty-ish one, partial ones
+    arr[q_len // 2 :, kv_len // 2 :] = False
+    arr[-3:] = False  # fully masked rows
+    return masks.NumpyMask(arr)
+
+
+MASKS = {
+    "full": masks.FullMask((S, S)),
+    "causal": masks.CausalMask((S, S)),
+    "local": masks.LocalMask((S, S), window=(40, 10)),
+    "chunked": masks.ChunkedCausalMask((S, S), chunk_size=96),
+    "prefix_lm": masks.PrefixLMMask((S, S), prefix_len=70),
+    "numpy": _random_numpy_mask(0, S, S),
+    "and": masks.CausalMask((S, S)) & masks.LocalMask((S, S), window=(100, 0)),
+    "or": masks.LocalMask((S, S), window=(20, 20)) | masks.PrefixLMMask((S, S), prefix_len=16),
+    "multi_head": masks.MultiHeadMask([
+        masks.CausalMask((S, S)), masks.LocalMask((S, S), window=(30, 0)),
+        masks.ChunkedCausalMask((S, S), chunk_size=64), masks.CausalMask((S, S)),
+    ]),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_splash_matches_reference_for_every_mask(key, name):
+    mask = MASKS[name]
+    heads = mask.shape[0] if isinstance(mask, masks.MultiHeadMask) else 2
+    check_against_reference(key, mask, heads=heads, kv_heads=heads // 2 if heads > 2 else heads)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa_8_2", "mqa"])
+def test_splash_gqa_and_mqa(key, kv_heads):
+    check_against_reference(key, masks.CausalMask((S, S)), heads=8, kv_heads=kv_heads, d=32)
+
+
+def test_splash_soft_cap_and_sinks(key):
+    check_against_reference(key, masks.LocalMask((S, S), window=(60, 0)), heads=4, kv_heads=2,
+                            sinks=True, logit_soft_cap=3.0)
+
+
+def test_splash_segment_ids_with_fully_masked_rows(key):
+    # q tokens of segment 3 have no kv token of their segment: those rows attend nothing
+    q_ids = jnp.asarray(np.repeat([0, 1, 2, 3], S // 4), jnp.int32)
+    kv_ids = jnp.asarray(np.repeat([0, 1, 2, 2], S // 4), jnp.int32)
+    seg = rs.SegmentIds(q=q_ids, kv=kv_ids)
+    out, lse = check_against_reference(key, masks.CausalMask((S, S)), segment_ids=seg, sinks=True)
+    assert bool(jnp.all(out[:, 3 * S // 4 :] == 0))  # with sinks, lse of those rows = sink
+
+
+def test_splash_q_len_differs_from_kv_len(key):
+    mask = masks.CausalMask((128, 384), offset=256)
+    check_against_reference(key, mask, q_len=128, kv_len=384, sinks=True)
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [dict(bq=256, bkv=128, bq_dkv=128, bkv_dkv=256), dict(bq=128, bkv=256, bkv_compute=128, bq_dkv=256, bkv_dkv=128)],
+    ids=["tall", "wide_compute_slices"],
+)
+def test_splash_block_shapes(key, blocks):
+    check_against_reference(key, masks.LocalMask((S, S), window=(90, 0)), cfg=config(**blocks))
+
+
+def test_splash_bfloat16(key):
+    check_against_reference(key, masks.CausalMask((S, S)), heads=4, kv_heads=2, dtype=jnp.bfloat16, sinks=True)
+
+
+@settings(max_examples=2, deadline=None)
+@given(
+    q_blocks=st.integers(1, 2), kv_blocks=st.integers(1, 2), group=st.sampled_from([1, 2]),
+    d=st.sampled_from([32, 128]), window=st.integers(0, 300), seed=st.integers(0, 2**16),
+)
+def test_splash_hypothesis_shapes(q_blocks, kv_blocks, group, d, window, seed):
+    q_len, kv_len = 128 * q_blocks, 128 * kv_blocks
+    mask = masks.LocalMask((q_len, kv_len), window=(window, 0), offset=kv_len - q_len)
+    check_against_reference(jax.random.key(seed), mask, heads=2 * group, kv_heads=2, q_len=q_len,
+                            kv_len=kv_len, d=d, sinks=True)
+
+
+def test_splash_forward_backward_on_zigzag_shard_pairs(key):
+    """Ring usage: zigzag-permuted positions, every (q shard, kv shard) pair run separately
+    with *traced* shard indices, merged by logsumexp, vs the reference in original order."""
+    S2, shards, heads = 512, 2, 2
+    mask = masks.CausalMask((S2, S2))
+    perm = layouts.permutation("zigzag", S2, shards)
+    cfg = config()
+    info = rs.build_mask_info(mask, cfg.block_shape, q_shards=shards, kv_shards=shards,
+                              q_positions=perm, kv_positions=perm)
+    info_dkv = rs.build_mask_info(mask, cfg.block_shape_dkv, q_shards=shards, kv_shards=shards,
+                                  q_positions=perm, kv_positions=perm, transpose=True)
+    q, k, v, d_out, _ = inputs(key, heads, heads, S2, S2)
+    qp, kp, vp, dop = (layouts.permute(x, "zigzag", shards, axis=1) for x in (q, k, v, d_out))
+    n = S2 // shards
+    shard = lambda x, i: x[:, i * n : (i + 1) * n]
+
+    @jax.jit
+    def fwd_pair(qs, ks, vs, a, b):
+        return rs.splash_forward(qs, ks, vs, info, q_shard=a, kv_shard=b, config=cfg)
+
+    outs, lses = [], []
+    for a in range(shards):
+        pairs = [fwd_pair(shard(qp, a), shard(kp, b), shard(vp, b), a, b) for b in range(shards)]
+        lse = jax.nn.logsumexp(jnp.stack([p[1] for p in pairs]), axis=0)
+        outs.append(sum(p[0] * jnp.exp(p[1] - lse)[..., None] for p in pairs))
+        lses.append(lse)
+    out = layouts.unpermute(jnp.concatenate(outs, axis=1), "zigzag", shards, axis=1)
+    lse = jnp.concatenate(lses, axis=1)
+    ref_out, ref_lse = rs.reference_attention(q, k, v, mask, return_residuals=True)
+    assert max_err(out, ref_out) <= 1e-4
+    assert max_err(layouts.unpermute(lse, "zigzag", shards, axis=1), ref_lse) <= 1e-4
+
+    out_p = jnp.concatenate(outs, axis=1)
+    delta = jnp.sum(out_p * dop, axis=-1)
+
+    @jax.jit
+    def bwd_pair(qs, ks, vs, dos, lse_s, delta_s, a, b):
+        return rs.splash_backward(qs, ks, vs, dos, lse_s, delta_s, info, info_dkv,
+                                  q_shard=a, kv_shard=b, config=cfg)
+
+    dq = [0.0] * shards
+    dk = [0.0] * shards
+    dv = [0.0] * shards
+    for a in range(shards):
+        for b in range(shards):
+            g = bwd_pair(shard(qp, a), shard(kp, b), shard(vp, b), shard(dop, a), lses[a],
+                         shard(delta, a), a, b)
+            assert all(x.dtype == jnp.float32 for x in g)
+            dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
+    _, vjp = jax.vjp(lambda q, k, v: rs.reference_attention(q, k, v, mask), q, k, v)
+    for got, ref in zip((dq, dk, dv), vjp(d_out)):
+        got = layouts.unpermute(jnp.concatenate(got, axis=1), "zigzag", shards, axis=1)
+        assert max_err(got, ref) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------
+# work check: only non-empty blocks compute
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [masks.CausalMask((512, 512)), masks.LocalMask((512, 512), window=(130, 0)),
+     masks.ChunkedCausalMask((512, 512), chunk_size=256)],
+    ids=["causal", "local", "chunked"],
+)
+def test_splash_computes_only_non_empty_blocks(key, mask):
+    heads, kv_heads, n = 4, 2, 512
+    cfg = config()
+    dense = masks.dense(mask)[0]
+    blocks = dense.reshape(n // 128, 128, n // 128, 128).any(axis=(1, 3))
+    non_empty = int(blocks.sum())
+    assert non_empty < blocks.size  # the mask is sparse at block level
+
+    info = rs.build_mask_info(mask, cfg.block_shape)
+    info_dkv = rs.build_mask_info(mask, cfg.block_shape_dkv, transpose=True)
+    q, k, v, d_out, _ = inputs(key, heads, kv_heads, n, n)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    kw = dict(scale=0.125, logit_soft_cap=None, config=cfg, backend="interpret", count_steps=True)
+    out, lse, count = attention_lib.pallas_forward(q, k, v, info, info.schedule(), pos, pos, None, None, **kw)
+    np.testing.assert_array_equal(np.asarray(count), non_empty)
+    delta = jnp.sum(out * d_out, axis=-1)
+    *_, count_dq, count_dkv = attention_lib.pallas_backward(
+        q, k, v, d_out, lse, delta, info, info.schedule(), info_dkv, info_dkv.schedule(),
+        pos, pos, None, None, **kw)
+    np.testing.assert_array_equal(np.asarray(count_dq), non_empty)
+    # one dK/dV grid per kv head walks the blocks of every q head of its group
+    np.testing.assert_array_equal(np.asarray(count_dkv), non_empty * heads // kv_heads)
+
+
+# ----------------------------------------------------------------------------------------
+# transformations
+
+
+@pytest.mark.parametrize("backend, remat", [("interpret", False), ("xla", True)])
+def test_splash_under_jit_vmap_grad_and_checkpoint(key, backend, remat):
+    """jit(value_and_grad(vmap over batch)). ``jax.checkpoint`` is checked with the xla
+    backend here (the TPU interpreter's callbacks carry IO effects that remat rejects) and
+    compiled for TPU with the mosaic backend in test_splash_tpu_compile.py."""
+    mask = masks.CausalMask((S, S))
+    cfg = config(backend=backend)
+    batch = 2
+    q, k, v, d_out, _ = inputs(key, 2 * batch, batch, S, S)
+    q, k, v, d_out = (x.reshape(batch, -1, *x.shape[1:]) for x in (q, k, v, d_out))
+
+    def loss(attn, q, k, v):
+        out = jax.vmap(lambda q, k, v: attn(q, k, v, mask))(q, k, v)
+        return jnp.sum(out * d_out)
+
+    splash = functools.partial(rs.splash_attention, config=cfg)
+    if remat:
+        splash = jax.checkpoint(splash, static_argnums=(3,))
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, splash), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.value_and_grad(functools.partial(loss, rs.reference_attention), argnums=(0, 1, 2))(q, k, v)
+    assert abs(float(got[0]) - float(ref[0])) <= 1e-3
+    for g, r in zip(got[1], ref[1]):
+        assert max_err(g, r) <= 1e-4
+
+
+def test_splash_under_shard_map_over_heads(key):
+    devices = np.array(jax.devices()[:2])
+    if devices.size < 2:
+        pytest.skip("needs 2 (simulated) devices")
+    mesh = Mesh(devices, ("heads",))
+    mask = masks.LocalMask((S, S), window=(50, 0))
+    cfg = config()
+    q, k, v, d_out, _ = inputs(key, 4, 2, S, S)
+
+    def attn(q, k, v):
+        return rs.splash_attention(q, k, v, mask, config=cfg)
+
+    sharded = jax.shard_map(attn, mesh=mesh, in_specs=(P("heads"),) * 3, out_specs=P("heads"))
+    loss = lambda f, q, k, v: jnp.sum(f(q, k, v) * d_out)
+    got = jax.jit(jax.grad(functools.partial(loss, sharded), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(functools.partial(loss, lambda q, k, v: rs.reference_attention(q, k, v, mask)),
+                   argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, ref):
+        assert max_err(g, r) <= 1e-4
+
+
+def test_splash_auto_backend_runs_jnp_path_on_cpu(key):
+    mask = masks.CausalMask((S, S))
+    q, k, v, d_out, _ = inputs(key, 2, 2, S, S)
+    cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
+    f = jax.jit(lambda q, k, v: rs.splash_attention(q, k, v, mask, config=cfg))
+    text = f.lower(q, k, v).as_text()
+    assert "tpu_custom_call" not in text
+    assert max_err(f(q, k, v), rs.reference_attention(q, k, v, mask)) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(block_q=100), ValueError, "block_q=100 must be a positive multiple of 128"),
+        (dict(block_kv=0), ValueError, "block_kv=0 must be a positive multiple of 128"),
+        (dict(block_kv=256, block_kv_compute=384), ValueError, "block_kv_compute=384 must divide block_kv=256"),
+        (dict(block_q_dkv=64), ValueError, "block_q_dkv=64"),
+        (dict(backend="gpu"), ValueError, "backend='gpu' must be one of"),
+    ],
+)
+def test_splash_config_rejects_bad_values(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SplashConfig(**kwargs)
+
+
+def test_splash_config_is_frozen_and_hashable():
+    cfg = SplashConfig()
+    assert cfg.block_kv_compute == cfg.block_kv == 512
+    with pytest.raises(Exception):
+        cfg.block_q = 128
+    assert hash(cfg) == hash(SplashConfig())
+
+
+def _bad_call(what):
+    x = jnp.zeros((4, 256, 64), jnp.float32)
+    kvx = jnp.zeros((2, 256, 64), jnp.float32)
+    mask = masks.CausalMask((256, 256))
+    cfg = config()
+    if what == "block_not_dividing":
+        return rs.splash_attention(jnp.zeros((4, 384, 64)), kvx[:, :128], kvx[:, :128],
+                                   masks.CausalMask((384, 128)), config=config(bq=256))
+    if what == "head_dim":
+        return rs.splash_attention(x, jnp.zeros((2, 256, 32)), jnp.zeros((2, 256, 32)), mask, config=cfg)
+    if what == "kv_heads":
+        return rs.splash_attention(x, jnp.zeros((3, 256, 64)), jnp.zeros((3, 256, 64)), mask, config=cfg)
+    if what == "mask_shape":
+        return rs.splash_attention(x, kvx, kvx, masks.CausalMask((256, 128)), config=cfg)
+    if what == "multi_head_count":
+        return rs.splash_attention(x, kvx, kvx, masks.MultiHeadMask([mask] * 3), config=cfg)
+    if what == "dtypes":
+        return rs.splash_attention(x, kvx.astype(jnp.bfloat16), kvx, mask, config=cfg)
+    if what == "mosaic_on_cpu":
+        return jax.jit(lambda q, k, v: rs.splash_attention(
+            q, k, v, mask, config=SplashConfig(block_q=128, block_kv=128, backend="mosaic_tpu")))(x, kvx, kvx)
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize(
+    "what, error, match",
+    [
+        ("block_not_dividing", ValueError, "block_q=256 must divide q_len=384"),
+        # with runtime type checking on (tests), jaxtyping reports the "d" mismatch first
+        ("head_dim", (ValueError, jaxtyping.TypeCheckError), "head_dim|kv_heads kv_len d"),
+        ("kv_heads", ValueError, "kv_heads=3 must divide heads=4"),
+        ("mask_shape", ValueError, r"mask shape \(256, 128\) must equal"),
+        ("multi_head_count", ValueError, "MultiHeadMask has 3 heads"),
+        ("dtypes", TypeError, "must share one dtype"),
+        ("mosaic_on_cpu", ValueError, "backend='auto'.*backend='interpret'"),
+    ],
+)
+def test_splash_rejects_bad_input(what, error, match):
+    with pytest.raises(error, match=match):
+        _bad_call(what)
