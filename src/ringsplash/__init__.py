@@ -20,9 +20,14 @@ __all__ = [
     "reference_attention",
 ]
 
-try:  # kernels and ring are optional until their layers exist in this checkout
-    from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward  # noqa: F401
+from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
+from ringsplash.ring import ring_attention, ring_attention_sharded
 
-    __all__ += ["SplashConfig", "splash_attention", "splash_backward", "splash_forward"]
-except ImportError:  # pragma: no cover
-    pass
+__all__ += [
+    "SplashConfig",
+    "ring_attention",
+    "ring_attention_sharded",
+    "splash_attention",
+    "splash_backward",
+    "splash_forward",
+]

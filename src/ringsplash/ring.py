@@ -1,0 +1,386 @@
+"""Ring attention: a ``lax.scan`` over a mesh axis around the Splash kernels.
+
+Queries stay put, sharded along the sequence on ``axis_name`` (N devices, token ``layout``
+from :mod:`ringsplash.layouts`); K, V and the kv segment ids travel one hop per step.
+
+Bookkeeping. K/V hop ``i -> i + 1`` (mod N) once per step, so at step ``t`` device ``i`` holds
+kv shard ``(i - t) mod N``: its own at ``t = 0``, all N after N - 1 hops. Each step runs the
+Splash forward on that (q shard ``i``, kv shard ``(i - t) mod N``) slice of one MaskInfo built
+on the host for every shard pair, and merges the sink-free block result ``(o_t, lse_t)`` into
+float32 state by online softmax in natural log:
+
+    lse' = logaddexp(lse, lse_t),   o' = o * exp(lse - lse') + o_t * exp(lse_t - lse').
+
+Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
+so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
+and the merge (``lax.cond`` on ``num_active``). Sinks join once, after the last step:
+``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
+
+Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
+in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
+device ``i`` receives the accumulator of kv shard ``(i - t)`` from ``i - 1`` (who added its
+contribution at ``t - 1``) while it computes its own contribution for that shard; after the
+last step one more hop brings each accumulator home (N hops in all). dq accumulates locally.
+Every hop is issued before the step's kernel so the transfer overlaps it; the final
+accumulator hop depends only on the last dK/dV kernel, so with the Mosaic backend (separate dq
+and dK/dV kernels) XLA hides it behind the last dq kernel (checked on compiled TPU HLO in
+tests/test_ring_tpu_compile.py). On TPU, ``lax.cond`` disappears where every shard pair is
+active (e.g. causal + zigzag): XLA folds the constant predicate.
+"""
+
+import concurrent.futures
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ringsplash import layouts
+from ringsplash import masks as masks_lib
+from ringsplash._checks import check_attention_inputs, check_segment_ids, default_scale
+from ringsplash._types import Array, Float
+from ringsplash.mask_info import MaskInfo, build_mask_info
+from ringsplash.reference import MASKED_LSE
+from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.config import SplashConfig
+
+__all__ = ["RingPlan", "ring_attention", "ring_attention_sharded", "ring_plan"]
+
+
+# ----------------------------------------------------------------------------------------
+# host-side plan: MaskInfo for every shard pair, built once per (mask, layout, N, blocks)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingPlan:
+    info: MaskInfo  # forward / dq view, [lists, N, N, max_steps]
+    info_dkv: MaskInfo | None  # transposed dK/dV view (None for the xla backend, which skips it)
+    positions: np.ndarray  # int32 [N, S/N] original positions of each shard's tokens
+    active: np.ndarray  # bool [N, N]: shard pair (q shard, kv shard) has a non-empty block
+
+
+def check_ring_lengths(seq_len: int, num_shards: int, layout: str, config: SplashConfig) -> None:
+    """Raise unless every block size tiles each shard (each zigzag half-shard) exactly."""
+    if layout not in layouts.LAYOUTS:
+        raise ValueError(f"layout must be one of {layouts.LAYOUTS}, got {layout=!r}")
+    parts = 2 * num_shards if layout == "zigzag" else num_shards
+    for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
+        block = getattr(config, name)
+        if seq_len % (parts * block):
+            raise ValueError(
+                f"sequence length S={seq_len} must be divisible by "
+                f"{'2 x ' if layout == 'zigzag' else ''}num_shards x {name} = {parts} x {block} = "
+                f"{parts * block} for layout {layout!r}"
+            )
+
+
+def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: str, config: SplashConfig) -> RingPlan:
+    """Host metadata of a ring (cached): O(non-empty blocks + S), never a dense S x S mask."""
+    seq_len = masks_lib.head_masks(mask)[0].shape[0]
+    check_ring_lengths(seq_len, num_shards, layout, config)
+    dkv = None if config.backend == "xla" else config.block_shape_dkv
+    return _ring_plan(mask, int(num_shards), layout, config.block_shape, dkv)
+
+
+@functools.lru_cache(maxsize=16)
+def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv) -> RingPlan:
+    seq_len = masks_lib.head_masks(mask)[0].shape[0]
+    perm = layouts.permutation(layout, seq_len, num_shards)
+    common = dict(q_shards=num_shards, kv_shards=num_shards, q_positions=perm, kv_positions=perm)
+    if block_shape_dkv is None:
+        info, info_dkv = build_mask_info(mask, block_shape, **common), None
+    else:  # the two views are independent numpy work (mostly GIL-free): build them side by side
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            dkv = pool.submit(build_mask_info, mask, block_shape_dkv, transpose=True, **common)
+            info, info_dkv = build_mask_info(mask, block_shape, **common), dkv.result()
+    active = np.asarray(info.num_active).sum(0) > 0
+    if info_dkv is not None:
+        active = active | (np.asarray(info_dkv.num_active).sum(0) > 0)
+    return RingPlan(info=info, info_dkv=info_dkv, positions=np.asarray(perm).reshape(num_shards, -1), active=active)
+
+
+# ----------------------------------------------------------------------------------------
+# the Splash layer, one shard pair at a time
+
+
+def _splash_layer():
+    try:
+        from ringsplash.splash import attention
+    except ImportError:  # pragma: no cover - only while splash/attention.py is being written
+        attention = None
+    return attention
+
+
+def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config):
+    """Sink-free ``(o float32, lse float32)`` of q shard ``a`` against kv shard ``b``."""
+    pos = jnp.asarray(plan.positions)
+    seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
+    attention = _splash_layer()
+    if attention is not None:
+        out, lse = attention.splash_forward(
+            q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
+            segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config,
+        )
+    else:  # pragma: no cover
+        from ringsplash.splash import xla
+
+        out, lse = xla.forward(
+            q, k, v, plan.info, plan.info.schedule(a, b), pos[a], pos[b], q_seg, kv_seg,
+            scale=scale, logit_soft_cap=cap, config=config,
+        )
+    return out.astype(jnp.float32), lse.astype(jnp.float32)
+
+
+def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config):
+    """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b``."""
+    pos = jnp.asarray(plan.positions)
+    seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
+    attention = _splash_layer()
+    if attention is not None:
+        return attention.splash_backward(
+            q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
+            q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
+            logit_soft_cap=cap, config=config,
+        )
+    from ringsplash.splash import xla  # pragma: no cover
+
+    return xla.backward(  # pragma: no cover
+        q, k, v, d_out, lse, delta, plan.info, plan.info.schedule(a, b), plan.info_dkv, None,
+        pos[a], pos[b], q_seg, kv_seg, scale=scale, logit_soft_cap=cap, config=config,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# the ring
+
+
+def _axis_size(axis_name) -> int:
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise ValueError(
+            f"ring_attention needs the mesh axis {axis_name!r} bound: call it inside jax.shard_map "
+            f"over a mesh with that axis, or use ring_attention_sharded(..., mesh=mesh, "
+            f"axis_name={axis_name!r}) on global arrays"
+        ) from e
+
+
+def _vma(x) -> frozenset:
+    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
+
+
+def _varying(x, axis_name):
+    """Mark a fresh (replicated) value as varying over the axis so scan carries type-check."""
+    if axis_name in _vma(x):
+        return x
+    return lax.pcast(x, axis_name, to="varying")
+
+
+def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll):
+    """The custom_vjp ring function of (q, k, v, q_seg, kv_seg, sinks) for fixed statics."""
+    hop = [(i, (i + 1) % n) for i in range(n)]  # device i sends to i + 1
+    send = functools.partial(lax.ppermute, axis_name=axis_name, perm=hop)
+    kw = dict(scale=scale, cap=cap, config=config)
+    # Kernel backends compute dq and dK/dV in separate kernels: two conds on the last step
+    # cost nothing once XLA drops each branch's unused kernel (the fused xla backend would
+    # run twice).
+    split_last = config.backend != "xla"
+
+    def visiting(me, t):  # kv shard held by device `me` at step t
+        return (me - t) % n
+
+    def forward(q, k, v, q_seg, kv_seg, sinks):
+        me = lax.axis_index(axis_name)
+        active = jnp.asarray(plan.active)
+
+        def step(carry, t, *, last):
+            k_t, v_t, seg_t, o, lse = carry
+            nxt = (k_t, v_t, seg_t) if last else send((k_t, v_t, seg_t))  # issued before compute
+            src = visiting(me, t)
+
+            def compute(o, lse):
+                o_t, lse_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **kw)
+                new = jnp.logaddexp(lse, lse_t)  # natural log throughout
+                o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
+                return o, new
+
+            o, lse = lax.cond(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
+            return (*nxt, o, lse), None
+
+        o = _varying(jnp.zeros(q.shape, jnp.float32), axis_name)
+        lse = _varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
+        carry = (k, v, kv_seg, o, lse)
+        if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
+            carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(n - 1), unroll=unroll)
+        (_, _, _, o, lse), _ = step(carry, n - 1, last=True)
+        lse = jnp.maximum(lse, MASKED_LSE)  # logaddexp of empty states stays MASKED_LSE
+        if sinks is not None:  # the sink joins each row's denominator once
+            lse_tot = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
+            o, lse = o * jnp.exp(lse - lse_tot)[..., None], lse_tot
+        out = o.astype(q.dtype)
+        return out, (q, k, v, out, lse)
+
+    def backward(res, q_seg, kv_seg, sinks, d_out):
+        q, k, v, out, lse = res
+        me = lax.axis_index(axis_name)
+        active = jnp.asarray(plan.active)
+        d_out = d_out.astype(q.dtype)
+        delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+        def contribution(k_t, v_t, seg_t, src, dq, *, parts=("dq", "dkv")):
+            """(dq + this step's dq, this step's dK, dV for kv shard `src`); skipped (zeros) for
+            an empty pair. The received accumulators are added outside, so their transfer
+            only has to land after the kernel. ``parts`` drops outputs that are not needed."""
+            zero_kv = lambda: (jnp.zeros(k_t.shape, jnp.float32), jnp.zeros(v_t.shape, jnp.float32))
+
+            def compute(dq):
+                dq_t, dk_t, dv_t = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw)
+                return (dq + dq_t if "dq" in parts else dq), *((dk_t, dv_t) if "dkv" in parts else zero_kv())
+
+            return lax.cond(active[me, src], compute, lambda dq: (dq, *zero_kv()), dq)
+
+        def step(carry, t, *, last):
+            k_t, v_t, seg_t, dq, dk, dv = carry
+            nxt = (k_t, v_t, seg_t) if last else send((k_t, v_t, seg_t))
+            dk, dv = send((dk, dv))  # now the accumulators of kv shard (me - t), from me - 1
+            src = visiting(me, t)
+            if last and split_last:
+                # the final hop needs only dK/dV: a separate cond lets the dq kernel hide it
+                _, dk_t, dv_t = contribution(k_t, v_t, seg_t, src, dq, parts=("dkv",))
+                dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, parts=("dq",))
+            else:
+                dq, dk_t, dv_t = contribution(k_t, v_t, seg_t, src, dq)
+            return (*nxt, dq, dk + dk_t, dv + dv_t), None
+
+        zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), axis_name)
+        # step 0: own kv shard; its accumulators start here
+        nxt = send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
+        dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q))
+        if n > 1:
+            carry = (*nxt, dq, dk, dv)
+            if n > 2:
+                carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(1, n - 1), unroll=unroll)
+            (_, _, _, dq, dk, dv), _ = step(carry, n - 1, last=True)
+            dk, dv = send((dk, dv))  # N-th hop: every accumulator is home
+        d_sinks = None
+        if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i, over all shards
+            local = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * delta, axis=-1)
+            # Replicated sinks: with vma checking their cotangent must be replicated too, so sum
+            # it here; without it (vma empty everywhere) shard_map's transpose sums it for us.
+            if _vma(q) and axis_name in _vma(q) - _vma(sinks):
+                local = lax.psum(local, axis_name)
+            d_sinks = local.astype(sinks.dtype)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
+
+    @jax.custom_vjp
+    def ring(q, k, v, q_seg, kv_seg, sinks):
+        return forward(q, k, v, q_seg, kv_seg, sinks)[0]
+
+    def ring_fwd(q, k, v, q_seg, kv_seg, sinks):
+        out, res = forward(q, k, v, q_seg, kv_seg, sinks)
+        return out, (res, q_seg, kv_seg, sinks)
+
+    def ring_bwd(saved, d_out):
+        res, q_seg, kv_seg, sinks = saved
+        dq, dk, dv, d_sinks = backward(res, q_seg, kv_seg, sinks, d_out)
+        return dq, dk, dv, None, None, d_sinks
+
+    ring.defvjp(ring_fwd, ring_bwd)
+    return ring
+
+
+def ring_attention(
+    q: Float[Array, "heads q_shard d"],
+    k: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard d"],
+    mask: masks_lib.AnyMask,
+    *,
+    axis_name,
+    segment_ids: SegmentIds | None = None,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: Float[Array, "heads"] | None = None,
+    config: SplashConfig = SplashConfig(),
+    unroll: int | bool = 1,
+) -> Float[Array, "heads q_shard d"]:
+    """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
+
+    ``q, k, v`` (and ``segment_ids``) are this device's shard, in ``layout`` order; ``mask`` is
+    the global ``(S, S)`` mask on original token positions, ``S = N * q_shard``.
+    """
+    n = _axis_size(axis_name)
+    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, None, None, sinks)
+    if q_len != kv_len:
+        raise ValueError(f"ring attention needs equal local q and kv lengths, got {q_len=}, {kv_len=}")
+    if not isinstance(config, SplashConfig):
+        raise TypeError(f"config must be a SplashConfig, got {type(config).__name__}")
+    seq_len = q_len * n
+    if not isinstance(mask, (masks_lib.Mask, masks_lib.MultiHeadMask)):
+        raise TypeError(f"mask must be a ringsplash.masks.Mask or MultiHeadMask, got {type(mask).__name__}")
+    mshape = mask.shape[1:] if isinstance(mask, masks_lib.MultiHeadMask) else mask.shape
+    if tuple(mshape) != (seq_len, seq_len):
+        raise ValueError(
+            f"mask shape {tuple(mshape)} must be the global (S, S) = {(seq_len, seq_len)} "
+            f"(local length {q_len} x {n} shards on axis {axis_name!r})"
+        )
+    if isinstance(mask, masks_lib.MultiHeadMask) and mask.shape[0] != heads:
+        raise ValueError(f"MultiHeadMask has {mask.shape[0]} heads, q has {heads=}")
+    if segment_ids is not None:
+        try:
+            check_segment_ids(segment_ids, q_len, kv_len)
+        except ValueError as e:
+            raise ValueError(f"{e} (segment ids are per shard: local length S/N = {q_len})") from None
+    check_ring_lengths(seq_len, n, layout, config)
+    plan = ring_plan(mask, n, layout, config)
+    ring = _make_ring(plan, n, axis_name, default_scale(scale, d), logit_soft_cap, config, unroll)
+    q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
+    return ring(q, k, v, q_seg, kv_seg, sinks)
+
+
+def ring_attention_sharded(
+    q: Float[Array, "heads seq d"],
+    k: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq d"],
+    mask: masks_lib.AnyMask,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name,
+    segment_ids: SegmentIds | None = None,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: Float[Array, "heads"] | None = None,
+    config: SplashConfig = SplashConfig(),
+    unroll: int | bool = 1,
+) -> Float[Array, "heads seq d"]:
+    """:func:`ring_attention` on global arrays already in ``layout`` order (see
+    ``ringsplash.layouts.permute``), sharded along the sequence over ``mesh.shape[axis_name]``.
+    The mask is defined on original positions; the output is in ``layout`` order."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}, no axis_name={axis_name!r}")
+    n = mesh.shape[axis_name]
+    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks)
+    if q_len != kv_len:
+        raise ValueError(f"ring attention needs q_len == kv_len, got {q_len=}, {kv_len=}")
+    check_ring_lengths(q_len, n, layout, config)
+    seq = P(None, axis_name)
+    seg_spec = None if segment_ids is None else SegmentIds(P(axis_name), P(axis_name))
+    fn = functools.partial(
+        ring_attention, mask=mask, axis_name=axis_name, layout=layout, scale=scale,
+        logit_soft_cap=logit_soft_cap, config=config, unroll=unroll,
+    )
+
+    def local(q, k, v, segment_ids, sinks):
+        return fn(q, k, v, segment_ids=segment_ids, sinks=sinks)
+
+    in_specs = (seq, seq, seq, seg_spec, None if sinks is None else P())
+    args = (q, k, v, segment_ids, sinks)
+    explicit = jax.sharding.AxisType.Explicit
+    if any(t == explicit for t in getattr(mesh, "axis_types", ())):  # explicit meshes do not reshard implicitly
+        args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)), args, in_specs)
+    # check_vma=False: the Splash xla backend's scans start from unvarying carries
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq, check_vma=False)(*args)

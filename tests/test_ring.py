@@ -1,0 +1,294 @@
+"""Ring attention on simulated CPU meshes (2, 4, 8 devices) vs the dense reference.
+
+Every case lays the unsharded inputs out in the ring's token order, runs
+``ring_attention_sharded`` forward and backward (one jit: output and the VJP of a random
+cotangent) and compares out, dq, dk, dv (and d_sinks) in original order with
+``reference_attention``: float32 max abs error <= 1e-4. Most cases use the plain-jnp Splash
+backend (fast on CPU); one uses the Pallas TPU interpreter.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AxisType, PartitionSpec as P
+
+import ringsplash as rs
+from ringsplash import layouts, masks
+from ringsplash.ring import ring_attention, ring_attention_sharded, ring_plan
+from ringsplash.splash.config import SplashConfig
+
+TOL = 1e-4
+LAYOUTS = ("contiguous", "zigzag", "striped")
+XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
+
+
+def mesh(n: int, name: str = "ctx"):
+    return jax.make_mesh((n,), (name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+
+
+def make_mask(kind: str, s: int, heads: int):
+    shape = (s, s)
+    if kind == "causal":
+        return masks.CausalMask(shape)
+    if kind == "local":
+        return masks.LocalMask(shape, window=(200, 37))
+    if kind == "chunked":
+        return masks.ChunkedCausalMask(shape, chunk_size=300)
+    if kind == "prefix_lm":
+        return masks.PrefixLMMask(shape, prefix_len=333)
+    if kind == "composed":  # (causal & window) | a bidirectional prefix
+        return (masks.CausalMask(shape) & masks.LocalMask(shape, window=(150, 0))) | masks.PrefixLMMask(shape, 100)
+    if kind == "numpy":
+        rng = np.random.default_rng(s)
+        arr = np.tril(rng.random(shape) < 0.4) | np.eye(s, dtype=bool)
+        arr[: s // 8, :] = False  # some rows attend nothing at all
+        return masks.NumpyMask(arr)
+    if kind == "multi_head":
+        per_head = [masks.CausalMask(shape), masks.LocalMask(shape, window=(64, 64)),
+                    masks.ChunkedCausalMask(shape, chunk_size=256), masks.CausalMask(shape)]
+        return masks.MultiHeadMask(per_head[:heads])
+    raise ValueError(kind)
+
+
+MASK_KINDS = ("causal", "local", "chunked", "prefix_lm", "composed", "numpy", "multi_head")
+
+
+def packed_segments(key, s: int):
+    """Segment ids of a packed batch: runs of random lengths (original token order)."""
+    starts = jax.random.bernoulli(key, 1 / 150, (s,)).at[0].set(True)
+    return jnp.cumsum(starts).astype(jnp.int32)
+
+
+def max_err(a, b):
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def run_both(key, mask, *, n, layout, heads=2, kv_heads=1, s=1024, d=32, segments=False, sinks=False,
+             cap=None, config=XLA, unroll=1):
+    """Returns ((out, dq, dk, dv, d_sinks) of the ring, same of the reference), original order."""
+    kq, kk, kv, kd, ks, kseg = jax.random.split(key, 6)
+    q = jax.random.normal(kq, (heads, s, d), jnp.float32)
+    k = jax.random.normal(kk, (kv_heads, s, d), jnp.float32)
+    v = jax.random.normal(kv, (kv_heads, s, d), jnp.float32)
+    d_out = jax.random.normal(kd, (heads, s, d), jnp.float32)
+    snk = jax.random.normal(ks, (heads,), jnp.float32) if sinks else None
+    seg = packed_segments(kseg, s) if segments else None
+    m = mesh(n)
+    lay = lambda x: layouts.permute(x, layout, n, axis=x.ndim - 1 if x.ndim == 1 else 1)
+    unlay = lambda x: layouts.unpermute(x, layout, n, axis=1)
+
+    def ring(q, k, v, snk):
+        ids = None if seg is None else rs.SegmentIds(q=lay(seg), kv=lay(seg))
+        fn = lambda q, k, v, snk: ring_attention_sharded(
+            q, k, v, mask, mesh=m, axis_name="ctx", segment_ids=ids, layout=layout,
+            logit_soft_cap=cap, sinks=snk, config=config, unroll=unroll,
+        )
+        out, vjp = jax.vjp(fn, lay(q), lay(k), lay(v), snk)
+        dq, dk, dv, dsnk = vjp(lay(d_out))
+        return unlay(out), unlay(dq), unlay(dk), unlay(dv), dsnk
+
+    def ref(q, k, v, snk):
+        ids = None if seg is None else rs.SegmentIds(q=seg, kv=seg)
+        fn = lambda q, k, v, snk: rs.reference_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=cap, sinks=snk)
+        out, vjp = jax.vjp(fn, q, k, v, snk)
+        return (out, *vjp(d_out))
+
+    return jax.jit(ring)(q, k, v, snk), jax.jit(ref)(q, k, v, snk)
+
+
+def assert_close(got, want, tol=TOL):
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d_sinks"), got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        assert not np.any(np.isnan(np.asarray(a))), f"{name} has NaN"
+        err = max_err(a, b)
+        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol}"
+
+
+# ----------------------------------------------------------------------------------------
+# every mask type x every layout (N = 4). Features rotate over the grid so each mask and each
+# layout is run both with and without segment ids, and GQA / MQA / soft-cap / sinks all appear.
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_ring_mask_layout_matches_reference(key, kind, layout):
+    i = MASK_KINDS.index(kind) + LAYOUTS.index(layout)
+    heads, kv_heads = ((4, 2), (2, 1), (4, 1))[i % 3]  # GQA, MQA, MQA with groups of 4
+    kw = dict(segments=i % 2 == 0, sinks=i % 3 == 1, cap=30.0 if i % 3 == 2 else None)
+    got, want = run_both(key, make_mask(kind, 1024, heads), n=4, layout=layout, heads=heads, kv_heads=kv_heads, **kw)
+    assert_close(got, want)
+
+
+# ----------------------------------------------------------------------------------------
+# mesh sizes 2 and 8, all features at once; at N = 8 the error is compared with the
+# single-device Splash error on the same inputs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_two_devices_all_features(key, layout):
+    got, want = run_both(key, make_mask("causal", 512, 4), n=2, layout=layout, heads=4, kv_heads=2, s=512,
+                         segments=True, sinks=True, cap=20.0, unroll=2)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ring_eight_devices_error_within_twice_single_device(key, layout):
+    s, heads, kv_heads, d = 2048, 4, 2, 32
+    mask = make_mask("causal", s, heads)
+    got, want = run_both(key, mask, n=8, layout=layout, heads=heads, kv_heads=kv_heads, s=s, d=d,
+                         segments=True, sinks=True)
+    assert_close(got, want)
+
+    # the single-device Splash (same backend, same block sizes) on the very same inputs
+    kq, kk, kv, kd, ks, kseg = jax.random.split(key, 6)
+    q = jax.random.normal(kq, (heads, s, d), jnp.float32)
+    k = jax.random.normal(kk, (kv_heads, s, d), jnp.float32)
+    v = jax.random.normal(kv, (kv_heads, s, d), jnp.float32)
+    d_out = jax.random.normal(kd, (heads, s, d), jnp.float32)
+    snk = jax.random.normal(ks, (heads,), jnp.float32)
+    seg = packed_segments(kseg, s)
+    ids = rs.SegmentIds(q=seg, kv=seg)
+
+    @jax.jit
+    def single(q, k, v, snk):
+        fn = lambda q, k, v, snk: rs.splash_attention(q, k, v, mask, segment_ids=ids, sinks=snk, config=XLA)
+        out, vjp = jax.vjp(fn, q, k, v, snk)
+        return (out, *vjp(d_out))
+
+    for name, r, o, w in zip(("out", "dq", "dk", "dv", "d_sinks"), got, single(q, k, v, snk), want):
+        ring_err, single_err = max_err(r, w), max_err(o, w)
+        assert ring_err <= 2 * single_err, f"{name}: ring error {ring_err:.3g} > 2 x single-device {single_err:.3g}"
+
+
+# ----------------------------------------------------------------------------------------
+# merge bookkeeping: a wrong log base, a dropped or doubled step, or a sink added per step
+# all break these
+
+
+def test_ring_remote_only_keys_and_mostly_empty_rows(key):
+    """Rows of q shard ``a`` attend keys of one remote kv shard, the one visiting at step
+    ``t_a`` (each of the steps 1 .. N-1 is some shard's), half of them also their own shard
+    (step 0, so two non-empty partial softmaxes merge), and a quarter of the rows attend
+    nothing anywhere: most rows are empty on most steps. A dropped step, a base-2 lse in the
+    merge or a sink added per step all fail this."""
+    n, s = 4, 1024
+    shard = s // n
+    arr = np.zeros((s, s), bool)
+    remote = {}
+    for a in range(n):
+        t = 1 + a % (n - 1)
+        b = remote[a] = (a - t) % n  # contiguous layout: device a holds kv shard (a - t) mod N at step t
+        r0, r1, half = a * shard, a * shard + 3 * shard // 4, a * shard + shard // 2  # rows [r1, end) empty
+        arr[r0:r1, b * shard : (b + 1) * shard] = np.tril(np.ones((r1 - r0, shard), bool), k=17 * a)
+        arr[r0:half, r0 : r0 + shard] = np.tril(np.ones((half - r0, shard), bool))
+    mask = masks.NumpyMask(arr)
+    plan = ring_plan(mask, n, "contiguous", XLA)
+    assert sorted(map(tuple, np.argwhere(plan.active))) == sorted([(a, a) for a in range(n)] + list(remote.items()))
+    for sinks in (True, False):
+        got, want = run_both(key, mask, n=n, layout="contiguous", heads=2, kv_heads=2, s=s, sinks=sinks)
+        assert_close(got, want)
+    empty_rows = np.asarray(got[0])[:, ~arr.any(1)]
+    assert np.all(empty_rows == 0), "rows attending nothing must return exactly 0"
+
+
+def test_ring_scores_spread_over_all_shards_need_every_step(key):
+    """Full attention with large logits: each shard holds a similar share of the softmax mass,
+    so a dropped step, a base-2 lse or a per-step sink moves the output far beyond 1e-4."""
+    n, s = 4, 512
+    got, want = run_both(key, masks.FullMask((s, s)), n=n, layout="striped", heads=2, kv_heads=2, s=s, d=32)
+    assert_close(got, want)
+
+
+# ----------------------------------------------------------------------------------------
+# Pallas TPU kernels (interpreter) inside the ring
+
+
+def test_ring_interpret_backend_matches_reference(key):
+    cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
+                       interpret_params=pltpu.InterpretParams(uninitialized_memory="nan"))
+    got, want = run_both(key, make_mask("causal", 512, 2), n=2, layout="zigzag", heads=2, kv_heads=1, s=512,
+                         d=128, segments=True, sinks=True, config=cfg)
+    assert_close(got, want)
+
+
+# ----------------------------------------------------------------------------------------
+# ring_attention inside the caller's own shard_map
+
+
+def test_ring_attention_inside_user_shard_map(key):
+    n, s, layout = 4, 1024, "zigzag"
+    mask = masks.CausalMask((s, s))
+    q = jax.random.normal(key, (2, s, 32), jnp.float32)
+    ql = layouts.permute(q, layout, n, axis=1)
+    fn = jax.shard_map(
+        functools.partial(ring_attention, mask=mask, axis_name="sp", layout=layout, config=XLA),
+        mesh=mesh(n, "sp"), in_specs=P(None, "sp"), out_specs=P(None, "sp"), check_vma=False,
+    )
+    out = layouts.unpermute(jax.jit(lambda x: fn(x, x, x))(ql), layout, n, axis=1)
+    assert max_err(out, rs.reference_attention(q, q, q, mask)) <= TOL
+
+
+# ----------------------------------------------------------------------------------------
+# bad input
+
+
+def _qkv(s=1024, heads=2, kv_heads=1, d=32):
+    return jnp.zeros((heads, s, d)), jnp.zeros((kv_heads, s, d)), jnp.zeros((kv_heads, s, d))
+
+
+def test_ring_rejects_mesh_without_axis():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"no axis_name='ctx'"):
+        ring_attention_sharded(q, k, v, masks.CausalMask((1024, 1024)), mesh=mesh(4, "other"), axis_name="ctx")
+
+
+@pytest.mark.parametrize(
+    "layout, n, s, match",
+    [
+        ("contiguous", 4, 768, r"S=768 must be divisible by num_shards x block_q = 4 x 128 = 512"),
+        ("striped", 8, 1536, r"S=1536 must be divisible by num_shards x block_q = 8 x 128 = 1024"),
+        ("zigzag", 4, 512, r"S=512 must be divisible by 2 x num_shards x block_q = 8 x 128 = 1024"),
+    ],
+)
+def test_ring_rejects_lengths_not_divisible(layout, n, s, match):
+    q, k, v = _qkv(s)
+    with pytest.raises(ValueError, match=match):
+        ring_attention_sharded(q, k, v, masks.CausalMask((s, s)), mesh=mesh(n), axis_name="ctx", layout=layout,
+                               config=XLA)
+
+
+def test_ring_rejects_unknown_layout():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"layout must be one of .*'spiral'"):
+        ring_attention_sharded(q, k, v, masks.CausalMask((1024, 1024)), mesh=mesh(4), axis_name="ctx",
+                               layout="spiral", config=XLA)
+
+
+def test_ring_rejects_segment_ids_of_wrong_length():
+    q, k, v = _qkv()
+    bad = rs.SegmentIds(q=jnp.zeros(1024, jnp.int32), kv=jnp.zeros(1000, jnp.int32))
+    with pytest.raises(ValueError, match=r"segment_ids.kv must have shape \(1024,\)"):
+        ring_attention_sharded(q, k, v, masks.CausalMask((1024, 1024)), mesh=mesh(4), axis_name="ctx",
+                               segment_ids=bad, config=XLA)
+    # inside shard_map the ids are the local shard's: a global-length array is rejected
+    fn = jax.shard_map(
+        lambda q, k, v, ids: ring_attention(q, k, v, masks.CausalMask((1024, 1024)), axis_name="ctx",
+                                            segment_ids=ids, config=XLA),
+        mesh=mesh(4), in_specs=(P(None, "ctx"),) * 3 + (rs.SegmentIds(P(), P()),), out_specs=P(None, "ctx"),
+        check_vma=False,
+    )
+    full = rs.SegmentIds(q=jnp.zeros(1024, jnp.int32), kv=jnp.zeros(1024, jnp.int32))
+    with pytest.raises(ValueError, match=r"segment_ids.q must have shape \(256,\).*local length S/N = 256"):
+        jax.eval_shape(fn, q, k, v, full)
+
+
+def test_ring_attention_outside_shard_map_says_what_to_do():
+    q, k, v = _qkv(256)
+    with pytest.raises(ValueError, match=r"inside jax.shard_map.*ring_attention_sharded"):
+        ring_attention(q, k, v, masks.CausalMask((256, 256)), axis_name="ctx", config=XLA)
