@@ -26,25 +26,25 @@ Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics
   adds into float32 buffers. ``info_dkv`` / ``schedule_dkv`` (the transposed view) are
   accepted for interface parity with the kernels and ignored: scatter-adding dK/dV from the
   forward order does 5 block matmuls per pair instead of the 7 of separate dq and dK/dV passes.
-* **Masks.** Full blocks skip nothing at trace level (a ``where`` costs ~1/(4·heads·d) of the
-  matmuls); partial blocks take the deduplicated ``partial_mask_blocks`` row or, for
-  ``partial_index == -1``, the list mask's ``mask_function`` on the original positions.
-  Segment ids are applied to every visited block.
+* **Masks.** Every visited block goes through one ``where`` (full blocks select all; its cost
+  is ~1/(4·heads·d) of the block's matmuls, so no separate full-block branch); partial blocks
+  take the deduplicated ``partial_mask_blocks`` row or, for ``partial_index == -1``, the list
+  mask's ``mask_function`` on the original positions; which of the two sources a list needs is
+  decided statically from the whole MaskInfo. Segment ids apply to every visited block.
+* **shard_map.** Scan carries and ``cond`` branches are marked varying over the manual axes of
+  the inputs (``lax.pcast``), so the backend type-checks under ``shard_map(check_vma=True)``,
+  including a traced, per-device schedule in the ring.
 """
-
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ringsplash._checks import default_scale
 from ringsplash._types import Array, Float, Int
-
-try:  # the dense oracle owns the sentinel
-    from ringsplash.reference import MASKED_LSE
-except ImportError:  # pragma: no cover - only while reference.py is being written
-    MASKED_LSE = -1e30
+from ringsplash.masks import PARTIAL
+from ringsplash.reference import MASKED_LSE
 
 __all__ = ["forward", "backward"]
 
@@ -59,11 +59,11 @@ _F32 = jnp.float32
 class _ListPlan:
     """Static (host-side) description of how one head list is computed."""
 
-    def __init__(self, list_index: int, heads: np.ndarray, num_heads: int, num_kv_heads: int, mask):
+    def __init__(self, info, list_index: int, heads: np.ndarray, num_heads: int, num_kv_heads: int):
         group = num_heads // num_kv_heads
         self.index = list_index
         self.heads = heads
-        self.mask = mask
+        self.mask = info.masks[list_index]
         kv_of_head = heads // group
         kvs = np.unique(kv_of_head)
         complete = np.concatenate([kv * group + np.arange(group) for kv in kvs])
@@ -78,6 +78,12 @@ class _ListPlan:
             self.group = 1
         self.all_heads = np.array_equal(self.heads, np.arange(num_heads))
         self.kv_identity = np.array_equal(self.kv_heads, np.arange(num_kv_heads))
+        # Which partial-block sources this list uses in any shard pair (static; the schedule
+        # of one pair may be traced, the MaskInfo arrays are not).
+        partial = np.asarray(info.kind)[list_index] == PARTIAL
+        pidx = np.asarray(info.partial_index)[list_index]
+        self.uses_blocks = bool(np.any(partial & (pidx >= 0)))
+        self.uses_fn = bool(np.any(partial & (pidx < 0)))
 
 
 def _list_plans(info, num_heads: int, num_kv_heads: int) -> list[_ListPlan]:
@@ -92,7 +98,7 @@ def _list_plans(info, num_heads: int, num_kv_heads: int) -> list[_ListPlan]:
     for li in range(len(info.masks)):
         heads = np.nonzero(head_to_list == li)[0]
         if heads.size:
-            plans.append(_ListPlan(li, heads, num_heads, num_kv_heads, info.masks[li]))
+            plans.append(_ListPlan(info, li, heads, num_heads, num_kv_heads))
     return plans
 
 
@@ -116,10 +122,8 @@ def _check_shapes(q, k, v, info):
 def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
     """Returns ``mask(kind, pidx, q_start, kv_start) -> bool [bq, bkv]`` for one list."""
     bq, bkv = info.block_shape
-    pmb = np.asarray(info.partial_mask_blocks)
-    has_blocks = pmb.size > 0
-    has_fn = getattr(plan.mask, "has_mask_function", True)
-    pmb_j = jnp.asarray(pmb, dtype=bool) if has_blocks else None
+    has_blocks, has_fn = plan.uses_blocks, plan.uses_fn
+    pmb_j = jnp.asarray(np.asarray(info.partial_mask_blocks), dtype=bool) if has_blocks else None
 
     def block_mask(kind, pidx, q_start, kv_start):
         qp = lax.dynamic_slice_in_dim(q_pos, q_start, bq)
@@ -134,8 +138,8 @@ def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
             partial = pmb_j[jnp.maximum(pidx, 0)]
         elif has_fn:
             partial = plan.mask.mask_function(qp[:, None], kp[None, :])
-        else:  # no partial blocks exist at all: every visited block is full
-            partial = jnp.ones((bq, bkv), dtype=bool)
+        else:  # this list has no partial blocks: every visited block is full
+            partial = jnp.zeros((bq, bkv), dtype=bool)
         mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind == 2)
         if q_seg is not None:
             qs = lax.dynamic_slice_in_dim(q_seg, q_start, bq)
@@ -183,8 +187,26 @@ def _schedule_xs(schedule, li):
     )
 
 
-def _resolve_scale(scale, d):
-    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+def _vma(*xs) -> frozenset:
+    """Union of the varying manual axes of ``xs`` (inside ``shard_map``; empty outside)."""
+    return frozenset().union(*(_vma_of(x) for x in jax.tree.leaves(xs)))
+
+
+def _vma_of(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older releases: aval.vma
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _vary(tree, vma: frozenset):
+    """Mark every leaf varying over ``vma``, so scan carries and cond branches type-check
+    under ``shard_map(check_vma=True)`` (fresh zeros are otherwise invariant)."""
+
+    def one(x):
+        missing = tuple(sorted(vma - _vma_of(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
 
 
 # --------------------------------------------------------------------------- forward
@@ -216,22 +238,23 @@ def forward(
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
     bq, bkv = info.block_shape
-    scale = _resolve_scale(scale, d)
+    scale = default_scale(scale, d)
     qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
 
+    vma = _vma(qf, kf, vf, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
     out = jnp.zeros((heads, q_len, d), _F32)
     lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
     for plan in _list_plans(info, heads, kv_heads):
         o_l, lse_l = _forward_list(
-            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap
+            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma
         )
         out = _scatter_heads(out, o_l, plan)
         lse = _scatter_heads(lse, lse_l, plan)
     return out.astype(q.dtype), lse
 
 
-def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap):
+def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma):
     bq, bkv = info.block_shape
     ql = _list_view(q, plan)  # [kvh, g, q_len, d]
     kvh, g, q_len, d = ql.shape
@@ -250,10 +273,10 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         alpha = jnp.exp(m - m_new)
         l_new = alpha * l + p.sum(-1)
         pv = jnp.einsum("kgqc,kcd->kgqd", p, vb, preferred_element_type=_F32)
-        return m_new, l_new, alpha[..., None] * acc + pv
+        return _vary((m_new, l_new, alpha[..., None] * acc + pv), vma)
 
     def skip(args):
-        return args[:3]
+        return _vary(args[:3], vma)
 
     def step(carry, xs):
         out, lse, m, l, acc, prev_qi = carry
@@ -269,16 +292,16 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         lse_blk = jnp.where(has, m + jnp.log(safe_l), MASKED_LSE)
         out = lax.dynamic_update_slice_in_dim(out, o_blk, qi * bq, axis=2)
         lse = lax.dynamic_update_slice_in_dim(lse, lse_blk, qi * bq, axis=2)
-        return (out, lse, m, l, acc, qi), None
+        return _vary((out, lse, m, l, acc, qi), vma), None
 
-    init = (
+    init = _vary((
         jnp.zeros((kvh, g, q_len, d), _F32),
         jnp.full((kvh, g, q_len), MASKED_LSE, _F32),
         jnp.full((kvh, g, bq), _NEG_INIT, _F32),
         jnp.zeros((kvh, g, bq), _F32),
         jnp.zeros((kvh, g, bq, d), _F32),
         jnp.int32(-1),
-    )
+    ), vma)
     (out, lse, *_), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
     return out, lse
 
@@ -320,18 +343,19 @@ def backward(
     _check_shapes(q, k, v, info)
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
-    scale = _resolve_scale(scale, d)
+    scale = default_scale(scale, d)
     qf, kf, vf, dof = (x.astype(_F32) for x in (q, k, v, d_out))
     lse, delta = lse.astype(_F32), delta.astype(_F32)
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
 
+    vma = _vma(qf, kf, vf, dof, lse, delta, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
     dq = jnp.zeros((heads, q_len, d), _F32)
     dk = jnp.zeros((kv_heads, kv_len, d), _F32)
     dv = jnp.zeros((kv_heads, kv_len, d), _F32)
     for plan in _list_plans(info, heads, kv_heads):
         dq_l, dk_l, dv_l = _backward_list(
             qf, kf, vf, dof, lse, delta, plan, info, schedule,
-            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap,
+            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma,
         )
         dq = _scatter_heads(dq, dq_l, plan)
         if plan.kv_identity:
@@ -343,7 +367,7 @@ def backward(
 
 
 def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
-                   q_pos, kv_pos, q_seg, kv_seg, scale, cap):
+                   q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma):
     bq, bkv = info.block_shape
     ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
     lsel, deltal = _list_view(lse, plan), _list_view(delta, plan)  # [kvh, g, q_len]
@@ -372,14 +396,14 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         dq_b = jnp.einsum("kgqc,kcd->kgqd", ds, kb, preferred_element_type=_F32)
         dk_b = jnp.einsum("kgqc,kgqd->kcd", ds, qb, preferred_element_type=_F32)
         dv_b = jnp.einsum("kgqc,kgqd->kcd", p, dob, preferred_element_type=_F32)
-        return dq_b, dk_b, dv_b
+        return _vary((dq_b, dk_b, dv_b), vma)
 
     def skip(args):
-        return (
+        return _vary((
             jnp.zeros((kvh, g, bq, d), _F32),
             jnp.zeros((kvh, bkv, d), _F32),
             jnp.zeros((kvh, bkv, d), _F32),
-        )
+        ), vma)
 
     def add_block(buf, blk, start, axis):
         cur = lax.dynamic_slice_in_dim(buf, start, blk.shape[axis], axis=axis)
@@ -392,12 +416,12 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         dq = add_block(dq, dq_b, qi * bq, 2)
         dk = add_block(dk, dk_b, ki * bkv, 1)
         dv = add_block(dv, dv_b, ki * bkv, 1)
-        return (dq, dk, dv), None
+        return _vary((dq, dk, dv), vma), None
 
-    init = (
+    init = _vary((
         jnp.zeros((kvh, g, q_len, d), _F32),
         jnp.zeros((kvh, kv_len, d), _F32),
         jnp.zeros((kvh, kv_len, d), _F32),
-    )
+    ), vma)
     (dq, dk, dv), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
     return dq, dk, dv
