@@ -45,6 +45,7 @@ from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import SplashConfig
 
 __all__ = ["RingPlan", "ring_attention", "ring_attention_sharded", "ring_plan"]
@@ -106,31 +107,14 @@ def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv)
 # the Splash layer, one shard pair at a time
 
 
-def _splash_layer():
-    try:
-        from ringsplash.splash import attention
-    except ImportError:  # pragma: no cover - only while splash/attention.py is being written
-        attention = None
-    return attention
-
-
 def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config):
     """Sink-free ``(o float32, lse float32)`` of q shard ``a`` against kv shard ``b``."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
-    attention = _splash_layer()
-    if attention is not None:
-        out, lse = attention.splash_forward(
-            q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
-            segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config,
-        )
-    else:  # pragma: no cover
-        from ringsplash.splash import xla
-
-        out, lse = xla.forward(
-            q, k, v, plan.info, plan.info.schedule(a, b), pos[a], pos[b], q_seg, kv_seg,
-            scale=scale, logit_soft_cap=cap, config=config,
-        )
+    out, lse = splash_forward(
+        q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
+        segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config,
+    )
     return out.astype(jnp.float32), lse.astype(jnp.float32)
 
 
@@ -138,18 +122,10 @@ def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, sc
     """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b``."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
-    attention = _splash_layer()
-    if attention is not None:
-        return attention.splash_backward(
-            q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
-            q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
-            logit_soft_cap=cap, config=config,
-        )
-    from ringsplash.splash import xla  # pragma: no cover
-
-    return xla.backward(  # pragma: no cover
-        q, k, v, d_out, lse, delta, plan.info, plan.info.schedule(a, b), plan.info_dkv, None,
-        pos[a], pos[b], q_seg, kv_seg, scale=scale, logit_soft_cap=cap, config=config,
+    return splash_backward(
+        q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
+        q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
+        logit_soft_cap=cap, config=config,
     )
 
 
@@ -179,7 +155,7 @@ def _varying(x, axis_name):
     return lax.pcast(x, axis_name, to="varying")
 
 
-def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll):
+def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, sinks_vma=frozenset()):
     """The custom_vjp ring function of (q, k, v, q_seg, kv_seg, sinks) for fixed statics."""
     hop = [(i, (i + 1) % n) for i in range(n)]  # device i sends to i + 1
     send = functools.partial(lax.ppermute, axis_name=axis_name, perm=hop)
@@ -229,12 +205,13 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll):
         active = jnp.asarray(plan.active)
         d_out = d_out.astype(q.dtype)
         delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+        zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), axis_name)
 
         def contribution(k_t, v_t, seg_t, src, dq, *, parts=("dq", "dkv")):
             """(dq + this step's dq, this step's dK, dV for kv shard `src`); skipped (zeros) for
             an empty pair. The received accumulators are added outside, so their transfer
             only has to land after the kernel. ``parts`` drops outputs that are not needed."""
-            zero_kv = lambda: (jnp.zeros(k_t.shape, jnp.float32), jnp.zeros(v_t.shape, jnp.float32))
+            zero_kv = lambda: (zeros(k_t), zeros(v_t))
 
             def compute(dq):
                 dq_t, dk_t, dv_t = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw)
@@ -255,7 +232,6 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll):
                 dq, dk_t, dv_t = contribution(k_t, v_t, seg_t, src, dq)
             return (*nxt, dq, dk + dk_t, dv + dv_t), None
 
-        zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), axis_name)
         # step 0: own kv shard; its accumulators start here
         nxt = send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
         dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q))
@@ -270,7 +246,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll):
             local = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * delta, axis=-1)
             # Replicated sinks: with vma checking their cotangent must be replicated too, so sum
             # it here; without it (vma empty everywhere) shard_map's transpose sums it for us.
-            if _vma(q) and axis_name in _vma(q) - _vma(sinks):
+            if axis_name in _vma(local) - sinks_vma:
                 local = lax.psum(local, axis_name)
             d_sinks = local.astype(sinks.dtype)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
@@ -336,7 +312,10 @@ def ring_attention(
             raise ValueError(f"{e} (segment ids are per shard: local length S/N = {q_len})") from None
     check_ring_lengths(seq_len, n, layout, config)
     plan = ring_plan(mask, n, layout, config)
-    ring = _make_ring(plan, n, axis_name, default_scale(scale, d), logit_soft_cap, config, unroll)
+    ring = _make_ring(
+        plan, n, axis_name, default_scale(scale, d), logit_soft_cap, config, unroll,
+        sinks_vma=frozenset() if sinks is None else _vma(sinks),
+    )
     q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
     return ring(q, k, v, q_seg, kv_seg, sinks)
 
@@ -382,5 +361,6 @@ def ring_attention_sharded(
     explicit = jax.sharding.AxisType.Explicit
     if any(t == explicit for t in getattr(mesh, "axis_types", ())):  # explicit meshes do not reshard implicitly
         args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)), args, in_specs)
-    # check_vma=False: the Splash xla backend's scans start from unvarying carries
+    # check_vma=False: inside the custom_vjp backward the residuals' varying-axis types are not
+    # visible (jax 0.10.2), so the replicated sinks' cotangent cannot be typed as replicated.
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq, check_vma=False)(*args)
