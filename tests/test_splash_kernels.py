@@ -122,6 +122,14 @@ def test_splash_matches_reference_for_every_mask(key, name):
     check_against_reference(key, mask, heads=heads, kv_heads=heads // 2 if heads > 2 else heads)
 
 
+def test_splash_multi_head_mask_with_uniform_groups(key):
+    """Each GQA group shares one mask, groups differ: the dK/dV kernel walks each kv head's
+    own list with the group's q heads innermost (no merged list)."""
+    causal, local = masks.CausalMask((S, S)), masks.LocalMask((S, S), window=(30, 0))
+    check_against_reference(key, masks.MultiHeadMask([causal, causal, local, local]), heads=4, kv_heads=2,
+                            sinks=True)
+
+
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa_8_2", "mqa"])
 def test_splash_gqa_and_mqa(key, kv_heads):
     check_against_reference(key, masks.CausalMask((S, S)), heads=8, kv_heads=kv_heads, d=32)
@@ -224,6 +232,38 @@ def test_splash_forward_backward_on_zigzag_shard_pairs(key):
     for got, ref in zip((dq, dk, dv), vjp(d_out)):
         got = layouts.unpermute(jnp.concatenate(got, axis=1), "zigzag", shards, axis=1)
         assert max_err(got, ref) <= 1e-4
+
+
+def test_splash_forward_out_dtype(key):
+    """``splash_forward(out_dtype=float32)`` (the ring's partial outputs) for bf16 inputs."""
+    mask = masks.CausalMask((S, S))
+    q, k, v, _, _ = inputs(key, 2, 2, S, S, dtype=jnp.bfloat16)
+    ref = rs.reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask)
+    for backend in ("interpret", "xla"):
+        cfg = config(backend=backend)
+        info = rs.build_mask_info(mask, cfg.block_shape)
+        out, lse = jax.jit(lambda q, k, v: rs.splash_forward(q, k, v, info, config=cfg, out_dtype=jnp.float32))(q, k, v)
+        assert out.dtype == jnp.float32 and lse.dtype == jnp.float32, backend
+        assert max_err(out, ref) <= TOL[jnp.bfloat16], backend
+        default, _ = rs.splash_forward(q, k, v, info, config=cfg)
+        assert default.dtype == jnp.bfloat16, backend
+
+
+def test_splash_packed_work_list_round_trips_and_rejects_overflow():
+    from ringsplash.splash import kernel_forward as kf
+
+    q_block = jnp.asarray([0, 1, 65535, 40000], jnp.int32)
+    kv_block = jnp.asarray([65535, 0, 32768, 7], jnp.int32)
+    kind = jnp.asarray([0, 1, 2, 1], jnp.int32)
+    partial = jnp.asarray([-1, 0, -1, (1 << 30) - 3], jnp.int32)
+    blocks, kinds = kf.pack_schedule(q_block, kv_block, kind, partial, q_blocks=65536, kv_blocks=65536,
+                                     num_partials=(1 << 30) - 2)
+    assert blocks.dtype == kinds.dtype == jnp.int32
+    for decode, want in ((kf.q_block_of(blocks), q_block), (kf.kv_block_of(blocks), kv_block),
+                         (kf.kind_of(kinds), kind), (kf.partial_of(kinds), partial)):
+        np.testing.assert_array_equal(np.asarray(decode), np.asarray(want))
+    with pytest.raises(ValueError, match="at most 65536 kv blocks per shard; got kv_blocks=65537"):
+        kf.pack_schedule(q_block, kv_block, kind, partial, q_blocks=2, kv_blocks=65537, num_partials=0)
 
 
 # ----------------------------------------------------------------------------------------

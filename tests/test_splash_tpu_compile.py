@@ -90,3 +90,41 @@ def test_splash_segment_ids_soft_cap_and_sinks_compile_for_tpu():
     args = (spec("v6e:2x2", HEADS), spec("v6e:2x2", 2), spec("v6e:2x2", 2), sinks, ids, ids)
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+def _prefetch_bytes(jaxpr, found):
+    """{pallas_call name: bytes of its scalar-prefetch operands} over a (nested) jaxpr."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            n = eqn.params["grid_mapping"].num_index_operands
+            found[str(eqn.params["name"])] = sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars[:n])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _prefetch_bytes(sub, found)
+    return found
+
+
+def test_splash_128k_causal_work_lists_fit_smem_and_compile():
+    """Regression: at S=128K causal (blocks 512) the work lists once overflowed the 1 MiB of
+    TPU SMEM (the dK/dV kernel prefetched one merged list per head, 5 MiB). Packed lists,
+    walked once per kv head, prefetch 2 int32 words per entry: 257 KiB per kernel."""
+    s, target = 131072, "v5e:2x2"
+    mask = masks.CausalMask((s, s))
+    config = rs.SplashConfig(backend="mosaic_tpu")
+    sharding = jax.sharding.SingleDeviceSharding(device(target))
+    x = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=sharding)
+
+    def loss(q, k, v, w):
+        out = rs.splash_attention(q, k, v, mask, config=config)
+        return jnp.vdot(out.astype(jnp.float32), w.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    blocks = s // 512
+    steps = blocks * (blocks + 1) // 2  # one entry per non-empty block of the causal triangle
+    expected = 2 * steps * 4 + HEADS * 4  # (blocks, kinds) words + the list of each (kv) head
+    found = _prefetch_bytes(jax.make_jaxpr(grad)(x, x, x, x).jaxpr, {})
+    assert found == {"splash_forward": expected, "splash_dq": expected, "splash_dkv": expected}
+    compiled = jax.jit(grad).lower(x, x, x, x).compile()
+    assert "tpu_custom_call" in compiled.as_text()

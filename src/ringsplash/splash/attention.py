@@ -5,6 +5,7 @@ Internal backend interface (shared with ``splash/xla.py``), one shard pair, no s
     forward(q, k, v, info, schedule, q_pos, kv_pos, q_seg, kv_seg, *,
             scale, logit_soft_cap, config) -> (out [heads, q_len, d] in q.dtype,
                                                lse [heads, q_len] float32)
+    (the Pallas forward also takes ``out_dtype``; for xla the output is cast)
     backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedule_dkv,
              q_pos, kv_pos, q_seg, kv_seg, *, scale, logit_soft_cap, config)
         -> (dq, dk, dv) float32
@@ -82,10 +83,12 @@ def _static_operands(info: MaskInfo) -> dict:
     return ops
 
 
-def _heads_to_list(schedule, heads: int):
-    h2l = jnp.asarray(schedule.head_to_list, jnp.int32)
+def _heads_to_list(info: MaskInfo, heads: int) -> np.ndarray:
+    """The list of every q head, int32 ``[heads]``, on the host (the dK/dV kernel decides
+    statically whether the heads of each GQA group share one list)."""
+    h2l = np.asarray(info.head_to_list, np.int32)
     if h2l.shape[0] == 1:
-        return jnp.broadcast_to(h2l, (heads,))
+        return np.broadcast_to(h2l, (heads,))
     if h2l.shape[0] != heads:
         raise ValueError(f"the MaskInfo has {h2l.shape[0]} mask heads, q has {heads=}")
     return h2l
@@ -102,21 +105,21 @@ def _interpret(config: SplashConfig, backend: str):
 
 
 def pallas_forward(q, k, v, info, schedule, q_pos, kv_pos, q_seg, kv_seg, *,
-                   scale, logit_soft_cap, config, backend="interpret", count_steps=False):
+                   scale, logit_soft_cap, config, backend="interpret", count_steps=False, out_dtype=None):
     ops = _static_operands(info)
     if backend == "mosaic_tpu":
         q = _mosaic_guard_p.bind(q)
     as_col = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[:, None]
     as_row = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[None, :]
     return kernel_forward.splash_forward_kernel(
-        q, k, v, schedule, _heads_to_list(schedule, q.shape[0]),
+        q, k, v, schedule, _heads_to_list(info, q.shape[0]),
         q_pos=as_col(q_pos) if ops["uses_fn"] else None,
         kv_pos=as_row(kv_pos) if ops["uses_fn"] else None,
         q_seg=as_col(q_seg), kv_seg=as_row(kv_seg),
         mask_blocks=None if ops["blocks"] is None else jnp.asarray(ops["blocks"]),
         masks=ops["masks"], block_shape=info.block_shape,
         block_kv_compute=min(config.block_kv_compute, info.block_shape[1]),
-        scale=default_scale(scale, q.shape[-1]), logit_soft_cap=logit_soft_cap,
+        scale=default_scale(scale, q.shape[-1]), logit_soft_cap=logit_soft_cap, out_dtype=out_dtype,
         interpret=_interpret(config, backend), vmem_limit_bytes=config.vmem_limit_bytes,
         count_steps=count_steps,
     )
@@ -139,7 +142,7 @@ def pallas_backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedu
 
     ops = _static_operands(info)
     dq = kernel_backward.splash_dq_kernel(
-        q, k, v, d_out, lse, delta, schedule, _heads_to_list(schedule, heads),
+        q, k, v, d_out, lse, delta, schedule, _heads_to_list(info, heads),
         q_pos=as_col(q_pos) if ops["uses_fn"] else None,
         kv_pos=as_row(kv_pos) if ops["uses_fn"] else None,
         q_seg=as_col(q_seg), kv_seg=as_row(kv_seg),
@@ -148,7 +151,7 @@ def pallas_backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedu
     )
     ops_t = _static_operands(info_dkv)
     dkv = kernel_backward.splash_dkv_kernel(
-        q, k, v, d_out, lse, delta, schedule_dkv, _heads_to_list(schedule_dkv, heads),
+        q, k, v, d_out, lse, delta, schedule_dkv, _heads_to_list(info_dkv, heads),
         q_pos=as_row(q_pos) if ops_t["uses_fn"] else None,
         kv_pos=as_col(kv_pos) if ops_t["uses_fn"] else None,
         q_seg=as_row(q_seg), kv_seg=as_col(kv_seg),
@@ -165,10 +168,14 @@ def pallas_backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedu
 # dispatch by backend
 
 
-def _dispatch_forward(args, *, scale, logit_soft_cap, config):
+def _dispatch_forward(args, *, scale, logit_soft_cap, config, out_dtype=None):
     kw = dict(scale=scale, logit_soft_cap=logit_soft_cap, config=config)
-    xla_fn = lambda *a: xla_backend.forward(*a, **kw)
-    pallas_fn = lambda backend: (lambda *a: pallas_forward(*a, **kw, backend=backend))
+
+    def xla_fn(*a):  # the jnp backend computes in float32 and returns q.dtype: cast
+        out, lse = xla_backend.forward(*a, **kw)
+        return (out if out_dtype is None else out.astype(out_dtype)), lse
+
+    pallas_fn = lambda backend: (lambda *a: pallas_forward(*a, **kw, backend=backend, out_dtype=out_dtype))
     return _dispatch(config.backend, args, xla_fn, pallas_fn)
 
 
@@ -236,12 +243,16 @@ def splash_forward(
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     config: SplashConfig = SplashConfig(),
+    out_dtype=None,
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"]]:
     """Sink-free ``(out, lse)`` of the local q shard against the local kv shard.
 
     ``info`` is built with ``(config.block_q, config.block_kv)``; ``q_shard``/``kv_shard``
     (ints or traced) pick its shard-pair work list; positions default to the shard's slice
     of ``info.q_positions`` / ``info.kv_positions``; ``segment_ids`` are the local ones.
+    ``out`` has ``out_dtype`` (None = q's dtype; ``jnp.float32`` gives a ring unrounded
+    partial outputs — the Pallas kernels write it directly, the xla backend's float32 result
+    is cast to q's dtype first and then to ``out_dtype``).
     """
     heads, q_len, kv_len, d = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
     check_attention_inputs(q, k, v, same_dtype=True)
@@ -250,7 +261,8 @@ def splash_forward(
     kv_pos = _local_positions(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len)
     q_seg, kv_seg = _segments(segment_ids, q_len, kv_len)
     args = (q, k, v, info, info.schedule(q_shard, kv_shard), q_pos, kv_pos, q_seg, kv_seg)
-    return _dispatch_forward(args, scale=default_scale(scale, d), logit_soft_cap=logit_soft_cap, config=config)
+    return _dispatch_forward(args, scale=default_scale(scale, d), logit_soft_cap=logit_soft_cap, config=config,
+                             out_dtype=out_dtype)
 
 
 def splash_backward(

@@ -7,25 +7,37 @@ With ``s`` the (scaled, soft-capped) scores, ``P = exp(s - lse)``, ``dP = dO @ V
 
 * dq kernel: grid ``(heads, max_steps)`` over the forward work list (sorted by q block);
   dq accumulates in float32 VMEM over a q block's run of steps.
-* dK/dV kernel: grid ``(kv_heads, merged_steps)``. The merged work list of kv head ``g``
-  interleaves the transposed work lists of the q heads of its group, sorted by kv block, so
-  dK / dV of a kv block accumulate over every (q head, q block) in VMEM and K / V are never
-  repeated in memory. Tiles are computed transposed, ``(kv, q)``, so lse / delta rows
-  broadcast without transposes.
+* dK/dV kernel: grid ``(kv_heads, steps, inner)``; dK / dV of a kv block accumulate in
+  float32 VMEM over every (q head of the group, q block) that attends it, and K / V are never
+  repeated in memory. Two ways to walk a GQA group:
+
+  - *uniform* (every q head of a group uses the same mask list — one 2-D mask, or a
+    ``MultiHeadMask`` whose groups are uniform): kv head ``g`` walks its list's transposed
+    work list once, ``inner = group`` q heads innermost, so the prefetched list keeps its
+    base size ``[lists, steps]``;
+  - *merged* (heads of a group have different masks): the transposed lists of the group's
+    q heads are merged by kv block into one list per kv head, ``[kv_heads, group * steps]``
+    plus the q head of each entry, and ``inner = 1``.
+
+  Tiles are computed transposed, ``(kv, q)``, so lse / delta rows broadcast without
+  transposes. Work lists are packed as in ``kernel_forward`` (two int32 words per entry).
 
 Nothing is materialised per kv block: temporaries are the outputs and the lse-shaped rows.
 """
 
 import functools
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
-from ringsplash.splash.kernel_forward import MASK_VALUE, NN_DIMS, NT_DIMS, _sds, _semantics, block_mask
+from ringsplash.splash.kernel_forward import (
+    MASK_VALUE, NN_DIMS, NT_DIMS, _sds, _semantics, block_mask, kind_of, kv_block_of, pack_schedule,
+    partial_of, q_block_of,
+)
 
 # ----------------------------------------------------------------------------------------
 # helpers
@@ -57,11 +69,11 @@ def _dispatch_kinds(kind, compute):
         compute("partial")
 
 
-def _count_steps(count_ref, i, kind):
+def _count_steps(count_ref, i, kind, j=0):
     if count_ref is None:
         return
 
-    @pl.when(i == 0)
+    @pl.when((i == 0) & (j == 0))
     def _zero():
         count_ref[...] = jnp.zeros(count_ref.shape, jnp.int32)
 
@@ -76,7 +88,7 @@ def _count_steps(count_ref, i, kind):
 
 def _dq_kernel(
     # prefetched
-    q_block_ref, kv_block_ref, kind_ref, partial_ref, list_ref,
+    blocks_ref, kinds_ref, list_ref,
     # inputs
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, mask_ref,
@@ -89,10 +101,10 @@ def _dq_kernel(
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
-    q_blk = q_block_ref[lst, i]
-    kind = kind_ref[lst, i]
-    first = (i == 0) | (q_block_ref[lst, jnp.maximum(i - 1, 0)] != q_blk)
-    last = (i == num_steps - 1) | (q_block_ref[lst, jnp.minimum(i + 1, num_steps - 1)] != q_blk)
+    q_blk = q_block_of(blocks_ref[lst, i])
+    kind = kind_of(kinds_ref[lst, i])
+    first = (i == 0) | (q_block_of(blocks_ref[lst, jnp.maximum(i - 1, 0)]) != q_blk)
+    last = (i == num_steps - 1) | (q_block_of(blocks_ref[lst, jnp.minimum(i + 1, num_steps - 1)]) != q_blk)
     bq = q_ref.shape[0]
 
     @pl.when(first)
@@ -108,7 +120,7 @@ def _dq_kernel(
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         s, t = _scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
         mask = block_mask(
-            which, partial_ref[lst, i], lst,
+            which, partial_of(kinds_ref[lst, i]), lst,
             None if q_pos_ref is None else q_pos_ref[...],
             None if kv_pos_ref is None else kv_pos_ref[...],
             None if q_seg_ref is None else q_seg_ref[...],
@@ -132,9 +144,23 @@ def _dq_kernel(
         dq_ref[...] = (dq_scr[...] * scale).astype(dq_ref.dtype)
 
 
+def _dkv_entry(g, i, j, q_head_ref, list_ref, *, group):
+    """``(row of the packed work list, q head, mask list)`` of dK/dV grid step ``(g, i, j)``.
+
+    Uniform groups (``q_head_ref`` None): ``list_ref[g]`` is kv head g's list, whose rows
+    the packed arrays ``[lists, steps]`` are, and the q head is ``g * group + j``. Merged:
+    row ``g`` of ``[kv_heads, merged_steps]``, the q head stored per entry, ``list_ref``
+    maps q heads to lists."""
+    if q_head_ref is None:
+        row = list_ref[g]
+        return row, g * group + j, row
+    h = g * group + q_head_ref[g, i]
+    return g, h, list_ref[h]
+
+
 def _dkv_kernel(
     # prefetched
-    kv_block_ref, q_head_ref, q_block_ref, kind_ref, partial_ref, list_ref,
+    blocks_ref, kinds_ref, q_head_ref, list_ref,
     # inputs
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
     q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, mask_ref,
@@ -143,28 +169,31 @@ def _dkv_kernel(
     # scratch
     dk_scr, dv_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps, group,
+    scale, logit_soft_cap, masks, num_steps, group, inner,
 ):
-    g, i = pl.program_id(0), pl.program_id(1)
-    kv_blk = kv_block_ref[g, i]
-    kind = kind_ref[g, i]
-    lst = list_ref[g * group + q_head_ref[g, i]]
-    first = (i == 0) | (kv_block_ref[g, jnp.maximum(i - 1, 0)] != kv_blk)
-    last = (i == num_steps - 1) | (kv_block_ref[g, jnp.minimum(i + 1, num_steps - 1)] != kv_blk)
+    g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row, _, lst = _dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
+    kv_blk = kv_block_of(blocks_ref[row, i])
+    kind = kind_of(kinds_ref[row, i])
+    # a kv block's run: consecutive steps naming it, each over the `inner` q heads
+    first = (j == 0) & ((i == 0) | (kv_block_of(blocks_ref[row, jnp.maximum(i - 1, 0)]) != kv_blk))
+    last = (j == inner - 1) & (
+        (i == num_steps - 1) | (kv_block_of(blocks_ref[row, jnp.minimum(i + 1, num_steps - 1)]) != kv_blk)
+    )
 
     @pl.when(first)
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    _count_steps(count_ref, i, kind)
+    _count_steps(count_ref, i, kind, j)
 
     def compute(which):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         # transposed tiles (kv, q): q-side rows (1, bq) broadcast over kv rows
         s, t = _scores_and_tanh(k, q, scale=scale, logit_soft_cap=logit_soft_cap)
         mask = block_mask(
-            which, partial_ref[g, i], lst,
+            which, partial_of(kinds_ref[row, i]), lst,
             None if q_pos_ref is None else q_pos_ref[...],
             None if kv_pos_ref is None else kv_pos_ref[...],
             None if q_seg_ref is None else q_seg_ref[...],
@@ -194,88 +223,113 @@ def _dkv_kernel(
 # index maps
 
 
-def _q_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return h, q_blocks[lists[h], i], 0
+def _q_map(h, i, blocks, kinds, lists):
+    return h, q_block_of(blocks[lists[h], i]), 0
 
 
-def _row_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return h, 0, q_blocks[lists[h], i]  # lse / delta rows [heads, 1, q_len]
+def _row_map(h, i, blocks, kinds, lists):
+    return h, 0, q_block_of(blocks[lists[h], i])  # lse / delta rows [heads, 1, q_len]
 
 
-def _kv_map(h, i, q_blocks, kv_blocks, kinds, partials, lists, *, group):
-    return lax.div(h, group), kv_blocks[lists[h], i], 0  # GQA: q head h reads kv head h // group
+def _kv_map(h, i, blocks, kinds, lists, *, group):
+    # GQA: q head h reads kv head h // group
+    return lax.div(h, group), kv_block_of(blocks[lists[h], i]), 0
 
 
-def _q_col_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return q_blocks[lists[h], i], 0
+def _q_col_map(h, i, blocks, kinds, lists):
+    return q_block_of(blocks[lists[h], i]), 0
 
 
-def _kv_row_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return 0, kv_blocks[lists[h], i]
+def _kv_row_map(h, i, blocks, kinds, lists):
+    return 0, kv_block_of(blocks[lists[h], i])
 
 
-def _mask_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return jnp.maximum(partials[lists[h], i], 0), 0, 0  # only partial entries read it
+def _mask_map(h, i, blocks, kinds, lists):
+    return jnp.maximum(partial_of(kinds[lists[h], i]), 0), 0, 0  # only partial entries read it
 
 
 def _count_map(h, i, *prefetched):
     return h, 0, 0
 
 
-# dK/dV maps: (kv head g, merged step i); the entry names a q head of the group and blocks
-def _dkv_q_map(g, i, kv_blocks, q_heads, q_blocks, kinds, partials, lists, *, group):
-    return g * group + q_heads[g, i], q_blocks[g, i], 0
+# dK/dV maps: (kv head g, step i, inner j, *prefetched); prefetched is (blocks, kinds, lists)
+# for uniform groups and (blocks, kinds, q_heads, lists) for merged lists (see _dkv_entry)
+def _dkv_where(g, i, j, prefetched, group):
+    blocks, kinds, *rest = prefetched
+    q_heads, lists = rest if len(rest) == 2 else (None, rest[0])
+    row, h, _ = _dkv_entry(g, i, j, q_heads, lists, group=group)
+    return blocks[row, i], kinds[row, i], h
 
 
-def _dkv_row_map(g, i, kv_blocks, q_heads, q_blocks, kinds, partials, lists, *, group):
-    return g * group + q_heads[g, i], 0, q_blocks[g, i]
+def _dkv_q_map(g, i, j, *prefetched, group):
+    word, _, h = _dkv_where(g, i, j, prefetched, group)
+    return h, q_block_of(word), 0
 
 
-def _dkv_kv_map(g, i, kv_blocks, q_heads, q_blocks, kinds, partials, lists):
-    return g, kv_blocks[g, i], 0
+def _dkv_row_map(g, i, j, *prefetched, group):
+    word, _, h = _dkv_where(g, i, j, prefetched, group)
+    return h, 0, q_block_of(word)
 
 
-def _dkv_q_row_map(g, i, kv_blocks, q_heads, q_blocks, kinds, partials, lists):
-    return 0, q_blocks[g, i]  # positions / segment ids of the q block as a (1, bq) row
+def _dkv_kv_map(g, i, j, *prefetched, group):
+    word, _, _ = _dkv_where(g, i, j, prefetched, group)
+    return g, kv_block_of(word), 0
 
 
-def _dkv_kv_col_map(g, i, kv_blocks, q_heads, q_blocks, kinds, partials, lists):
-    return kv_blocks[g, i], 0  # ... of the kv block as a (bkv, 1) column
+def _dkv_q_row_map(g, i, j, *prefetched, group):
+    word, _, _ = _dkv_where(g, i, j, prefetched, group)
+    return 0, q_block_of(word)  # positions / segment ids of the q block as a (1, bq) row
 
 
-def _dkv_mask_map(g, i, kv_blocks, q_heads, q_blocks, kinds, partials, lists):
-    return jnp.maximum(partials[g, i], 0), 0, 0  # transposed blocks [n, bkv, bq]
+def _dkv_kv_col_map(g, i, j, *prefetched, group):
+    word, _, _ = _dkv_where(g, i, j, prefetched, group)
+    return kv_block_of(word), 0  # ... of the kv block as a (bkv, 1) column
+
+
+def _dkv_mask_map(g, i, j, *prefetched, group):
+    _, kinds, _ = _dkv_where(g, i, j, prefetched, group)
+    return jnp.maximum(partial_of(kinds), 0), 0, 0  # transposed blocks [n, bkv, bq]
+
+
+def _dkv_count_map(g, i, j, *prefetched):
+    return g, 0, 0
 
 
 # ----------------------------------------------------------------------------------------
-# merged GQA work list
+# GQA groups: uniform lists, or a merged work list
 
 
-def merge_group_lists(schedule_dkv, head_to_list, group):
-    """Per kv head, the transposed work lists of its q heads merged by kv block.
+def uniform_group_lists(head_to_list, group):
+    """The list of each kv head when every q head of each group uses the same list
+    (int32 ``[kv_heads]``), else None. ``head_to_list`` must be concrete (host) values."""
+    h2l = np.asarray(head_to_list).reshape(-1, group)
+    if np.all(h2l == h2l[:, :1]):
+        return h2l[:, 0].astype(np.int32)
+    return None
 
-    ``schedule_dkv`` arrays are ``[lists, steps]`` sorted by kv block; ``head_to_list`` is
-    ``[heads]``. Returns int32 ``kv_block, q_head (in group), q_block, kind, partial_index``
-    of shape ``[kv_heads, group * steps]``. A stable sort by kv block keeps each head's
-    entries (and its padding, which repeats its last kv block) in order, so every kv block's
-    entries are consecutive: first / last visit stay neighbour comparisons. Works on traced
+
+def merge_group_lists(blocks, kinds, head_to_list, group):
+    """Per kv head, the packed transposed work lists of its q heads merged by kv block.
+
+    ``blocks, kinds`` are packed ``[lists, steps]`` arrays sorted by kv block;
+    ``head_to_list`` is ``[heads]``. Returns int32 ``blocks, kinds, q_head (in group)`` of
+    shape ``[kv_heads, group * steps]``. A stable sort by kv block keeps each head's entries
+    (and its padding, which repeats its last kv block) in order, so every kv block's entries
+    are consecutive: first / last visit stay neighbour comparisons. Works on traced
     schedules (ring steps).
     """
     heads = head_to_list.shape[0]
-    kv_heads, steps = heads // group, schedule_dkv.kind.shape[-1]
-    lists = head_to_list.reshape(kv_heads, group)
+    kv_heads, steps = heads // group, blocks.shape[-1]
+    lists = jnp.asarray(head_to_list, jnp.int32).reshape(kv_heads, group)
 
     def gather(a):
         return a[lists].reshape(kv_heads, group * steps)  # [kv_heads, group, steps] flattened
 
-    kv_block = gather(schedule_dkv.kv_block)
     q_head = jnp.broadcast_to(jnp.arange(group, dtype=jnp.int32)[None, :, None], (kv_heads, group, steps))
-    q_head = q_head.reshape(kv_heads, group * steps)
-    fields = [kv_block, q_head, gather(schedule_dkv.q_block), gather(schedule_dkv.kind),
-              gather(schedule_dkv.partial_index)]
+    fields = [gather(blocks), gather(kinds), q_head.reshape(kv_heads, group * steps)]
     if group == 1:
         return tuple(fields)
-    order = jnp.argsort(kv_block, axis=1, stable=True)
+    order = jnp.argsort(kv_block_of(fields[0]), axis=1, stable=True)
     return tuple(jnp.take_along_axis(f, order, axis=1) for f in fields)
 
 
@@ -317,6 +371,11 @@ def splash_dq_kernel(
     num_steps = schedule.kind.shape[-1]
     kv_map = functools.partial(_kv_map, group=heads // kv_heads)
     rows = lambda x: x.astype(jnp.float32).reshape(heads, 1, q_len)
+    packed = pack_schedule(
+        schedule.q_block, schedule.kv_block, schedule.kind, schedule.partial_index,
+        q_blocks=q_len // bq, kv_blocks=k.shape[1] // bkv,
+        num_partials=0 if mask_blocks is None else mask_blocks.shape[0],
+    )
 
     in_specs = [
         pl.BlockSpec((None, bq, d), _q_map),
@@ -342,11 +401,11 @@ def splash_dq_kernel(
     body = functools.partial(
         _dq_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks), num_steps=num_steps,
     )
-    kernel = lambda *refs: body(*_unpack(refs, 5, 6, present, 1, count_steps))
+    kernel = lambda *refs: body(*_unpack(refs, 3, 6, present, 1, count_steps))
     results = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=3,
             grid=(heads, num_steps),
             in_specs=in_specs + specs,
             out_specs=out_specs,
@@ -366,10 +425,7 @@ def splash_dq_kernel(
         ),
         interpret=interpret,
         name="splash_dq",
-    )(
-        schedule.q_block, schedule.kv_block, schedule.kind, schedule.partial_index, head_to_list,
-        q, k, v, d_out, rows(lse), rows(delta), *operands,
-    )
+    )(*packed, jnp.asarray(head_to_list, jnp.int32), q, k, v, d_out, rows(lse), rows(delta), *operands)
     return (results[0], results[1][:, 0, 0]) if count_steps else results[0]
 
 
@@ -381,67 +437,91 @@ def splash_dkv_kernel(
 ):
     """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``).
 
-    Positions / segment ids: q side int32 ``[1, q_len]`` rows, kv side ``[kv_len, 1]``
-    columns. ``mask_blocks_t`` holds the partial blocks transposed, int8
-    ``[num_partials, bkv, bq]``. Returns ``dk, dv [kv_heads, kv_len, d]`` in ``out_dtype``
-    (and the per-kv-head count of computing steps with ``count_steps``).
+    ``head_to_list`` (``[heads]``) must be concrete: it picks, statically, the uniform-group
+    walk (prefetched list ``[lists, steps]``) or the merged one (``[kv_heads, group *
+    steps]``, for groups whose heads have different masks). Positions / segment ids: q side
+    int32 ``[1, q_len]`` rows, kv side ``[kv_len, 1]`` columns. ``mask_blocks_t`` holds the
+    partial blocks transposed, int8 ``[num_partials, bkv, bq]``. Returns ``dk, dv [kv_heads,
+    kv_len, d]`` in ``out_dtype`` (and the per-kv-head count of computing steps with
+    ``count_steps``).
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
     group = heads // kv_heads
     bq, bkv = block_shape
-    merged = merge_group_lists(schedule_dkv, head_to_list, group)
-    num_steps = merged[0].shape[-1]
+    blocks, kinds = pack_schedule(
+        schedule_dkv.q_block, schedule_dkv.kv_block, schedule_dkv.kind, schedule_dkv.partial_index,
+        q_blocks=q_len // bq, kv_blocks=kv_len // bkv,
+        num_partials=0 if mask_blocks_t is None else mask_blocks_t.shape[0],
+    )
+    kv_lists = uniform_group_lists(head_to_list, group)
+    if kv_lists is not None:  # walk the shared list once per kv head, q heads innermost
+        prefetched = [blocks, kinds, jnp.asarray(kv_lists)]
+        inner = group
+    else:
+        blocks, kinds, q_head = merge_group_lists(blocks, kinds, np.asarray(head_to_list), group)
+        prefetched = [blocks, kinds, q_head, jnp.asarray(head_to_list, jnp.int32)]
+        inner = 1
+    num_steps = blocks.shape[-1]
     rows = lambda x: x.astype(jnp.float32).reshape(heads, 1, q_len)
-    q_map = functools.partial(_dkv_q_map, group=group)
-    row_map = functools.partial(_dkv_row_map, group=group)
+    maps = {name: functools.partial(fn, group=group) for name, fn in (
+        ("q", _dkv_q_map), ("row", _dkv_row_map), ("kv", _dkv_kv_map), ("q_row", _dkv_q_row_map),
+        ("kv_col", _dkv_kv_col_map), ("mask", _dkv_mask_map))}
 
     in_specs = [
-        pl.BlockSpec((None, bq, d), q_map),
-        pl.BlockSpec((None, bkv, d), _dkv_kv_map),
-        pl.BlockSpec((None, bkv, d), _dkv_kv_map),
-        pl.BlockSpec((None, bq, d), q_map),
-        pl.BlockSpec((None, 1, bq), row_map),
-        pl.BlockSpec((None, 1, bq), row_map),
+        pl.BlockSpec((None, bq, d), maps["q"]),
+        pl.BlockSpec((None, bkv, d), maps["kv"]),
+        pl.BlockSpec((None, bkv, d), maps["kv"]),
+        pl.BlockSpec((None, bq, d), maps["q"]),
+        pl.BlockSpec((None, 1, bq), maps["row"]),
+        pl.BlockSpec((None, 1, bq), maps["row"]),
     ]
     specs, operands, present = _optional_specs([
-        (q_pos, pl.BlockSpec((1, bq), _dkv_q_row_map)),
-        (kv_pos, pl.BlockSpec((bkv, 1), _dkv_kv_col_map)),
-        (q_seg, pl.BlockSpec((1, bq), _dkv_q_row_map)),
-        (kv_seg, pl.BlockSpec((bkv, 1), _dkv_kv_col_map)),
-        (mask_blocks_t, pl.BlockSpec((1, bkv, bq), _dkv_mask_map)),
+        (q_pos, pl.BlockSpec((1, bq), maps["q_row"])),
+        (kv_pos, pl.BlockSpec((bkv, 1), maps["kv_col"])),
+        (q_seg, pl.BlockSpec((1, bq), maps["q_row"])),
+        (kv_seg, pl.BlockSpec((bkv, 1), maps["kv_col"])),
+        (mask_blocks_t, pl.BlockSpec((1, bkv, bq), maps["mask"])),
     ])
     out_shape = [_sds(q, (kv_heads, kv_len, d), out_dtype)] * 2
-    out_specs = [pl.BlockSpec((None, bkv, d), _dkv_kv_map)] * 2
+    out_specs = [pl.BlockSpec((None, bkv, d), maps["kv"])] * 2
     if count_steps:
         out_shape.append(_sds(q, (kv_heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _count_map))
+        out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _dkv_count_map))
 
     body = functools.partial(
         _dkv_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
-        num_steps=num_steps, group=group,
+        num_steps=num_steps, group=group, inner=inner,
     )
-    kernel = lambda *refs: body(*_unpack(refs, 6, 6, present, 2, count_steps))
+    num_prefetch = len(prefetched)
+
+    def kernel(*refs):
+        args = _unpack(refs, num_prefetch, 6, present, 2, count_steps)
+        if num_prefetch == 3:  # uniform: no per-entry q head
+            args.insert(2, None)
+        return body(*args)
+
+    visits = kv_heads * num_steps * inner
     results = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
-            grid=(kv_heads, num_steps),
+            num_scalar_prefetch=num_prefetch,
+            grid=(kv_heads, num_steps, inner),
             in_specs=in_specs + specs,
             out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=_semantics(interpret), vmem_limit_bytes=vmem_limit_bytes
+            dimension_semantics=_semantics(interpret, arbitrary=2), vmem_limit_bytes=vmem_limit_bytes
         ),
         cost_estimate=pl.CostEstimate(
-            flops=8 * kv_heads * num_steps * bq * bkv * d, transcendentals=kv_heads * num_steps * bq * bkv,
-            bytes_accessed=int(2 * kv_heads * num_steps * bq * d * 2 * q.dtype.itemsize + 4 * k.size * k.dtype.itemsize),
+            flops=8 * visits * bq * bkv * d, transcendentals=visits * bq * bkv,
+            bytes_accessed=int(2 * visits * bq * d * 2 * q.dtype.itemsize + 4 * k.size * k.dtype.itemsize),
         ),
         interpret=interpret,
         name="splash_dkv",
-    )(*merged, head_to_list, q, k, v, d_out, rows(lse), rows(delta), *operands)
+    )(*prefetched, q, k, v, d_out, rows(lse), rows(delta), *operands)
     if count_steps:
         return results[0], results[1], results[2][:, 0, 0]
     return results[0], results[1]

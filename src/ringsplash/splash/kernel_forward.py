@@ -6,6 +6,16 @@ mask blocks that entry names, and the body only computes when the entry's kind i
 Entries are sorted by q block, so the output block of a q block is resident over a run of
 consecutive steps: it is initialised at the first step of the run and finalised at the
 last ("first" / "last" = the neighbouring entry names another q block).
+
+Scalar prefetch (SMEM, 1 MiB on TPU) holds the work lists *packed*, two int32 words per
+entry (``pack_schedule``; the backward kernels use the same layout)::
+
+    blocks word: bits  0-15 q block, bits 16-31 kv block   (both local to the shard)
+    kind word:   bits  0-1  kind (0 none, 1 partial, 2 full), bits 2-31 partial_index + 1
+
+so a 128K causal list at blocks 512 (32,896 entries) takes 257 KiB. Kernel bodies and index
+maps decode with ``q_block_of`` / ``kv_block_of`` / ``kind_of`` / ``partial_of`` (shifts and
+masks only; the masks after arithmetic shifts make them exact for all 32 bits).
 """
 
 import functools
@@ -26,6 +36,60 @@ MASKED_LSE = -1e30
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+#: packed work-list layout (see the module docstring)
+BLOCK_BITS = 16
+BLOCK_FIELD = (1 << BLOCK_BITS) - 1
+KIND_BITS = 2
+KIND_FIELD = (1 << KIND_BITS) - 1
+PARTIAL_FIELD = (1 << (32 - KIND_BITS)) - 1
+
+
+# ----------------------------------------------------------------------------------------
+# packed work lists
+
+
+def q_block_of(word):
+    return word & BLOCK_FIELD
+
+
+def kv_block_of(word):
+    return (word >> BLOCK_BITS) & BLOCK_FIELD
+
+
+def kind_of(word):
+    return word & KIND_FIELD
+
+
+def partial_of(word):
+    return ((word >> KIND_BITS) & PARTIAL_FIELD) - 1  # -1 = evaluate mask_function in kernel
+
+
+def check_packable(*, q_blocks, kv_blocks, num_partials):
+    """Raise unless block indices fit 16 bits and partial indices + 1 fit 30 bits."""
+    for name, count in (("q", q_blocks), ("kv", kv_blocks)):
+        if count > BLOCK_FIELD + 1:
+            raise ValueError(
+                f"the packed Splash work list holds {BLOCK_BITS}-bit block indices, so at most "
+                f"{BLOCK_FIELD + 1} {name} blocks per shard; got {name}_blocks={count} "
+                f"(use larger blocks or more shards)"
+            )
+    if num_partials > PARTIAL_FIELD:  # partial_index + 1 <= num_partials
+        raise ValueError(
+            f"the packed Splash work list holds at most {PARTIAL_FIELD} partial mask blocks, "
+            f"got {num_partials=}"
+        )
+
+
+def pack_schedule(q_block, kv_block, kind, partial_index, *, q_blocks, kv_blocks, num_partials):
+    """Pack int work-list arrays (any equal shapes, possibly traced) into the two int32 words
+    of the module docstring: ``(blocks, kinds)``. ``q_blocks`` / ``kv_blocks`` (blocks per
+    shard) and ``num_partials`` are the static bounds checked by ``check_packable``."""
+    check_packable(q_blocks=q_blocks, kv_blocks=kv_blocks, num_partials=num_partials)
+    u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
+    blocks = u32(q_block) | (u32(kv_block) << BLOCK_BITS)
+    kinds = u32(kind) | (u32(jnp.asarray(partial_index).astype(jnp.int32) + 1) << KIND_BITS)
+    as_i32 = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+    return as_i32(blocks), as_i32(kinds)
 
 
 # ----------------------------------------------------------------------------------------
@@ -102,10 +166,10 @@ def _sds(like, shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
 
 
-def _semantics(interpret):
+def _semantics(interpret, arbitrary=1):
     # The TPU interpreter does not account for grid dimensions added by vmap in
     # dimension_semantics (Mosaic does); it only uses them to shuffle parallel dimensions.
-    return None if interpret else ("parallel", "arbitrary")
+    return None if interpret else ("parallel",) + ("arbitrary",) * arbitrary
 
 
 # ----------------------------------------------------------------------------------------
@@ -114,7 +178,7 @@ def _semantics(interpret):
 
 def _forward_kernel(
     # prefetched
-    q_block_ref, kv_block_ref, kind_ref, partial_ref, list_ref,
+    blocks_ref, kinds_ref, list_ref,
     # inputs
     q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, mask_ref,
     # outputs
@@ -126,10 +190,10 @@ def _forward_kernel(
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
-    q_blk = q_block_ref[lst, i]
-    kind = kind_ref[lst, i]
-    first = (i == 0) | (q_block_ref[lst, jnp.maximum(i - 1, 0)] != q_blk)
-    last = (i == num_steps - 1) | (q_block_ref[lst, jnp.minimum(i + 1, num_steps - 1)] != q_blk)
+    q_blk = q_block_of(blocks_ref[lst, i])
+    kind = kind_of(kinds_ref[lst, i])
+    first = (i == 0) | (q_block_of(blocks_ref[lst, jnp.maximum(i - 1, 0)]) != q_blk)
+    last = (i == num_steps - 1) | (q_block_of(blocks_ref[lst, jnp.minimum(i + 1, num_steps - 1)]) != q_blk)
 
     @pl.when(first)
     def _init():
@@ -151,7 +215,7 @@ def _forward_kernel(
     q = q_ref[...]
 
     def compute(which):
-        partial = partial_ref[lst, i]
+        partial = partial_of(kinds_ref[lst, i])
 
         def body(c, carry):
             cols = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute)
@@ -209,29 +273,30 @@ def _forward_kernel(
 # index maps: (head, step, *prefetched refs) -> block indices
 
 
-def _q_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return h, q_blocks[lists[h], i], 0
+def _q_map(h, i, blocks, kinds, lists):
+    return h, q_block_of(blocks[lists[h], i]), 0
 
 
-def _lse_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return h, 0, q_blocks[lists[h], i]
+def _lse_map(h, i, blocks, kinds, lists):
+    return h, 0, q_block_of(blocks[lists[h], i])
 
 
-def _kv_map(h, i, q_blocks, kv_blocks, kinds, partials, lists, *, group):
-    return lax.div(h, group), kv_blocks[lists[h], i], 0  # GQA: q head h reads kv head h // group
+def _kv_map(h, i, blocks, kinds, lists, *, group):
+    # GQA: q head h reads kv head h // group
+    return lax.div(h, group), kv_block_of(blocks[lists[h], i]), 0
 
 
-def _q_col_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return q_blocks[lists[h], i], 0
+def _q_col_map(h, i, blocks, kinds, lists):
+    return q_block_of(blocks[lists[h], i]), 0
 
 
-def _kv_row_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
-    return 0, kv_blocks[lists[h], i]
+def _kv_row_map(h, i, blocks, kinds, lists):
+    return 0, kv_block_of(blocks[lists[h], i])
 
 
-def _mask_map(h, i, q_blocks, kv_blocks, kinds, partials, lists):
+def _mask_map(h, i, blocks, kinds, lists):
     # Non-partial entries (index -1) fetch block 0; it is only read by partial entries.
-    return jnp.maximum(partials[lists[h], i], 0), 0, 0
+    return jnp.maximum(partial_of(kinds[lists[h], i]), 0), 0, 0
 
 
 def _count_map(h, i, *prefetched):
@@ -245,7 +310,7 @@ def _count_map(h, i, *prefetched):
 def splash_forward_kernel(
     q, k, v, schedule, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
-    masks, block_shape, block_kv_compute, scale, logit_soft_cap=None,
+    masks, block_shape, block_kv_compute, scale, logit_soft_cap=None, out_dtype=None,
     interpret=False, vmem_limit_bytes=None, count_steps=False,
 ):
     """Run the forward kernel on one shard pair.
@@ -256,8 +321,9 @@ def splash_forward_kernel(
     ``kv_pos / kv_seg`` int32 ``[1, kv_len]`` (pass positions only when ``masks`` has a
     mask to evaluate in kernel). ``mask_blocks`` is int8 ``[num_partials, bq, bkv]`` or
     None. ``masks``: per list, the mask whose ``mask_function`` the kernel may evaluate, or
-    None. Returns ``out [heads, q_len, d]`` (q dtype), ``lse [heads, q_len]`` float32 and,
-    with ``count_steps``, the number of computing steps per head ``[heads]``.
+    None. Returns ``out [heads, q_len, d]`` (``out_dtype``, default q's), ``lse [heads,
+    q_len]`` float32 and, with ``count_steps``, the number of computing steps per head
+    ``[heads]``. The schedule is packed (``pack_schedule``) before scalar prefetch.
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
@@ -265,6 +331,12 @@ def splash_forward_kernel(
     group = heads // kv_heads
     num_steps = schedule.kind.shape[-1]
     kv_map = functools.partial(_kv_map, group=group)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    packed = pack_schedule(
+        schedule.q_block, schedule.kv_block, schedule.kind, schedule.partial_index,
+        q_blocks=q_len // bq, kv_blocks=kv_len // bkv,
+        num_partials=0 if mask_blocks is None else mask_blocks.shape[0],
+    )
 
     in_specs = [
         pl.BlockSpec((None, bq, d), _q_map),
@@ -286,7 +358,7 @@ def splash_forward_kernel(
             operands.append(arr)
 
     out_shape = [
-        _sds(q, (heads, q_len, d), q.dtype),
+        _sds(q, (heads, q_len, d), out_dtype),
         _sds(q, (heads, 1, q_len), jnp.float32),
     ]
     out_specs = [pl.BlockSpec((None, bq, d), _q_map), pl.BlockSpec((None, 1, bq), _lse_map)]
@@ -300,7 +372,7 @@ def splash_forward_kernel(
     )
 
     def kernel(*refs):
-        prefetched, rest = refs[:5], list(refs[5:])
+        prefetched, rest = refs[:3], list(refs[3:])
         inputs = rest[:3]
         rest = rest[3:]
         for flag in present:
@@ -309,7 +381,7 @@ def splash_forward_kernel(
         return body(*prefetched, *inputs, *outputs, *rest)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=3,
         grid=(heads, num_steps),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -333,10 +405,7 @@ def splash_forward_kernel(
         ),
         interpret=interpret,
         name="splash_forward",
-    )(
-        schedule.q_block, schedule.kv_block, schedule.kind, schedule.partial_index, head_to_list,
-        *operands,
-    )
+    )(*packed, jnp.asarray(head_to_list, jnp.int32), *operands)
     out, lse = results[0], results[1][:, 0, :]
     if count_steps:
         return out, lse, results[2][:, 0, 0]
