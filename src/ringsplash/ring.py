@@ -113,9 +113,9 @@ def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config):
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
     out, lse = splash_forward(
         q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
-        segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config,
+        segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config, out_dtype=jnp.float32,
     )
-    return out.astype(jnp.float32), lse.astype(jnp.float32)
+    return out, lse
 
 
 def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config):

@@ -5,7 +5,7 @@ Internal backend interface (shared with ``splash/xla.py``), one shard pair, no s
     forward(q, k, v, info, schedule, q_pos, kv_pos, q_seg, kv_seg, *,
             scale, logit_soft_cap, config) -> (out [heads, q_len, d] in q.dtype,
                                                lse [heads, q_len] float32)
-    (the Pallas forward also takes ``out_dtype``; for xla the output is cast)
+    (both forwards also take ``out_dtype``, None = q's dtype)
     backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedule_dkv,
              q_pos, kv_pos, q_seg, kv_seg, *, scale, logit_soft_cap, config)
         -> (dq, dk, dv) float32
@@ -170,11 +170,7 @@ def pallas_backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedu
 
 def _dispatch_forward(args, *, scale, logit_soft_cap, config, out_dtype=None):
     kw = dict(scale=scale, logit_soft_cap=logit_soft_cap, config=config)
-
-    def xla_fn(*a):  # the jnp backend computes in float32 and returns q.dtype: cast
-        out, lse = xla_backend.forward(*a, **kw)
-        return (out if out_dtype is None else out.astype(out_dtype)), lse
-
+    xla_fn = lambda *a: xla_backend.forward(*a, **kw, out_dtype=out_dtype)
     pallas_fn = lambda backend: (lambda *a: pallas_forward(*a, **kw, backend=backend, out_dtype=out_dtype))
     return _dispatch(config.backend, args, xla_fn, pallas_fn)
 
@@ -251,8 +247,7 @@ def splash_forward(
     (ints or traced) pick its shard-pair work list; positions default to the shard's slice
     of ``info.q_positions`` / ``info.kv_positions``; ``segment_ids`` are the local ones.
     ``out`` has ``out_dtype`` (None = q's dtype; ``jnp.float32`` gives a ring unrounded
-    partial outputs — the Pallas kernels write it directly, the xla backend's float32 result
-    is cast to q's dtype first and then to ``out_dtype``).
+    partial outputs; both backends write it directly from their float32 accumulators).
     """
     heads, q_len, kv_len, d = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
     check_attention_inputs(q, k, v, same_dtype=True)

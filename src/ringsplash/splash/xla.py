@@ -226,8 +226,10 @@ def forward(
     scale: float | None,
     logit_soft_cap: float | None,
     config=None,
+    out_dtype=None,
 ) -> tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]:
-    """Sink-free block-sparse attention of one shard pair: ``(out in q.dtype, lse float32)``.
+    """Sink-free block-sparse attention of one shard pair: ``(out, lse float32)``; ``out`` in
+    ``out_dtype`` (None = q's dtype; float32 keeps a ring's partial results unrounded).
 
     ``info`` supplies the static parts (``block_shape``, ``head_to_list``, ``masks``,
     ``partial_mask_blocks``); ``schedule`` the (possibly traced) ``[lists, max_steps]`` work
@@ -251,7 +253,7 @@ def forward(
         )
         out = _scatter_heads(out, o_l, plan)
         lse = _scatter_heads(lse, lse_l, plan)
-    return out.astype(q.dtype), lse
+    return out.astype(q.dtype if out_dtype is None else out_dtype), lse
 
 
 def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma):
