@@ -4,10 +4,6 @@ Interpret mode accepts things Mosaic rejects; only this proves the kernels lower
 checks the backward's compiled temporary memory stays within 2 x |q| float32.
 """
 
-import os
-
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test processes may hold libtpu
-
 import functools
 
 import jax
