@@ -1,0 +1,217 @@
+"""Training data: batches of (tokens, labels, loss mask, positions, segment ids), host side (numpy).
+
+* :func:`recall_batch` — multi-query associative recall: key–value pairs scattered through
+  filler noise, then a separator and queries (``key -> value``) at the end. The model must
+  find each queried key far back in the context and copy the value that followed it.
+* :func:`pack_documents` — pack variable-length documents into fixed-length rows with segment
+  ids (attention never crosses documents), per-document positions and a loss mask that never
+  predicts across a document boundary.
+* :class:`DataStream` — a deterministic function of ``(seed, step)``: the "data RNG state" a
+  checkpoint stores is just the next step, so a resumed run sees exactly the same batches.
+
+Every field is ``[batch, seq]`` in original token order; the trainer applies the ring layout.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Batch(NamedTuple):
+    tokens: np.ndarray  # int32 [batch, seq]
+    labels: np.ndarray  # int32 [batch, seq]: the token to predict at each position
+    loss_mask: np.ndarray  # float32 [batch, seq]: 1 where the prediction is scored
+    positions: np.ndarray  # int32 [batch, seq]: RoPE positions (within the document)
+    segment_ids: np.ndarray  # int32 [batch, seq]: document id of each token
+
+
+# ----------------------------------------------------------------------------- associative recall
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallTask:
+    """Multi-query associative recall over ``seq_len`` tokens.
+
+    Vocabulary: ``0`` = separator, then ``num_filler`` filler tokens, ``num_keys`` keys and
+    ``num_values`` values (chance accuracy = ``1 / num_values``). A row is::
+
+        filler ... k1 v1 filler ... k2 v2 ... (num_pairs pairs, placed at random) SEP
+        q1 a1 q2 a2 ... (num_queries queried keys with their values)
+
+    Only the answers are scored: the loss mask is 1 at each queried key, whose label is its
+    value. ``min_distance`` keeps every pair at least that many tokens before the separator,
+    so the answers are long-range.
+
+    The filler is i.i.d. uniform when ``filler_rule == 0``. Otherwise it is a "local grammar":
+    with probability ``filler_rule`` the next filler token is a fixed function (seeded by
+    ``rule_seed``, the same for every row) of the previous two, else uniform. Predicting it
+    needs the previous token, so scoring it (loss weight ``filler_weight``, at filler tokens
+    whose two predecessors are filler) teaches the previous-token heads that recall builds on,
+    as local syntax does in natural text.
+    """
+
+    seq_len: int = 1024
+    num_pairs: int = 32
+    num_queries: int = 32
+    num_keys: int = 64
+    num_values: int = 16
+    num_filler: int = 16
+    min_distance: int = 0
+    filler_rule: float = 0.0
+    filler_weight: float = 0.0
+    rule_seed: int = 0
+
+    def __post_init__(self):
+        if self.num_queries > self.num_pairs:
+            raise ValueError(f"num_queries={self.num_queries} must be <= num_pairs={self.num_pairs}")
+        if self.num_pairs > self.num_keys:
+            raise ValueError(f"num_pairs={self.num_pairs} must be <= num_keys={self.num_keys} (keys are distinct)")
+        if self.context_len - self.min_distance < 2 * self.num_pairs:
+            raise ValueError(
+                f"seq_len={self.seq_len} too short for {self.num_pairs} pairs, {self.num_queries} queries "
+                f"and min_distance={self.min_distance}"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return 1 + self.num_filler + self.num_keys + self.num_values
+
+    @property
+    def context_len(self) -> int:
+        return self.seq_len - 1 - 2 * self.num_queries
+
+    @property
+    def key_offset(self) -> int:
+        return 1 + self.num_filler
+
+    @property
+    def value_offset(self) -> int:
+        return 1 + self.num_filler + self.num_keys
+
+    def batch(self, rng: np.random.Generator, batch_size: int, episode_len: int | None = None) -> Batch:
+        return recall_batch(rng, batch_size, self, episode_len=episode_len)
+
+    def episode(self, episode_len: int) -> "RecallTask":
+        """The same task on ``episode_len`` tokens: as many pairs as fit without filler, at most
+        ``num_pairs`` (queries likewise, at most ``num_queries``)."""
+        pairs = min(self.num_pairs, (episode_len - 1) // 4)
+        return dataclasses.replace(
+            self, seq_len=episode_len, num_pairs=pairs, num_queries=min(self.num_queries, pairs), min_distance=0
+        )
+
+
+def recall_batch(rng: np.random.Generator, batch_size: int, task: RecallTask, *, episode_len: int | None = None) -> Batch:
+    """One batch of the recall task (see :class:`RecallTask`).
+
+    With ``episode_len < task.seq_len`` (a divisor), each row packs ``seq_len // episode_len``
+    independent shorter episodes (``task.episode(episode_len)``) as documents: segment ids keep
+    them apart and positions restart in each — a sequence-length curriculum.
+    """
+    if episode_len is not None and episode_len != task.seq_len:
+        if task.seq_len % episode_len:
+            raise ValueError(f"episode_len={episode_len} must divide seq_len={task.seq_len}")
+        per_row = task.seq_len // episode_len
+        b = recall_batch(rng, batch_size * per_row, task.episode(episode_len))
+        rows = [x.reshape(batch_size, task.seq_len) for x in b]
+        seg = np.repeat(np.arange(per_row, dtype=np.int32), episode_len)
+        return Batch(rows[0], rows[1], rows[2], rows[3], np.broadcast_to(seg, (batch_size, task.seq_len)).copy())
+    t = task
+    S, P, Q, C = t.seq_len, t.num_pairs, t.num_queries, t.context_len
+    tokens = _filler(rng, batch_size, t)
+    keys = np.argsort(rng.random((batch_size, t.num_keys)), axis=1)[:, :P].astype(np.int32) + t.key_offset
+    values = rng.integers(0, t.num_values, size=(batch_size, P), dtype=np.int32) + t.value_offset
+    # Pair starts: P non-overlapping 2-token slots in [0, C - min_distance), sorted, uniformly at random.
+    room = C - t.min_distance - 2 * P  # free filler tokens to distribute
+    gaps = np.sort(rng.integers(0, room + 1, size=(batch_size, P)), axis=1)
+    starts = gaps + 2 * np.arange(P)[None, :]
+    rows = np.arange(batch_size)[:, None]
+    tokens[rows, starts] = keys
+    tokens[rows, starts + 1] = values
+    tokens[:, C] = 0  # separator
+    which = np.argsort(rng.random((batch_size, P)), axis=1)[:, :Q]
+    q_pos = C + 1 + 2 * np.arange(Q)
+    tokens[:, q_pos] = np.take_along_axis(keys, which, axis=1)
+    tokens[:, q_pos + 1] = np.take_along_axis(values, which, axis=1)
+    labels = np.concatenate([tokens[:, 1:], np.zeros((batch_size, 1), np.int32)], axis=1)
+    loss_mask = np.zeros((batch_size, S), np.float32)
+    if t.filler_rule > 0 and t.filler_weight > 0:
+        filler = (tokens >= 1) & (tokens < 1 + t.num_filler)
+        scored = filler[:, 2:] & filler[:, 1:-1] & filler[:, :-2]  # target and its two predecessors
+        loss_mask[:, 1:-1][scored] = t.filler_weight  # predict token i+1 at position i
+    loss_mask[:, q_pos] = 1.0
+    positions = np.broadcast_to(np.arange(S, dtype=np.int32), (batch_size, S)).copy()
+    segment_ids = np.zeros((batch_size, S), np.int32)
+    return Batch(tokens, labels, loss_mask, positions, segment_ids)
+
+
+def _filler(rng: np.random.Generator, batch_size: int, t: RecallTask) -> np.ndarray:
+    F = t.num_filler
+    out = rng.integers(1, 1 + F, size=(batch_size, t.seq_len), dtype=np.int32)
+    if t.filler_rule <= 0:
+        return out
+    table = np.random.default_rng([t.rule_seed, 7]).integers(1, 1 + F, size=(1 + F, 1 + F), dtype=np.int32)
+    follow = rng.random((batch_size, t.seq_len)) < t.filler_rule
+    for i in range(2, t.seq_len):
+        out[:, i] = np.where(follow[:, i], table[out[:, i - 2], out[:, i - 1]], out[:, i])
+    return out
+
+
+# ----------------------------------------------------------------------------- packed documents
+
+
+def pack_documents(docs: list[np.ndarray], seq_len: int, num_rows: int, *, pad_id: int = 0) -> Batch:
+    """Greedily pack ``docs`` (1-D int arrays, in order) into ``num_rows`` rows of ``seq_len``.
+
+    A document longer than the room left in a row is split; its continuation starts the next
+    row (positions restart at 0 there: each row piece is its own segment). Segment ids number
+    the pieces of a row from 1; padding is segment 0 with loss mask 0. Labels are the next
+    token of the same piece; the last token of every piece is not scored.
+    """
+    tokens = np.full((num_rows, seq_len), pad_id, np.int32)
+    labels = np.zeros((num_rows, seq_len), np.int32)
+    mask = np.zeros((num_rows, seq_len), np.float32)
+    positions = np.zeros((num_rows, seq_len), np.int32)
+    segments = np.zeros((num_rows, seq_len), np.int32)
+    row, col, seg = 0, 0, 1
+    for doc in docs:
+        doc = np.asarray(doc, np.int32)
+        while doc.size and row < num_rows:
+            n = min(doc.size, seq_len - col)
+            piece = doc[:n]
+            tokens[row, col : col + n] = piece
+            labels[row, col : col + n - 1] = piece[1:]
+            mask[row, col : col + n - 1] = 1.0
+            positions[row, col : col + n] = np.arange(n)
+            segments[row, col : col + n] = seg
+            doc, col, seg = doc[n:], col + n, seg + 1
+            if col == seq_len:
+                row, col, seg = row + 1, 0, 1
+        if row >= num_rows:
+            break
+    return Batch(tokens, labels, mask, positions, segments)
+
+
+# ----------------------------------------------------------------------------- deterministic stream
+
+
+@dataclasses.dataclass(frozen=True)
+class DataStream:
+    """``batch(step)`` is a pure function of ``(seed, step)`` (so resuming is exact).
+
+    ``make(rng, batch_size, step) -> Batch`` draws one batch from a fresh
+    ``np.random.Generator`` seeded by ``(seed, step)`` (``step`` allows curricula).
+    """
+
+    make: Callable[[np.random.Generator, int, int], Batch]
+    batch_size: int
+    seed: int = 0
+
+    def batch(self, step: int) -> Batch:
+        return self.make(np.random.default_rng([int(self.seed), int(step)]), self.batch_size, int(step))
+
+
+def heldout_stream(stream: DataStream) -> DataStream:
+    """A stream whose seeds never meet the training stream's (a held-out set)."""
+    return dataclasses.replace(stream, seed=stream.seed + 1_000_003)

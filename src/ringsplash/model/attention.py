@@ -1,0 +1,151 @@
+"""Grouped-query attention with RoPE from explicit positions and a selectable strategy.
+
+Positions are passed in, never inferred from array indices: under a ring layout the local
+shard holds permuted tokens, and RoPE must still see each token's true position. The mask is
+the config's mask over original positions; packed documents add segment ids.
+"""
+
+import jax
+import jax.numpy as jnp
+import equinox as eqx
+
+from ringsplash import masks as masks_lib
+from ringsplash._types import Array, Float, Int
+from ringsplash.model.config import TransformerConfig, dtype_of
+from ringsplash.reference import reference_attention
+from ringsplash.segment_ids import SegmentIds
+
+
+def rope(x: Float[Array, "heads seq d"], positions: Int[Array, "seq"], theta: float) -> Float[Array, "heads seq d"]:
+    """Rotary embedding (rotate-half convention), angles computed in float32 from ``positions``."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _dropout_attention(q, k, v, mask, segment_ids, *, scale, logit_soft_cap, sinks, rate, key):
+    """Dense attention with dropout on the probabilities (``attention='reference'`` training only).
+
+    Same numerics as ``reference_attention`` (float32, masked rows give 0, sinks join the
+    denominator); dropout rescales kept probabilities by ``1 / (1 - rate)``.
+    """
+    heads, q_len, d = q.shape
+    kv_heads, kv_len, _ = k.shape
+    group = heads // kv_heads
+    kk = jnp.repeat(k.astype(jnp.float32), group, axis=0)
+    vv = jnp.repeat(v.astype(jnp.float32), group, axis=0)
+    s = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), kk) * scale
+    if logit_soft_cap is not None:
+        s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+    allowed = jnp.asarray(masks_lib.dense(mask))
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids.q[:, None] == segment_ids.kv[None, :])[None]
+    allowed = jnp.broadcast_to(allowed, s.shape)
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32)[:, None, None])
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(allowed, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32)[:, None, None] - m)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    keep = jax.random.bernoulli(key, 1.0 - rate, p.shape)
+    p = jnp.where(keep, p / (1.0 - rate), 0.0)
+    return jnp.einsum("hqk,hkd->hqd", p, vv).astype(q.dtype)
+
+
+def attend(
+    config: TransformerConfig,
+    q: Float[Array, "heads seq d"],
+    k: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq d"],
+    segment_ids: Int[Array, "seq"] | None,
+    sinks: Float[Array, "heads"] | None,
+    *,
+    key: jax.Array | None = None,
+) -> Float[Array, "heads seq d"]:
+    """Run the configured strategy on one example (under ``"ring"``: one local shard)."""
+    seq = q.shape[1]
+    if config.attention == "ring":
+        ring_size = jax.lax.axis_size(config.ring_axis_name)
+        if ring_size != config.ring_size:
+            raise ValueError(
+                f"mesh axis {config.ring_axis_name!r} has {ring_size} devices but the config says "
+                f"ring_size={config.ring_size}"
+            )
+        seq = seq * ring_size
+    mask = config.make_mask(seq)
+    seg = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
+    common = dict(segment_ids=seg, scale=None, logit_soft_cap=config.logit_soft_cap, sinks=sinks)
+    if config.attention == "reference":
+        if config.attention_dropout > 0 and key is not None:
+            return _dropout_attention(
+                q, k, v, mask, seg, scale=q.shape[-1] ** -0.5, logit_soft_cap=config.logit_soft_cap,
+                sinks=sinks, rate=config.attention_dropout, key=key,
+            )
+        return reference_attention(q, k, v, mask, **common)
+    if config.attention == "splash":
+        from ringsplash.splash import splash_attention  # import at call: kernels are a lower layer
+
+        return splash_attention(q, k, v, mask, config=config.splash, **common)
+    from ringsplash.ring import ring_attention
+
+    return ring_attention(
+        q, k, v, mask, axis_name=config.ring_axis_name, layout=config.ring_layout, config=config.splash, **common
+    )
+
+
+class Attention(eqx.Module):
+    """GQA self-attention: projections, RoPE on q and k, the chosen strategy, output projection."""
+
+    wq: Float[Array, "d_model heads_x_d"]
+    wk: Float[Array, "d_model kv_heads_x_d"]
+    wv: Float[Array, "d_model kv_heads_x_d"]
+    wo: Float[Array, "heads_x_d d_model"]
+    sinks: Float[Array, "heads"] | None
+    config: TransformerConfig = eqx.field(static=True)
+
+    def __init__(self, config: TransformerConfig, *, key: jax.Array):
+        c = config
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        pdt = dtype_of(c.param_dtype)
+
+        def init(k, fan_in, fan_out, gain=1.0):
+            return (jax.random.normal(k, (fan_in, fan_out), jnp.float32) * gain / fan_in**0.5).astype(pdt)
+
+        self.wq = init(kq, c.d_model, c.num_heads * c.head_dim)
+        self.wk = init(kk, c.d_model, c.num_kv_heads * c.head_dim)
+        self.wv = init(kv, c.d_model, c.num_kv_heads * c.head_dim)
+        self.wo = init(ko, c.num_heads * c.head_dim, c.d_model, gain=(2 * c.num_layers) ** -0.5)
+        self.sinks = jnp.zeros((c.num_heads,), jnp.float32) if c.sinks else None
+        self.config = config
+
+    def __call__(
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, "seq"],
+        segment_ids: Int[Array, "seq"] | None = None,
+        *,
+        key: jax.Array | None = None,
+    ) -> Float[Array, "seq d_model"]:
+        c = self.config
+        cdt = dtype_of(c.compute_dtype)
+        seq = x.shape[0]
+        x = x.astype(cdt)
+
+        def heads(w, n):
+            return (x @ w.astype(cdt)).reshape(seq, n, c.head_dim).transpose(1, 0, 2)
+
+        q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta)
+        k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
+        v = heads(self.wv, c.num_kv_heads)
+        out = attend(c, q, k, v, segment_ids, self.sinks, key=key)
+        out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.head_dim)
+        return out @ self.wo.astype(cdt)

@@ -1,0 +1,226 @@
+"""``TransformerConfig``: every hyperparameter of the model, validated once at construction.
+
+A config that constructs is a config that runs: each rejected combination raises a
+``ValueError`` naming the option and the fix, never an error deep inside a traced call.
+"""
+
+import dataclasses
+import math
+import numbers
+
+from ringsplash import layouts
+from ringsplash import masks as masks_lib
+from ringsplash.splash.config import NUM_LANES, SplashConfig
+
+STRATEGIES = ("reference", "splash", "ring")
+MASKS = ("causal", "local", "chunked", "prefix_lm", "full")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Decoder-only transformer: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+    Attention strategies (the same parameters give the same function under each):
+
+    * ``"reference"`` — dense float32 oracle (``ringsplash.reference_attention``); the only one
+      that supports ``attention_dropout``;
+    * ``"splash"`` — block-sparse Splash attention on one device (``splash_attention``);
+    * ``"ring"`` — ring attention over the mesh axis ``ring_axis_name`` of ``ring_size``
+      devices; the model must then be called inside ``shard_map`` on the local shard of tokens
+      laid out by ``ring_layout`` (the mask is evaluated on original positions).
+
+    ``mask`` picks the attention mask over the sequence: ``"causal"``, ``"local"`` (causal
+    sliding window: a query sees itself and the ``local_window`` previous tokens),
+    ``"chunked"`` (causal inside chunks of ``chunk_size``), ``"prefix_lm"`` (bidirectional over
+    the first ``prefix_len`` tokens) or ``"full"``. Packed documents are separated by segment
+    ids passed at call time.
+
+    ``max_seq_len`` is the (global) training length, checked against the ring size and the
+    Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; the SwiGLU hidden
+    width is ``mlp_ratio * d_model`` rounded up to a multiple of ``mlp_multiple``.
+    """
+
+    vocab_size: int
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None = num_heads (MHA); 1 = MQA
+    head_dim: int | None = None
+    mlp_ratio: float = 8 / 3
+    mlp_multiple: int = 8
+    rope_theta: float = 10_000.0
+    max_seq_len: int = 2048
+    attention: str = "reference"
+    mask: str = "causal"
+    local_window: int | None = None
+    chunk_size: int | None = None
+    prefix_len: int | None = None
+    ring_axis_name: str | None = None
+    ring_layout: str = "zigzag"
+    ring_size: int = 1
+    logit_soft_cap: float | None = None
+    sinks: bool = False
+    attention_dropout: float = 0.0
+    remat: bool = False
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    splash: SplashConfig = SplashConfig()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple"):
+            _positive_int(name, getattr(self, name))
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        _positive_int("num_kv_heads", self.num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads} "
+                f"(GQA groups): pick num_kv_heads among the divisors of num_heads"
+            )
+        if self.head_dim is None:
+            if self.d_model % self.num_heads:
+                raise ValueError(
+                    f"head_dim=None needs num_heads={self.num_heads} to divide d_model={self.d_model}: "
+                    f"set head_dim explicitly or change num_heads"
+                )
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        _positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs): use an even head_dim")
+        if not (isinstance(self.mlp_ratio, numbers.Real) and self.mlp_ratio > 0):
+            raise ValueError(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
+        if not (isinstance(self.rope_theta, numbers.Real) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+
+        if self.attention not in STRATEGIES:
+            raise ValueError(f"attention={self.attention!r} is unknown: use one of {STRATEGIES}")
+        self._check_mask()
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is unknown: use one of {DTYPES}")
+        if self.logit_soft_cap is not None and not (
+            isinstance(self.logit_soft_cap, numbers.Real) and self.logit_soft_cap > 0
+        ):
+            raise ValueError(f"logit_soft_cap must be None or a positive number, got {self.logit_soft_cap!r}")
+        if not (isinstance(self.attention_dropout, numbers.Real) and 0.0 <= self.attention_dropout < 1.0):
+            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
+        if not isinstance(self.splash, SplashConfig):
+            raise ValueError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
+
+        kernels = self.attention in ("splash", "ring")
+        if kernels and self.attention_dropout > 0:
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} is not supported by the splash/ring kernels: "
+                f"use attention='reference' or attention_dropout=0"
+            )
+        if self.attention == "ring":
+            if not self.ring_axis_name:
+                raise ValueError(
+                    "attention='ring' needs ring_axis_name (the mesh axis the ring runs over, "
+                    "e.g. ring_axis_name='context')"
+                )
+            if self.ring_layout not in layouts.LAYOUTS:
+                raise ValueError(f"ring_layout={self.ring_layout!r} is unknown: use one of {layouts.LAYOUTS}")
+        elif self.ring_size != 1:
+            raise ValueError(
+                f"ring_size={self.ring_size} needs attention='ring' (the other strategies run on "
+                f"the whole sequence): set attention='ring' or ring_size=1"
+            )
+        if kernels and self.splash.backend == "mosaic_tpu" and self.head_dim % NUM_LANES:
+            raise ValueError(
+                f"head_dim={self.head_dim} must be a multiple of {NUM_LANES} for the TPU kernels "
+                f"(splash.backend='mosaic_tpu'): use head_dim={NUM_LANES * math.ceil(self.head_dim / NUM_LANES)} "
+                f"or backend 'xla'/'interpret'"
+            )
+        if kernels:
+            self._check_lengths()
+
+    def _check_mask(self) -> None:
+        if self.mask not in MASKS:
+            raise ValueError(f"mask={self.mask!r} is unknown: use one of {MASKS}")
+        needs = {"local": "local_window", "chunked": "chunk_size", "prefix_lm": "prefix_len"}
+        for mask, option in needs.items():
+            value = getattr(self, option)
+            if self.mask == mask:
+                minimum = 0 if option != "chunk_size" else 1
+                if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+                    raise ValueError(f"mask={mask!r} needs {option}=<int >= {minimum}>, got {option}={value!r}")
+            elif value is not None:
+                raise ValueError(f"{option}={value!r} only applies to mask={mask!r}: set {option}=None")
+        if self.mask == "prefix_lm" and self.prefix_len > self.max_seq_len:
+            raise ValueError(f"prefix_len={self.prefix_len} must be <= max_seq_len={self.max_seq_len}")
+
+    def _check_lengths(self) -> None:
+        ring = self.attention == "ring"
+        if ring and self.ring_layout == "zigzag":
+            parts, what = 2 * self.ring_size, f"2 x ring_size = {2 * self.ring_size}"
+        elif ring:
+            parts, what = self.ring_size, f"ring_size = {self.ring_size}"
+        else:
+            parts, what = 1, "1"
+        s = self.splash
+        blocks = {"block_q": s.block_q, "block_kv": s.block_kv, "block_q_dkv": s.block_q_dkv, "block_kv_dkv": s.block_kv_dkv}
+        for name, block in blocks.items():
+            if self.max_seq_len % (parts * block):
+                raise ValueError(
+                    f"sequence length must be divisible by ring size x block sizes: max_seq_len={self.max_seq_len} "
+                    f"is not divisible by ({what}) x splash.{name}={block} = {parts * block}: use smaller "
+                    f"blocks (multiples of {NUM_LANES}) or a max_seq_len divisible by {parts * block}"
+                )
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def mlp_hidden(self) -> int:
+        hidden = int(math.ceil(self.mlp_ratio * self.d_model))
+        return self.mlp_multiple * int(math.ceil(hidden / self.mlp_multiple))
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def make_mask(self, seq_len: int) -> masks_lib.Mask:
+        """The ``(seq_len, seq_len)`` attention mask over original positions (lazy, hashable)."""
+        shape = (seq_len, seq_len)
+        if self.mask == "causal":
+            return masks_lib.CausalMask(shape)
+        if self.mask == "local":
+            return masks_lib.LocalMask(shape, window=(self.local_window, 0))
+        if self.mask == "chunked":
+            return masks_lib.ChunkedCausalMask(shape, chunk_size=self.chunk_size)
+        if self.mask == "prefix_lm":
+            return masks_lib.PrefixLMMask(shape, prefix_len=min(self.prefix_len, seq_len))
+        return masks_lib.FullMask(shape)
+
+    def replace(self, **changes) -> "TransformerConfig":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["splash"] = {k: v for k, v in dataclasses.asdict(self.splash).items() if k != "interpret_params"}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TransformerConfig":
+        d = dict(d)
+        if isinstance(d.get("splash"), dict):
+            d["splash"] = SplashConfig(**d["splash"])
+        return cls(**d)
+
+
+def dtype_of(name: str):
+    """numpy/jnp dtype for a config dtype name."""
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+__all__ = ["DTYPES", "MASKS", "STRATEGIES", "TransformerConfig", "dtype_of"]

@@ -1,0 +1,425 @@
+"""Training: AdamW with warmup + cosine, a data × context mesh, checkpoints, metrics, progress.
+
+The mesh has axes ``("data", "context")``. Under ``attention="ring"`` the ring runs over
+``"context"``: every ``[batch, seq]`` field of a batch (tokens, labels, loss mask, positions,
+segment ids) is permuted **once**, on the host, into the model's ring layout and sharded as
+``P("data", "context")``; the model then sees local shards of layout-ordered tokens with their
+true positions. Other strategies need ``context == 1``.
+
+One train step = one ``shard_map`` over the mesh in which each device takes the gradient of its
+own (unnormalised) loss; the ring's custom VJP returns every device the gradient of the
+*total* loss through its local tokens, so a ``psum`` over both axes divided by the global
+number of scored tokens is the exact gradient of the mean loss.
+
+Checkpoints (equinox serialisation) hold model, optimiser state, step and the data stream's
+position; batches are a pure function of (seed, step), so a resumed run is bit-identical to an
+uninterrupted one.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ringsplash import layouts
+from ringsplash.data import Batch, DataStream
+from ringsplash.model import Transformer, TransformerConfig
+
+DATA, CONTEXT = "data", "context"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule, parallelism and bookkeeping of one training run."""
+
+    steps: int = 1000
+    batch_size: int = 8  # global rows per step
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.98
+    grad_clip: float | None = 1.0
+    data_parallel: int = 1
+    context_parallel: int = 1
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0: only at the end
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {name}={v!r}")
+        if self.batch_size % self.data_parallel:
+            raise ValueError(f"data_parallel={self.data_parallel} must divide batch_size={self.batch_size}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on a linear-warmup + cosine-decay schedule (to ``min_lr_ratio * learning_rate``)."""
+    return optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip) if tc.grad_clip else optax.identity(),
+        optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay),
+    )
+
+
+def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        0.0, tc.learning_rate, max(tc.warmup_steps, 1), max(tc.steps, tc.warmup_steps + 2),
+        tc.learning_rate * tc.min_lr_ratio,
+    )
+
+
+def make_mesh(data: int = 1, context: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A ``(data, context)`` mesh over the first ``data * context`` devices."""
+    devices = jax.devices() if devices is None else devices
+    if len(devices) < data * context:
+        raise ValueError(
+            f"mesh data={data} x context={context} needs {data * context} devices, found {len(devices)} "
+            f"(on CPU set jax.config.update('jax_num_cpu_devices', N) before JAX starts)"
+        )
+    return jax.make_mesh(
+        (data, context), (DATA, CONTEXT), devices=devices[: data * context],
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+
+
+def check_mesh(model_config: TransformerConfig, mesh: jax.sharding.Mesh) -> None:
+    context = mesh.shape[CONTEXT]
+    if model_config.attention == "ring":
+        if model_config.ring_axis_name != CONTEXT:
+            raise ValueError(f"the trainer runs the ring over {CONTEXT!r}: set ring_axis_name={CONTEXT!r}")
+        if model_config.ring_size != context:
+            raise ValueError(f"ring_size={model_config.ring_size} must equal the mesh's context axis ({context})")
+    elif context != 1:
+        raise ValueError(f"context_parallel={context} needs attention='ring' (or context_parallel=1)")
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def layout_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
+    """Permute every field along the sequence into the ring layout (identity otherwise)."""
+    if model_config.attention != "ring":
+        return batch
+    c = model_config
+    return Batch(*(layouts.permute(np.asarray(x), c.ring_layout, c.ring_size, axis=1) for x in batch))
+
+
+def batch_spec(model_config: TransformerConfig) -> P:
+    return P(DATA, CONTEXT if model_config.attention == "ring" else None)
+
+
+def _global_array(x, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host copy every process holds (multi-host safe: each process
+    fills only its addressable shards)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def shard_batch(batch: Batch, mesh: jax.sharding.Mesh, model_config: TransformerConfig) -> Batch:
+    """Layout (host) + place on the mesh as ``P("data", "context")``. Every process builds the
+    same global batch (streams are deterministic) and contributes its own shards."""
+    sharding = NamedSharding(mesh, batch_spec(model_config))
+    return Batch(*(_global_array(x, sharding) for x in layout_batch(batch, model_config)))
+
+
+def replicate(tree, mesh: jax.sharding.Mesh):
+    """Every array leaf of ``tree`` replicated over the mesh."""
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: _global_array(x, sharding) if eqx.is_array(x) else x, tree)
+
+
+# ----------------------------------------------------------------------------- loss and steps
+
+
+def _local_sums(model: Transformer, batch: Batch, key):
+    """Per-device (unnormalised) loss sum, scored weight, correct weight."""
+    n = batch.tokens.shape[0]
+    keys = None if key is None else jax.random.split(key, n)
+    call = lambda t, p, s, k: model(t, p, s, key=k)  # noqa: E731
+    logits = jax.vmap(call)(batch.tokens, batch.positions, batch.segment_ids, keys)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch.labels)
+    w = batch.loss_mask.astype(jnp.float32)
+    correct = (jnp.argmax(logits, -1) == batch.labels).astype(jnp.float32)
+    return jnp.sum(ce * w), jnp.sum(w), jnp.sum(correct * w)
+
+
+def _device_key(key):
+    if key is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(key, jax.lax.axis_index(DATA)), jax.lax.axis_index(CONTEXT))
+
+
+def make_grad_fn(model_config: TransformerConfig, mesh):
+    """``grad_fn(params, static, batch, key) -> (grads, metrics)``: exact gradient of the mean
+    loss over the whole (sharded) batch, as a ``shard_map`` over the mesh (not jitted)."""
+    check_mesh(model_config, mesh)
+    axes = (DATA, CONTEXT)
+    dropout = model_config.attention_dropout > 0
+    spec = batch_spec(model_config)
+
+    def local(params, static, batch, key):
+        def loss(p):
+            s, w, c = _local_sums(eqx.combine(p, static), batch, _device_key(key) if dropout else None)
+            return s, (w, c)
+
+        (s, (w, c)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        total = jnp.maximum(jax.lax.psum(w, axes), 1e-9)
+        grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / total, grads)
+        metrics = {"loss": jax.lax.psum(s, axes) / total, "accuracy": jax.lax.psum(c, axes) / total}
+        return grads, metrics
+
+    def grad_fn(params, static, batch, key=None):
+        return jax.shard_map(
+            lambda p, b, k: local(p, static, b, k), mesh=mesh,
+            in_specs=(P(), Batch(*(spec,) * len(Batch._fields)), P()), out_specs=(P(), P()), check_vma=False,
+        )(params, batch, key)
+
+    return grad_fn
+
+
+def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTransformation, mesh):
+    """``step(model, opt_state, batch, key) -> (model, opt_state, metrics)`` (jitted)."""
+    grad_fn = make_grad_fn(model_config, mesh)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(model, opt_state, batch, key):
+        params, static = eqx.partition(model, eqx.is_array)
+        grads, metrics = grad_fn(params, static, batch, key)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return eqx.apply_updates(model, updates), opt_state, metrics
+
+    return step
+
+
+def make_eval_step(model_config: TransformerConfig, mesh):
+    """``evaluate(model, batch) -> (loss_sum, weight, correct)`` summed over the mesh (jitted)."""
+    check_mesh(model_config, mesh)
+    axes = (DATA, CONTEXT)
+    spec = batch_spec(model_config)
+
+    @eqx.filter_jit
+    def evaluate(model, batch):
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def local(p, b):
+            return tuple(jax.lax.psum(x, axes) for x in _local_sums(eqx.combine(p, static), b, None))
+
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), Batch(*(spec,) * len(Batch._fields))), out_specs=P(), check_vma=False,
+        )(params, batch)
+
+    return evaluate
+
+
+def make_logits_fn(model_config: TransformerConfig, mesh):
+    """``logits(model, batch) -> [batch, seq, vocab]`` in the layout order of ``batch`` (jitted)."""
+    check_mesh(model_config, mesh)
+    spec = batch_spec(model_config)
+
+    @eqx.filter_jit
+    def logits(model, batch):
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def local(p, b):
+            m = eqx.combine(p, static)
+            return jax.vmap(m)(b.tokens, b.positions, b.segment_ids)
+
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), Batch(*(spec,) * len(Batch._fields))),
+            out_specs=P(*spec, None), check_vma=False,
+        )(params, batch)
+
+    return logits
+
+
+def evaluate(model, stream: DataStream, num_batches: int, mesh, model_config: TransformerConfig, eval_step=None):
+    """Mean loss and accuracy (weighted by the loss mask) over ``num_batches`` of ``stream``."""
+    eval_step = eval_step or make_eval_step(model_config, mesh)
+    s = w = c = 0.0
+    for i in range(num_batches):
+        ls, lw, lc = eval_step(model, shard_batch(stream.batch(i), mesh, model_config))
+        s, w, c = s + float(ls), w + float(lw), c + float(lc)
+    return {"loss": s / max(w, 1e-9), "accuracy": c / max(w, 1e-9)}
+
+
+# ----------------------------------------------------------------------------- state and checkpoints
+
+
+class TrainState(NamedTuple):
+    model: Transformer
+    opt_state: optax.OptState
+    step: jax.Array  # int32 scalar: steps done = index of the next batch of the data stream
+    data_seed: jax.Array  # int32 scalar: the data stream's seed
+
+
+def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
+    model = Transformer(model_config, key=jax.random.key(tc.seed))
+    opt_state = make_optimizer(tc).init(eqx.filter(model, eqx.is_array))
+    return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
+
+
+def save_checkpoint(path: str, state: TrainState) -> None:
+    """Atomically write ``state`` (equinox leaf serialisation) to ``path`` (process 0 only)."""
+    if jax.process_index() != 0:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    eqx.tree_serialise_leaves(tmp, state)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str, like: TrainState) -> TrainState:
+    """Read a checkpoint into the structure (and static fields) of ``like``."""
+    return eqx.tree_deserialise_leaves(path, like)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class MetricsLog:
+    """Append-only JSONL of step metrics plus a PNG plot (loss, accuracy, tokens/s)."""
+
+    def __init__(self, run_dir: str, name: str = "metrics"):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, f"{name}.jsonl")
+        self.plot_path = os.path.join(run_dir, f"{name}.png")
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+
+    def read(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def plot(self, title: str = "") -> str:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = self.read()
+        train = [r for r in records if r.get("split", "train") == "train"]
+        held = [r for r in records if r.get("split") == "eval"]
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        for ax, key, label in zip(axes, ("loss", "accuracy", "tokens_per_s"), ("loss", "accuracy", "tokens / s")):
+            xs = [r["step"] for r in train if key in r]
+            ax.plot(xs, [r[key] for r in train if key in r], label="train")
+            ev = [r for r in held if key in r]
+            if ev:
+                ax.plot([r["step"] for r in ev], [r[key] for r in ev], "o-", label="held-out")
+            ax.set_xlabel("step")
+            ax.set_title(label)
+            ax.grid(alpha=0.3)
+            if ev:
+                ax.legend()
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(self.plot_path, dpi=100)
+        plt.close(fig)
+        return self.plot_path
+
+
+def _plain(v):
+    if isinstance(v, (jax.Array, np.ndarray, np.generic)):
+        v = np.asarray(v).item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def fit(
+    model_config: TransformerConfig,
+    tc: TrainConfig,
+    stream: DataStream,
+    run_dir: str,
+    *,
+    mesh=None,
+    resume: bool = True,
+    stop_after: int | None = None,
+    on_log: Callable[[TrainState, dict], dict | None] | None = None,
+) -> TrainState:
+    """Train for ``tc.steps`` steps (resuming from ``run_dir/checkpoint.eqx`` when present).
+
+    ``stop_after`` stops early after that many total steps (for tests of exact resumption);
+    ``on_log(state, record)`` may return extra metrics (e.g. a held-out evaluation) to log.
+    """
+    from tqdm.auto import tqdm
+
+    mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel)
+    optimizer = make_optimizer(tc)
+    step_fn = make_train_step(model_config, optimizer, mesh)
+    ckpt = os.path.join(run_dir, "checkpoint.eqx")
+    state = init_state(model_config, tc, stream.seed)
+    if resume and os.path.exists(ckpt):
+        state = load_checkpoint(ckpt, state)
+        if int(state.data_seed) != stream.seed:
+            raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
+    model, opt_state = replicate((state.model, state.opt_state), mesh)
+    start = int(state.step)
+    end = tc.steps if stop_after is None else min(tc.steps, stop_after)
+    log = MetricsLog(run_dir)
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump({"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed}, f,
+                      indent=1)
+    schedule = learning_rate_schedule(tc)
+    base_key = jax.random.key(tc.seed + 1)
+    tokens_per_step = tc.batch_size * model_config.max_seq_len
+
+    bar = tqdm(total=end, initial=start, desc="train", disable=not tc.progress, dynamic_ncols=True)
+    window_start, window_steps = time.perf_counter(), 0
+    next_batch = shard_batch(stream.batch(start), mesh, model_config) if start < end else None
+    for i in range(start, end):
+        batch = next_batch
+        model, opt_state, metrics = step_fn(model, opt_state, batch, jax.random.fold_in(base_key, i))
+        if i + 1 < end:  # build the next batch on the host while the device works
+            next_batch = shard_batch(stream.batch(i + 1), mesh, model_config)
+        window_steps += 1
+        last = i + 1 == end
+        if (i + 1) % tc.log_every == 0 or last or i == start:
+            metrics = jax.device_get(metrics)
+            now = time.perf_counter()
+            record = {"split": "train", "step": i + 1, "loss": float(metrics["loss"]),
+                      "accuracy": float(metrics["accuracy"]), "grad_norm": float(metrics["grad_norm"]),
+                      "lr": float(schedule(i)), "time": now}
+            if i > start:  # the first step includes compilation
+                record["tokens_per_s"] = window_steps * tokens_per_step / (now - window_start)
+            window_start, window_steps = now, 0
+            state = TrainState(model, opt_state, jnp.asarray(i + 1, jnp.int32), state.data_seed)
+            if on_log is not None:
+                record.update(on_log(state, record) or {})
+            log.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.3f}",
+                            tok_s=f"{record.get('tokens_per_s', 0):.0f}")
+        bar.update(1)
+        if tc.checkpoint_every and (i + 1) % tc.checkpoint_every == 0 and not last:
+            save_checkpoint(ckpt, TrainState(model, opt_state, jnp.asarray(i + 1, jnp.int32), state.data_seed))
+    bar.close()
+    state = TrainState(model, opt_state, jnp.asarray(max(end, start), jnp.int32), state.data_seed)
+    save_checkpoint(ckpt, state)
+    return state

@@ -1,0 +1,95 @@
+"""TransformerConfig: every rejected combination raises a ValueError naming the option and the fix."""
+
+import pytest
+
+from ringsplash.model import TransformerConfig
+from ringsplash.splash import SplashConfig
+
+SMALL = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
+BASE = dict(vocab_size=32, d_model=64, num_layers=2, num_heads=4, max_seq_len=1024, splash=SMALL)
+
+
+def make(**changes):
+    return TransformerConfig(**{**BASE, **changes})
+
+
+REJECTED = [
+    # (changes, fragments the message must contain)
+    (dict(attention="splash", attention_dropout=0.1),
+     ["attention_dropout=0.1", "not supported by the splash/ring kernels", "attention='reference'", "attention_dropout=0"]),
+    (dict(attention="ring", ring_axis_name="context", ring_size=4, attention_dropout=0.2),
+     ["not supported by the splash/ring kernels", "attention='reference' or attention_dropout=0"]),
+    (dict(attention="ring", ring_size=4), ["attention='ring' needs ring_axis_name", "ring_axis_name='context'"]),
+    (dict(attention="ring", ring_axis_name="", ring_size=4), ["needs ring_axis_name"]),
+    (dict(num_heads=4, num_kv_heads=3), ["num_heads=4 must be divisible by num_kv_heads=3", "num_kv_heads"]),
+    (dict(attention="splash", d_model=256, num_heads=4, splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="mosaic_tpu")),
+     ["head_dim=64 must be a multiple of 128", "mosaic_tpu", "head_dim=128"]),
+    (dict(attention="splash", max_seq_len=1000),
+     ["sequence length must be divisible by ring size x block sizes", "max_seq_len=1000", "block_q=128"]),
+    (dict(attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=512),
+     ["divisible by ring size x block sizes", "2 x ring_size = 8", "1024"]),
+    (dict(attention="ring", ring_axis_name="context", ring_size=4, ring_layout="contiguous", max_seq_len=256),
+     ["ring_size = 4", "512"]),
+    (dict(attention="flash"), ["attention='flash' is unknown", "reference", "splash", "ring"]),
+    (dict(attention="ring", ring_axis_name="context", ring_layout="spiral"), ["ring_layout='spiral' is unknown", "zigzag"]),
+    (dict(mask="sliding"), ["mask='sliding' is unknown", "causal"]),
+    (dict(mask="local"), ["mask='local' needs local_window"]),
+    (dict(mask="chunked", chunk_size=0), ["mask='chunked' needs chunk_size"]),
+    (dict(mask="prefix_lm"), ["mask='prefix_lm' needs prefix_len"]),
+    (dict(mask="causal", local_window=8), ["local_window=8 only applies to mask='local'", "local_window=None"]),
+    (dict(mask="prefix_lm", prefix_len=2048), ["prefix_len=2048 must be <= max_seq_len=1024"]),
+    (dict(ring_size=2), ["ring_size=2 needs attention='ring'", "ring_size=1"]),
+    (dict(attention_dropout=1.0), ["attention_dropout must be in [0, 1)"]),
+    (dict(param_dtype="float64"), ["param_dtype='float64' is unknown", "bfloat16"]),
+    (dict(compute_dtype="int8"), ["compute_dtype='int8' is unknown"]),
+    (dict(num_heads=3), ["head_dim=None needs num_heads=3 to divide d_model=64", "head_dim"]),
+    (dict(head_dim=15), ["head_dim=15 must be even"]),
+    (dict(vocab_size=0), ["vocab_size must be a positive int"]),
+    (dict(num_layers=-1), ["num_layers must be a positive int"]),
+    (dict(logit_soft_cap=-1.0), ["logit_soft_cap must be None or a positive number"]),
+    (dict(mlp_ratio=-1.0), ["mlp_ratio must be a positive number"]),
+]
+
+
+@pytest.mark.parametrize("changes, fragments", REJECTED, ids=[str(c) for c, _ in REJECTED])
+def test_config_rejects_with_message(changes, fragments):
+    with pytest.raises(ValueError) as info:
+        make(**changes)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(),
+        dict(attention="splash"),
+        dict(attention="ring", ring_axis_name="context", ring_size=4),
+        dict(attention="ring", ring_axis_name="context", ring_size=8, ring_layout="striped"),
+        dict(attention="reference", attention_dropout=0.1),
+        dict(mask="local", local_window=16),
+        dict(mask="chunked", chunk_size=64),
+        dict(mask="prefix_lm", prefix_len=100),
+        dict(mask="full"),
+        dict(num_kv_heads=1, sinks=True, logit_soft_cap=30.0, remat=True, param_dtype="bfloat16"),
+        dict(attention="splash", d_model=512, num_heads=4, splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="mosaic_tpu")),
+    ],
+)
+def test_config_accepts_valid(changes):
+    c = make(**changes)
+    assert c.num_kv_heads >= 1 and c.head_dim * c.num_heads >= 1
+    assert TransformerConfig.from_dict(c.to_dict()) == c or c.splash.interpret_params is not None
+    assert hash(c) == hash(make(**changes))  # static module field: must hash
+
+
+def test_config_is_frozen():
+    c = make()
+    with pytest.raises(AttributeError):
+        c.d_model = 8
+
+
+def test_config_mask_shapes():
+    for mask, extra in (("causal", {}), ("local", {"local_window": 4}), ("chunked", {"chunk_size": 8}),
+                        ("prefix_lm", {"prefix_len": 3}), ("full", {})):
+        m = make(mask=mask, **extra).make_mask(32)
+        assert m.shape == (32, 32)
