@@ -248,3 +248,30 @@ def test_reference_gradients_finite_for_fully_masked_rows(key, with_sinks):
         check_grads(_loss_fn(mask), (q, k, v, sinks), order=1, modes=("rev",), **GRAD_TOL)
     else:
         check_grads(_loss_fn(mask), (q, k, v), order=1, modes=("rev",), **GRAD_TOL)
+
+
+def test_reference_dropout_drops_probabilities_with_the_key(key):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (4, 32, 16))
+    k = jax.random.normal(kk, (2, 32, 16))
+    v = jax.random.normal(kv, (2, 32, 16))
+    mask = masks.CausalMask((32, 32))
+    rate = 0.25
+    out = rs.reference_attention(q, k, v, mask, dropout_rate=rate, dropout_key=kd)
+    # independent construction: dense softmax, the same Bernoulli draw, kept entries rescaled
+    s = np.einsum("hqd,hkd->hqk", np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 2, 0)) / 4.0
+    s = np.where(mask[:, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    keep = np.asarray(jax.random.bernoulli(kd, 1.0 - rate, (4, 32, 32)))
+    expected = np.einsum("hqk,hkd->hqd", np.where(keep, p / (1 - rate), 0.0), np.repeat(np.asarray(v, np.float64), 2, 0))
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
+    assert np.array_equal(np.asarray(rs.reference_attention(q, k, v, mask, dropout_rate=0.0)),
+                          np.asarray(rs.reference_attention(q, k, v, mask)))
+
+
+@pytest.mark.parametrize("rate, match", [(1.0, "dropout_rate"), (-0.1, "dropout_rate"), (0.5, "dropout_key")])
+def test_reference_dropout_bad_input(rate, match):
+    q = jnp.ones((2, 8, 4))
+    with pytest.raises(ValueError, match=match):
+        rs.reference_attention(q, q, q, dropout_rate=rate)

@@ -23,12 +23,20 @@ def reference_attention(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, "heads"] | None = None,
     return_residuals: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_key=None,
 ):
     """softmax(scale * q k^T [soft-capped], masked [, sinks]) v, computed densely in float32.
 
     Returns ``out`` (q.dtype) or ``(out, lse)`` with ``lse`` float32 ``[heads, q_len]``.
+    ``dropout_rate > 0`` (with ``dropout_key``) drops attention probabilities and rescales the
+    kept ones by ``1 / (1 - rate)``; only this dense path supports dropout.
     """
     heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate=}")
+    if dropout_rate > 0 and dropout_key is None:
+        raise ValueError("dropout_rate > 0 needs a dropout_key (a jax.random key)")
     scale = default_scale(scale, d)
     group = heads // kv_heads
     qf = q.astype(jnp.float32).reshape(kv_heads, group, q_len, d)
@@ -54,6 +62,9 @@ def reference_attention(
     if sinks is not None:
         l = l + jnp.exp(sinks.astype(jnp.float32)[:, None] - m)
     safe_l = jnp.where(l > 0, l, 1.0)
+    if dropout_rate > 0:  # dropping unnormalised p then dividing by l = dropping probabilities
+        keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, p.shape)
+        p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     pv = jnp.einsum("hgqk,hkd->hgqd", p.reshape(kv_heads, group, q_len, kv_len), v.astype(jnp.float32))
     out = pv.reshape(heads, q_len, d) / safe_l[..., None]
     out = out.astype(q.dtype)

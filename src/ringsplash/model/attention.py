@@ -5,11 +5,10 @@ shard holds permuted tokens, and RoPE must still see each token's true position.
 the config's mask over original positions; packed documents add segment ids.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-import equinox as eqx
 
-from ringsplash import masks as masks_lib
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.config import TransformerConfig, dtype_of
 from ringsplash.reference import reference_attention
@@ -26,39 +25,6 @@ def rope(x: Float[Array, "heads seq d"], positions: Int[Array, "seq"], theta: fl
     x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def _dropout_attention(q, k, v, mask, segment_ids, *, scale, logit_soft_cap, sinks, rate, key):
-    """Dense attention with dropout on the probabilities (``attention='reference'`` training only).
-
-    Same numerics as ``reference_attention`` (float32, masked rows give 0, sinks join the
-    denominator); dropout rescales kept probabilities by ``1 / (1 - rate)``.
-    """
-    heads, q_len, d = q.shape
-    kv_heads, kv_len, _ = k.shape
-    group = heads // kv_heads
-    kk = jnp.repeat(k.astype(jnp.float32), group, axis=0)
-    vv = jnp.repeat(v.astype(jnp.float32), group, axis=0)
-    s = jnp.einsum("hqd,hkd->hqk", q.astype(jnp.float32), kk) * scale
-    if logit_soft_cap is not None:
-        s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
-    allowed = jnp.asarray(masks_lib.dense(mask))
-    if segment_ids is not None:
-        allowed = allowed & (segment_ids.q[:, None] == segment_ids.kv[None, :])[None]
-    allowed = jnp.broadcast_to(allowed, s.shape)
-    s = jnp.where(allowed, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks.astype(jnp.float32)[:, None, None])
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    p = jnp.where(allowed, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks.astype(jnp.float32)[:, None, None] - m)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    keep = jax.random.bernoulli(key, 1.0 - rate, p.shape)
-    p = jnp.where(keep, p / (1.0 - rate), 0.0)
-    return jnp.einsum("hqk,hkd->hqd", p, vv).astype(q.dtype)
 
 
 def attend(
@@ -86,10 +52,7 @@ def attend(
     common = dict(segment_ids=seg, scale=None, logit_soft_cap=config.logit_soft_cap, sinks=sinks)
     if config.attention == "reference":
         if config.attention_dropout > 0 and key is not None:
-            return _dropout_attention(
-                q, k, v, mask, seg, scale=q.shape[-1] ** -0.5, logit_soft_cap=config.logit_soft_cap,
-                sinks=sinks, rate=config.attention_dropout, key=key,
-            )
+            return reference_attention(q, k, v, mask, **common, dropout_rate=config.attention_dropout, dropout_key=key)
         return reference_attention(q, k, v, mask, **common)
     if config.attention == "splash":
         from ringsplash.splash import splash_attention  # import at call: kernels are a lower layer
