@@ -11,7 +11,6 @@ plot: does more context help?
     python experiments/byte_lm.py --attention splash --context-parallel 1
 """
 
-import argparse
 import dataclasses
 import glob
 import os
@@ -23,6 +22,8 @@ import zlib
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +49,7 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = f"--{f.name.replace('_', '-')}"
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=f"(default: {f.default!r})")
-    return Config(**vars(parser.parse_args(argv)))
+    return parse_config(Config, argv, description=__doc__)
 
 
 def stdlib_documents():

@@ -9,7 +9,6 @@ saves the same map as a PNG plus a JSONL summary under a run directory.
     python experiments/mask_demo.py --seq-len 4096 --block 128 --run-dir runs/demo
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -20,6 +19,7 @@ import numpy as np
 import ringsplash as rs
 from ringsplash import masks
 from ringsplash.masks import EMPTY, FULL, PARTIAL
+from ringsplash.cli import parse_config
 
 SYMBOLS = {EMPTY: ".", PARTIAL: "P", FULL: "F"}
 
@@ -140,12 +140,7 @@ def main(config: DemoConfig) -> dict:
 
 
 def parse_args(argv=None) -> DemoConfig:
-    """CLI flags derived from the DemoConfig fields (--seq-len, --layout, ...)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for field in dataclasses.fields(DemoConfig):
-        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default,
-                            help=f"(default: {field.default})")
-    return DemoConfig(**vars(parser.parse_args(argv)))
+    return parse_config(DemoConfig, argv, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ prints the max abs difference of logits and of gradients against the reference.
     python experiments/strategy_equivalence.py --layout striped --ring-sizes 2,4
 """
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -19,6 +18,8 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +39,7 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(f.default), default=f.default,
-                            help=f"(default: {f.default!r})")
-    return Config(**vars(parser.parse_args(argv)))
+    return parse_config(Config, argv, description=__doc__)
 
 
 def main(config: Config) -> list[dict]:

@@ -20,7 +20,6 @@ Held-out evaluation is on fresh full-length sequences only.
     python experiments/train_long_context.py --help     # every option
 """
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -30,6 +29,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,17 +72,7 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-    """CLI flags derived from the fields of :class:`Config`."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        default = f.default
-        if isinstance(default, bool):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=default,
-                                action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=type(default), default=default,
-                                help=f"(default: {default!r})")
-    return Config(**vars(parser.parse_args(argv)))
+    return parse_config(Config, argv, description=__doc__)
 
 
 def curriculum(config: Config) -> list[tuple[int, int]]:

@@ -14,7 +14,6 @@ The mesh is (data x context) over the topology's devices; the ring runs over ``c
 (``--backend mosaic_tpu``), so it also proves that they lower for that chip.
 """
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -26,6 +25,8 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
 
 GiB = 1024**3
 #: HBM per JAX device (bytes). One device per chip, except tpu7x (Ironwood): 192 GiB per chip
@@ -59,14 +60,7 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        flag = f"--{f.name.replace('_', '-')}"
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=f"(default: {f.default!r})")
-    return Config(**vars(parser.parse_args(argv)))
+    return parse_config(Config, argv, description=__doc__)
 
 
 def chip_capacity(topology: str) -> int:
