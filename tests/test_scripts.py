@@ -20,7 +20,6 @@ def _run(args, timeout=300):
 
 @pytest.mark.tpu_compile
 def test_aot_preflight_compiles_tiny_config_for_v5e():
-    pytest.importorskip("libtpu")
     result = _run(["scripts/aot_preflight.py", "--topology", "v5e:2x2", *TINY])
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -32,7 +31,6 @@ def test_aot_preflight_compiles_tiny_config_for_v5e():
 
 @pytest.mark.tpu_compile
 def test_aot_preflight_exits_nonzero_when_it_does_not_fit():
-    pytest.importorskip("libtpu")
     result = _run(["scripts/aot_preflight.py", "--topology", "v5e:2x2", *TINY, "--d-model", "4096",
                    "--num-heads", "32", "--num-kv-heads", "32", "--num-layers", "8"])
     assert result.returncode == 1, result.stdout + result.stderr
