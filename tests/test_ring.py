@@ -20,6 +20,7 @@ import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.ring import ring_attention, ring_attention_sharded, ring_plan
 from ringsplash.splash.config import SplashConfig
+from attention_inputs import max_err
 
 TOL = 1e-4
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -61,10 +62,6 @@ def packed_segments(key, s: int):
     """Segment ids of a packed batch: runs of random lengths (original token order)."""
     starts = jax.random.bernoulli(key, 1 / 150, (s,)).at[0].set(True)
     return jnp.cumsum(starts).astype(jnp.int32)
-
-
-def max_err(a, b):
-    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 
 
 def run_both(key, mask, *, n, layout, heads=2, kv_heads=1, s=1024, d=32, segments=False, sinks=False,

@@ -22,6 +22,7 @@ import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.splash import attention as attention_lib
 from ringsplash.splash.config import SplashConfig
+from attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 NAN_PARAMS = pltpu.InterpretParams(uninitialized_memory="nan")
@@ -32,20 +33,6 @@ def config(bq=128, bkv=128, bq_dkv=128, bkv_dkv=128, bkv_compute=None, backend="
         block_q=bq, block_kv=bkv, block_kv_compute=bkv_compute, block_q_dkv=bq_dkv,
         block_kv_dkv=bkv_dkv, backend=backend, interpret_params=NAN_PARAMS,
     )
-
-
-def inputs(key, heads, kv_heads, q_len, kv_len, d=64, dtype=jnp.float32):
-    kq, kk, kv, kd, ks = jax.random.split(key, 5)
-    q = jax.random.normal(kq, (heads, q_len, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (kv_heads, kv_len, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (kv_heads, kv_len, d), jnp.float32).astype(dtype)
-    d_out = jax.random.normal(kd, (heads, q_len, d), jnp.float32).astype(dtype)
-    sinks = jax.random.normal(ks, (heads,), jnp.float32)
-    return q, k, v, d_out, sinks
-
-
-def max_err(a, b):
-    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
 def check_against_reference(key, mask, *, heads=2, kv_heads=2, q_len=256, kv_len=256, d=64,

@@ -18,26 +18,13 @@ from jax.sharding import PartitionSpec as P
 import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.splash import xla
+from attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
 
 def xla_config(bq=128, bkv=128):
     return rs.SplashConfig(block_q=bq, block_kv=bkv, block_q_dkv=bq, block_kv_dkv=bkv, backend="xla")
-
-
-def inputs(key, heads, kv_heads, q_len, kv_len, d=64, dtype=jnp.float32):
-    kq, kk, kv, kd, ks = jax.random.split(key, 5)
-    q = jax.random.normal(kq, (heads, q_len, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (kv_heads, kv_len, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (kv_heads, kv_len, d), jnp.float32).astype(dtype)
-    d_out = jax.random.normal(kd, (heads, q_len, d), jnp.float32).astype(dtype)
-    sinks = jax.random.normal(ks, (heads,), jnp.float32)
-    return q, k, v, d_out, sinks
-
-
-def max_err(a, b):
-    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
 def random_numpy_mask(seed, q_len, kv_len):
