@@ -28,10 +28,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ringsplash.reference import MASKED_LSE  # lse of a row with nothing to attend (finite)
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
 
-#: lse of a row with nothing to attend (finite; equals ``ringsplash.reference.MASKED_LSE``)
-MASKED_LSE = -1e30
 #: score given to masked entries before the max; finite so that no inf - inf appears
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
