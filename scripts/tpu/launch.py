@@ -9,17 +9,17 @@ Steps (``--dry-run`` prints exactly these commands and runs nothing):
 2. ``gcloud compute tpus tpu-vm scp`` it to every worker;
 3. ``gcloud compute tpus tpu-vm ssh --worker=all``: unpack, ``pip install -e .[tpu]``;
 4. ``gcloud compute tpus tpu-vm ssh --worker=all``: start the experiment on every worker
-   through this file's ``--worker-entry`` mode, which calls ``jax.distributed.initialize()``
+   through ``python -m ringsplash.distributed`` — the same entry point ``scripts/launch_local.py``
+   uses for local multi-process runs — which calls ``jax.distributed.initialize()``
    (coordinator, process count and id come from the TPU metadata) before running the script
    as ``__main__`` with ``JAX_PLATFORMS=tpu``.
 
 Every process builds the same global batches (data streams are deterministic) and feeds only
-its own shards; process 0 writes checkpoints and metrics under the run directory on worker 0.
+its own shards; process 0 writes metrics under the run directory on worker 0.
 """
 
 import argparse
 import os
-import runpy
 import shlex
 import subprocess
 import sys
@@ -37,13 +37,12 @@ def parse_args(argv=None):
     parser.add_argument("--remote-dir", default=REMOTE_DIR, help=f"checkout on the workers (default {REMOTE_DIR})")
     parser.add_argument("--skip-install", action="store_true", help="reuse the installed environment")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    parser.add_argument("--worker-entry", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("script", help="experiment to run, e.g. experiments/train_long_context.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
     args = parser.parse_args(argv)
     if args.script_args and args.script_args[0] == "--":
         args.script_args = args.script_args[1:]
-    if not args.worker_entry and not (args.tpu and args.zone):
+    if not (args.tpu and args.zone):
         parser.error("--tpu and --zone are required")
     return args
 
@@ -66,30 +65,15 @@ def commands(args) -> list[list[str]]:
         setup += f" && cd {d} && python3 -m pip install -q -e '.[tpu]'"
     install = _gcloud(args, "ssh", args.tpu, "--worker=all", f"--command={setup}")
     run_cmd = " ".join(
-        ["cd", d, "&&", "JAX_PLATFORMS=tpu", "python3", "scripts/tpu/launch.py", "--worker-entry",
+        ["cd", d, "&&", "JAX_PLATFORMS=tpu", "RINGSPLASH_TPU_MULTIHOST=1", "python3", "-m", "ringsplash.distributed",
          shlex.quote(args.script), "--", *map(shlex.quote, args.script_args)]
     )
     run = _gcloud(args, "ssh", args.tpu, "--worker=all", f"--command={run_cmd}")
     return [pack, copy, install, run]
 
 
-def worker_entry(script: str, script_args: list[str]) -> None:
-    """On a worker: join the distributed runtime, then run ``script`` as ``__main__``."""
-    import jax
-
-    jax.distributed.initialize()
-    print(f"[process {jax.process_index()}/{jax.process_count()}] {jax.local_device_count()} local of "
-          f"{jax.device_count()} devices ({jax.devices()[0].device_kind})", flush=True)
-    sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.join(REPO, "src"))
-    runpy.run_path(script, run_name="__main__")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.worker_entry:
-        worker_entry(args.script, args.script_args)
-        return 0
     for cmd in commands(args):
         print(shlex.join(cmd), flush=True)
         if not args.dry_run:

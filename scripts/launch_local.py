@@ -1,0 +1,136 @@
+"""Run any experiment or script as P JAX processes on this machine, as on a multi-host slice.
+
+    python scripts/launch_local.py --processes 2 --devices 2 experiments/train_long_context.py -- --steps 50
+
+Each process joins the coordinator on localhost through ``python -m ringsplash.distributed``
+(the entry point ``scripts/tpu/launch.py`` uses on a pod slice) with ``--devices`` simulated CPU
+devices and gloo collectives, so a mesh spans ``processes x devices`` devices across process
+boundaries. Output lines are forwarded with a ``[pN]`` prefix. When any process fails, the
+others are stopped and the launcher exits with that process's code; Ctrl-C stops them all. No
+process outlives the launcher.
+"""
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from ringsplash.distributed import local_launch_env
+
+GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping the other processes
+
+
+def free_port(preferred: int | None = None) -> int:
+    """``preferred`` if it can be bound on localhost, else a free port chosen by the OS."""
+    if preferred is not None:
+        with socket.socket() as s:
+            try:
+                s.bind(("localhost", preferred))
+                return preferred
+            except OSError:
+                print(f"[launch_local] port {preferred} is in use; picking another", file=sys.stderr, flush=True)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, default=2, help="JAX processes to start (default 2)")
+    parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices per process (default 2)")
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
+    parser.add_argument("script", help="the experiment or script to run, e.g. experiments/train_long_context.py")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (after --)")
+    args = parser.parse_args(argv)
+    if args.script_args and args.script_args[0] == "--":
+        args.script_args = args.script_args[1:]
+    for name in ("processes", "devices"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be a positive int, got {getattr(args, name)}")
+    return args
+
+
+def _forward(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"{prefix}{line}")
+        out.flush()
+    stream.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every live process group, then SIGKILL what is still there after the grace."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def launch(args) -> int:
+    port = free_port(args.port)
+    coordinator = f"localhost:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    # libtpu (the tpu extra) probes for TPU metadata on import; on a CPU host there is none
+    env.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    procs, threads = [], []
+    print(f"[launch_local] {args.processes} processes x {args.devices} CPU devices, coordinator {coordinator}",
+          flush=True)
+    try:
+        for i in range(args.processes):
+            penv = {**env, **local_launch_env(coordinator, args.processes, i, args.devices)}
+            cmd = [sys.executable, "-m", "ringsplash.distributed", args.script, "--", *args.script_args]
+            # own session: the whole process group can be stopped, children included
+            p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)
+            procs.append(p)
+            t = threading.Thread(target=_forward, args=(p.stdout, f"[p{i}] ", sys.stdout), daemon=True)
+            t.start()
+            threads.append(t)
+        start = time.monotonic()
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                i, code = failed[0]
+                print(f"[launch_local] process {i} exited with code {code}; stopping the others", flush=True)
+                _stop(procs)
+                return code if code > 0 else 1
+            if all(c == 0 for c in codes):
+                return 0
+            if args.timeout is not None and time.monotonic() - start > args.timeout:
+                print(f"[launch_local] timeout after {args.timeout:.0f} s; stopping every process", flush=True)
+                _stop(procs)
+                return 124
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        print("[launch_local] interrupted; stopping every process", flush=True)
+        _stop(procs)
+        return 130
+    finally:
+        _stop(procs)
+        for t in threads:
+            t.join(timeout=1.0)
+
+
+def main(argv=None) -> int:
+    return launch(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
