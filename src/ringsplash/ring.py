@@ -388,7 +388,7 @@ def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap,
     return check_attention_call(
         q, k, v, mask=mask, mask_required=True, mask_shape=None if seq_len is None else (seq_len, seq_len),
         mask_hint=hint, segment_ids=segment_ids,
-        segment_hint="segment ids are per shard: local length S/N" if local else "",
+        segment_hint=f"segment ids are per shard: local length S/N = {q.shape[1]}" if local and seq_len else "",
         scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
         equal_lengths=True,
     )

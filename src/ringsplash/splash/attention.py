@@ -28,7 +28,7 @@ from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call, default_scale
+from ringsplash._checks import check_attention_call, check_divides, default_scale
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks import PARTIAL
@@ -431,8 +431,7 @@ def splash_attention(
     for name, block, length, lname in (("block_q", bq, q_len, "q_len"), ("block_kv", bkv, kv_len, "kv_len"),
                                        ("block_q_dkv", bq_dkv, q_len, "q_len"),
                                        ("block_kv_dkv", bkv_dkv, kv_len, "kv_len")):
-        if length % block:
-            raise ValueError(f"{name}={block} must divide {lname}={length}")
+        check_divides(name, block, lname, length)
     info = build_mask_info(mask, (bq, bkv))
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, (bq_dkv, bkv_dkv), transpose=True)
     q_seg, kv_seg = _segments(call.segment_ids)
