@@ -94,8 +94,9 @@ MASK_INFO_CASES = [
     _bad(lambda: rs.build_mask_info(C64, (8, 8), q_positions=np.arange(64.0)), TypeError,
          r"q_positions must be integers", "q_positions_float"),
     # other arguments
-    _bad(lambda: rs.build_mask_info(C64, (8, 8), partial_mode="dense"), ValueError, r"partial_mode.*'dense'",
-         "partial_mode"),
+    # a Literal-typed mode string: the library's ValueError, or the test run's type check (TypeError)
+    _bad(lambda: rs.build_mask_info(C64, (8, 8), partial_mode="dense"), (ValueError, TypeError),
+         r"partial_mode.*'dense'", "partial_mode"),
     _bad(lambda: rs.build_mask_info(np.ones((64, 64), bool), (8, 8)), TypeError, r"mask", "mask_not_a_mask"),
 ]
 
@@ -108,9 +109,12 @@ def test_bad_mask_info_input(fn, exc, match):
 
 
 LAYOUT_CASES = [
-    _bad(lambda: layouts.permutation("spiral", 16, 2), ValueError, r"layout.*'spiral'", "unknown_layout"),
-    _bad(lambda: layouts.inverse_permutation("Zigzag", 16, 2), ValueError, r"layout", "layout_case_sensitive"),
-    _bad(lambda: layouts.permute(np.zeros(16), "ring", 2), ValueError, r"layout.*'ring'", "permute_unknown"),
+    # Literal-typed: the library's ValueError, or the test run's type check (TypeError)
+    _bad(lambda: layouts.permutation("spiral", 16, 2), (ValueError, TypeError), r"layout.*'spiral'", "unknown_layout"),
+    _bad(lambda: layouts.inverse_permutation("Zigzag", 16, 2), (ValueError, TypeError), r"layout",
+         "layout_case_sensitive"),
+    _bad(lambda: layouts.permute(np.zeros(16), "ring", 2), (ValueError, TypeError), r"layout.*'ring'",
+         "permute_unknown"),
     _bad(lambda: layouts.unpermute(np.zeros(16), "zigzag", 0), ValueError, r"num_shards", "zero_shards"),
     _bad(lambda: layouts.permutation("zigzag", 12, 4), ValueError, r"seq_len=12.*num_shards=4", "zigzag_not_divisible"),
     _bad(lambda: layouts.permutation("striped", 0, 1), ValueError, r"seq_len", "zero_seq_len"),

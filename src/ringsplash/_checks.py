@@ -1,84 +1,136 @@
-"""The one validation path: scalar / choice helpers used by every config and entry point,
-and the attention-input checks shared by every attention entry point (trace-time, shape-only).
+"""The one validation path for every attention entry point.
 
-Every helper names the argument, what was expected and what was given, and returns the
-normalised value. The scalar helpers import nothing from ringsplash, so any module
-(``masks``, ``layouts``, configs) can use them without an import cycle.
+:func:`check_attention_call` is the first thing ``reference_attention``, ``splash_attention``,
+``splash_forward`` / ``splash_backward``, ``ring_attention`` and ``ring_attention_sharded`` do
+(and what every future strategy must call): the config type, q/k/v ranks and dtypes, GQA
+divisibility, ``scale``, ``logit_soft_cap``, ``sinks``, segment ids and the mask, in that
+order, before any work that could fail for another reason. Shape and dtype checks are
+trace-time only; values are read only from concrete (non-traced) segment ids.
+
+The scalar helpers (``check_int`` ... ``check_divides``, ``literal_choices``) live in
+:mod:`ringsplash._scalar_checks`, which imports nothing from ringsplash so that ``masks`` and
+the configs can use them; they are re-exported here.
 """
 
-import numbers
-from collections.abc import Collection
-from typing import Any
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ringsplash._scalar_checks import (
+    check_choice,
+    check_divides,
+    check_float,
+    check_int,
+    check_positive_int,
+    check_positive_multiple,
+    literal_choices,
+)
 from ringsplash.masks import Mask, MultiHeadMask
 from ringsplash.segment_ids import SegmentIds
 
-
-def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
-    """``value`` as an ``int`` (numpy integers accepted, bools rejected), ``>= minimum``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {name}={value!r} ({type(value).__name__})")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value!r}")
-    return int(value)
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    """``value`` as an ``int`` > 0."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-    return int(value)
-
-
-def check_positive_multiple(name: str, value: Any, multiple: int) -> int:
-    """``value`` as an ``int`` > 0 divisible by ``multiple``."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0 or value % multiple:
-        raise ValueError(f"{name} must be a positive multiple of {multiple}, got {name}={value!r}")
-    return int(value)
+__all__ = [
+    "AttentionCall",
+    "check_attention_call",
+    "check_attention_inputs",
+    "check_choice",
+    "check_divides",
+    "check_float",
+    "check_int",
+    "check_positive_int",
+    "check_positive_multiple",
+    "check_segment_ids",
+    "default_scale",
+    "literal_choices",
+    "normalize_segment_ids",
+]
 
 
-def check_float(name: str, value: Any, *, positive: bool = False, minimum: float | None = None,
-                maximum: float | None = None) -> float:
-    """``value`` as a finite python ``float`` (ints accepted; bools, strings, arrays rejected)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})")
-    value = float(value)
-    if not np.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {name}={value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{name} must be > 0, got {name}={value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value!r}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {name}={value!r}")
-    return value
+class AttentionCall(NamedTuple):
+    """What :func:`check_attention_call` validated, normalised for the implementation."""
+
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    scale: float  # resolved: ``1 / sqrt(head_dim)`` when the caller passed None
+    logit_soft_cap: float | None
+    segment_ids: SegmentIds | None  # int32, equal exactly where the given ids are equal
 
 
-def check_choice(name: str, value: Any, choices: Collection[Any]) -> Any:
-    """``value`` if it is one of ``choices``."""
-    if isinstance(value, bool) or value not in tuple(choices):
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {name}={value!r}")
-    return value
+def check_attention_call(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    mask_required: bool = False,
+    mask_shape: tuple[int, int] | None = None,
+    mask_hint: str = "",
+    segment_ids=None,
+    segment_hint: str = "",
+    scale=None,
+    logit_soft_cap=None,
+    sinks=None,
+    config=None,
+    config_type: type | None = None,
+    same_dtype: bool = False,
+    equal_lengths: bool = False,
+) -> AttentionCall:
+    """Validate one call of an attention entry point; raise a clear error naming the argument.
+
+    Args:
+        q, k, v: per-example ``[heads, q_len, d]`` / ``[kv_heads, kv_len, d]`` floating arrays.
+        mask: a ``Mask`` / ``MultiHeadMask`` or None (``mask_required`` rejects None).
+        mask_shape: the ``(q_len, kv_len)`` the mask must have (default: q's and k's lengths;
+            the ring passes the global ``(S, S)``), ``mask_hint`` is appended to the error.
+        segment_ids: ``SegmentIds`` or None; ``segment_hint`` is appended to a length error.
+        scale: None or a finite positive real.
+        logit_soft_cap: None or a finite positive real.
+        sinks: None or a floating ``[heads]`` array.
+        config: the entry point's config, checked to be an instance of ``config_type`` first,
+            before anything reads its attributes (skipped when ``config_type`` is None).
+        same_dtype: q, k, v must share one dtype (the kernels need it).
+        equal_lengths: q_len must equal kv_len (the ring).
+
+    Returns:
+        :class:`AttentionCall` with the sizes, the resolved scale and cap, and int32 segment ids.
+    """
+    if config_type is not None and not isinstance(config, config_type):
+        raise TypeError(f"config must be a {config_type.__name__}, got config={config!r} ({type(config).__name__})")
+    if mask_required and mask is None:
+        raise TypeError("mask must be a ringsplash.masks.Mask or MultiHeadMask, got mask=None")
+    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(
+        q, k, v, mask, None, sinks, same_dtype=same_dtype, mask_shape=mask_shape, mask_hint=mask_hint
+    )
+    if equal_lengths and q_len != kv_len:
+        raise ValueError(f"q and k must have equal lengths here, got {q_len=}, {kv_len=}")
+    scale = default_scale(None if scale is None else check_float("scale", scale, positive=True), d)
+    if logit_soft_cap is not None:
+        logit_soft_cap = check_float("logit_soft_cap", logit_soft_cap, positive=True)
+    if segment_ids is not None:
+        try:
+            segment_ids = normalize_segment_ids(segment_ids, q_len, kv_len)
+        except ValueError as e:
+            if not segment_hint:
+                raise
+            raise ValueError(f"{e} ({segment_hint})") from None
+    return AttentionCall(heads, kv_heads, q_len, kv_len, d, scale, logit_soft_cap, segment_ids)
 
 
-def check_divides(divisor_name: str, divisor: int, name: str, value: int, *, hint: str = "") -> None:
-    """Raise unless ``divisor`` divides ``value``."""
-    if value % divisor:
-        raise ValueError(f"{divisor_name}={divisor} must divide {name}={value}" + (f" ({hint})" if hint else ""))
-
-
-
-def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, same_dtype=False):
-    """Validate per-example attention inputs; returns (heads, kv_heads, q_len, kv_len, head_dim)."""
+def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, same_dtype=False,
+                           mask_shape=None, mask_hint=""):
+    """Shape / dtype checks of per-example attention inputs; returns (heads, kv_heads, q_len, kv_len, head_dim)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 3:
             raise ValueError(
                 f"{name} must be [heads, length, head_dim] (per example; batch with jax.vmap), "
                 f"got shape {getattr(x, 'shape', type(x).__name__)}"
             )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point array, got {name}.dtype={x.dtype}")
     heads, q_len, d = q.shape
     kv_heads, kv_len, dk = k.shape
     if dk != d:
@@ -98,17 +150,22 @@ def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, 
             mshape = mask.shape
         else:
             raise TypeError(f"mask must be a ringsplash.masks.Mask or MultiHeadMask, got {type(mask).__name__}")
-        if tuple(mshape) != (q_len, kv_len):
-            raise ValueError(f"mask shape {tuple(mshape)} must equal (q_len, kv_len)={(q_len, kv_len)}")
+        want = (q_len, kv_len) if mask_shape is None else tuple(mask_shape)
+        if tuple(mshape) != want:
+            hint = f" ({mask_hint})" if mask_hint else ""
+            raise ValueError(f"mask shape {tuple(mshape)} must equal (q_len, kv_len)={want}{hint}")
     if segment_ids is not None:
         check_segment_ids(segment_ids, q_len, kv_len)
     if sinks is not None:
         if getattr(sinks, "shape", None) != (heads,):
             raise ValueError(f"sinks must have shape (heads,)={(heads,)}, got {getattr(sinks, 'shape', sinks)}")
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise TypeError(f"sinks must be a floating-point array, got sinks.dtype={sinks.dtype}")
     return heads, kv_heads, q_len, kv_len, d
 
 
 def check_segment_ids(segment_ids, q_len: int, kv_len: int) -> None:
+    """Type, shape and integer dtype of ``segment_ids`` (values: :func:`normalize_segment_ids`)."""
     if not isinstance(segment_ids, SegmentIds):
         raise TypeError(f"segment_ids must be ringsplash.SegmentIds(q=..., kv=...), got {type(segment_ids).__name__}")
     for name, ids, n in (("segment_ids.q", segment_ids.q, q_len), ("segment_ids.kv", segment_ids.kv, kv_len)):
@@ -118,5 +175,64 @@ def check_segment_ids(segment_ids, q_len: int, kv_len: int) -> None:
             raise TypeError(f"{name} must be an integer array, got dtype {ids.dtype}")
 
 
+# ----------------------------------------------------------------------------------------
+# segment ids -> int32 without collisions
+#
+# The kernels compare int32 ids. Narrowing must keep "q id == kv id" exactly:
+# * dtypes whose every value fits int32 (signed <= 32 bits, unsigned <= 16 bits): cast;
+# * concrete (numpy / non-traced) ids: cast if every value fits int32, else renumber q and kv
+#   jointly (np.unique), which keeps equality exactly;
+# * traced ids that are both unsigned (<= 32 bits): bitcast uint32 -> int32 is a bijection;
+# * traced ids of any other wider dtype (int64 / uint64 / uint32 with signed): rejected.
+
+_I32 = np.iinfo(np.int32)
+
+
+def _narrow_dtype_is_exact(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return (dtype.kind == "i" and dtype.itemsize <= 4) or (dtype.kind == "u" and dtype.itemsize <= 2)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _fits_int32(x) -> bool:
+    a = np.asarray(x)
+    return a.size == 0 or (int(a.min()) >= _I32.min and int(a.max()) <= _I32.max)
+
+
+def normalize_segment_ids(segment_ids, q_len: int, kv_len: int) -> SegmentIds:
+    """Validated int32 ``SegmentIds`` whose ``q[i] == kv[j]`` exactly where the given ids are equal.
+
+    Raises a ``TypeError`` for traced ids of a dtype wider than 32 bits (pass int32), never
+    merges ids silently.
+    """
+    check_segment_ids(segment_ids, q_len, kv_len)
+    q, kv = segment_ids
+    safe = [_narrow_dtype_is_exact(x.dtype) or (_is_concrete(x) and _fits_int32(x)) for x in (q, kv)]
+    if all(safe):
+        return SegmentIds(q=jnp.asarray(q, jnp.int32), kv=jnp.asarray(kv, jnp.int32))
+    if _is_concrete(q) and _is_concrete(kv):  # renumber jointly: exact, whatever the values
+        qa, kva = np.asarray(q), np.asarray(kv)
+        if qa.dtype != kva.dtype:  # e.g. int64 with uint64: compare as python ints, never via float64
+            qa, kva = qa.astype(object), kva.astype(object)
+        both = np.concatenate([qa, kva])
+        _, inverse = np.unique(both, return_inverse=True)
+        inverse = inverse.reshape(-1).astype(np.int32)
+        return SegmentIds(q=jnp.asarray(inverse[:q_len]), kv=jnp.asarray(inverse[q_len:]))
+    if all(np.dtype(x.dtype).kind == "u" and np.dtype(x.dtype).itemsize <= 4 for x in (q, kv)):
+        as_i32 = lambda x: jax.lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.uint32), jnp.int32)
+        return SegmentIds(q=as_i32(q), kv=as_i32(kv))
+    wide = q if not safe[0] else kv
+    name = "segment_ids.q" if not safe[0] else "segment_ids.kv"
+    raise TypeError(
+        f"{name} has dtype {wide.dtype}, which cannot be narrowed to the kernels' int32 without "
+        f"merging ids inside a traced computation; pass int32 segment ids (renumber them, e.g. "
+        f"np.unique(ids, return_inverse=True)), or pass concrete numpy ids, which are renumbered exactly"
+    )
+
+
 def default_scale(scale, head_dim: int) -> float:
+    """``scale``, or ``1 / sqrt(head_dim)`` when it is None."""
     return float(1.0 / np.sqrt(head_dim)) if scale is None else float(scale)

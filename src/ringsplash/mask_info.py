@@ -13,14 +13,16 @@ import collections
 import dataclasses
 import hashlib
 import threading
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from ringsplash import masks as masks_lib
+from ringsplash._scalar_checks import check_choice, check_divides, check_positive_int, literal_choices
 from ringsplash.masks import EMPTY, FULL, PARTIAL, AnyMask, Mask, NumpyMask
 
-PARTIAL_MODES = ("auto", "stored", "function")
+PartialMode = Literal["auto", "stored", "function"]
+PARTIAL_MODES: tuple[str, ...] = literal_choices(PartialMode)
 #: "auto" stores partial blocks while there are at most this many distinct ones.
 MAX_STORED_PARTIAL_BLOCKS = 64
 
@@ -143,16 +145,13 @@ def _check_positions(positions, length: int, name: str) -> np.ndarray:
     return pos.astype(np.int32)
 
 
-def _check_blocking(length: int, block: int, shards: int, what: str) -> None:
-    if not isinstance(shards, (int, np.integer)) or isinstance(shards, bool) or shards <= 0:
-        raise ValueError(f"{what}_shards must be a positive int, got {shards!r}")
-    if length % shards:
-        raise ValueError(f"{what}_shards={shards} must divide {what}_len={length}")
-    if (length // shards) % block:
-        raise ValueError(
-            f"block_shape[{0 if what == 'q' else 1}]={block} must divide the per-shard {what} length "
-            f"{what}_len // {what}_shards = {length} // {shards} = {length // shards}"
-        )
+def _check_blocking(length: int, block: int, shards: int, what: str) -> int:
+    """``shards`` as an int, after checking it divides ``length`` and the block tiles each shard."""
+    shards = check_positive_int(f"{what}_shards", shards)
+    check_divides(f"{what}_shards", shards, f"{what}_len", length)
+    check_divides(f"block_shape[{0 if what == 'q' else 1}]", block, f"the per-shard {what} length", length // shards,
+                  hint=f"{what}_len // {what}_shards = {length} // {shards} = {length // shards}")
+    return shards
 
 
 # ----------------------------------------------------------------------------------------
@@ -469,29 +468,35 @@ def build_mask_info(
     q_positions=None,
     kv_positions=None,
     transpose: bool = False,
-    partial_mode: str = "auto",
+    partial_mode: PartialMode = "auto",
 ) -> MaskInfo:
     """Block-sparse metadata for ``mask`` (LRU-cached on its arguments).
 
-    ``q_positions[i]`` is the original position of row ``i`` (a token layout), likewise
-    ``kv_positions``; the mask is evaluated on original positions. ``partial_mode``:
-    ``"stored"`` keeps deduplicated partial blocks, ``"function"`` flags partial blocks for
-    in-kernel ``mask_function`` evaluation, ``"auto"`` stores up to
-    ``MAX_STORED_PARTIAL_BLOCKS`` distinct blocks per mask (NumpyMask always stores).
+    Args:
+        mask: a ``Mask`` or ``MultiHeadMask`` of shape ``(q_len, kv_len)`` on original positions.
+        block_shape: ``(block_q, block_kv)`` positive ints; each tiles a shard exactly.
+        q_shards: number of equal q shards (``q_len // q_shards`` rows each); one work list per
+            (q shard, kv shard) pair.
+        kv_shards: number of equal kv shards.
+        q_positions: int ``[q_len]`` permutation: ``q_positions[i]`` is the original position of
+            row ``i`` (a token layout); None = identity.
+        kv_positions: likewise for the kv columns.
+        transpose: build the transposed (kv-major) view the dK/dV kernel walks.
+        partial_mode: ``"stored"`` keeps deduplicated partial blocks, ``"function"`` flags
+            partial blocks for in-kernel ``mask_function`` evaluation, ``"auto"`` stores up to
+            ``MAX_STORED_PARTIAL_BLOCKS`` distinct blocks per mask (NumpyMask always stores).
+
+    Returns:
+        the cached ``MaskInfo``.
     """
     heads = masks_lib.head_masks(mask)
     q_len, kv_len = heads[0].shape
-    if (
-        not isinstance(block_shape, tuple | list)
-        or len(block_shape) != 2
-        or not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_shape)
-    ):
+    if not isinstance(block_shape, tuple | list) or len(block_shape) != 2:
         raise ValueError(f"block_shape must be a pair of positive ints, got {block_shape!r}")
-    bq, bkv = int(block_shape[0]), int(block_shape[1])
-    if partial_mode not in PARTIAL_MODES:
-        raise ValueError(f"partial_mode must be one of {PARTIAL_MODES}, got {partial_mode!r}")
-    _check_blocking(q_len, bq, q_shards, "q")
-    _check_blocking(kv_len, bkv, kv_shards, "kv")
+    bq, bkv = (check_positive_int(f"block_shape[{i}]", b) for i, b in enumerate(block_shape))
+    check_choice("partial_mode", partial_mode, PARTIAL_MODES)
+    q_shards = _check_blocking(q_len, bq, q_shards, "q")
+    kv_shards = _check_blocking(kv_len, bkv, kv_shards, "kv")
     q_pos = _check_positions(q_positions, q_len, "q_positions")
     kv_pos = _check_positions(kv_positions, kv_len, "kv_positions")
     key = (mask, bq, bkv, int(q_shards), int(kv_shards), _digest(q_positions), _digest(kv_positions),

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ringsplash._scalar_checks import check_int
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # Position sentinels for "unbounded" interval ends (positions are < 2**40 in practice).
 _LO, _HI = -(2**62), 2**62
@@ -35,14 +37,6 @@ def _check_shape(shape, name: str = "shape") -> tuple[int, int]:
     if q_len <= 0 or kv_len <= 0:
         raise ValueError(f"{name} must be positive, got {name}={(q_len, kv_len)}")
     return q_len, kv_len
-
-
-def _check_int(value, name: str, *, minimum: int | None = None) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-    return int(value)
 
 
 def _as_index(idx, n: int) -> np.ndarray:
@@ -170,7 +164,7 @@ class CausalMask(Mask):
 
     def __init__(self, shape, offset: int = 0):
         self.shape = _check_shape(shape)
-        self.offset = _check_int(offset, "offset")
+        self.offset = check_int("offset", offset)
 
     def _key(self):
         return (self.shape, self.offset)
@@ -201,9 +195,9 @@ class LocalMask(Mask):
         self.shape = _check_shape(shape)
         if not isinstance(window, tuple | list) or len(window) != 2:
             raise TypeError(f"window must be a (left, right) pair, got {window!r}")
-        left, right = (None if w is None else _check_int(w, "window side", minimum=0) for w in window)
+        left, right = (None if w is None else check_int("window side", w, minimum=0) for w in window)
         self.window = (left, right)
-        self.offset = _check_int(offset, "offset")
+        self.offset = check_int("offset", offset)
 
     def _key(self):
         return (self.shape, self.window, self.offset)
@@ -256,7 +250,7 @@ class ChunkedCausalMask(Mask):
 
     def __init__(self, shape, chunk_size: int):
         self.shape = _check_shape(shape)
-        self.chunk_size = _check_int(chunk_size, "chunk_size", minimum=1)
+        self.chunk_size = check_int("chunk_size", chunk_size, minimum=1)
 
     def _key(self):
         return (self.shape, self.chunk_size)
@@ -299,7 +293,7 @@ class PrefixLMMask(Mask):
 
     def __init__(self, shape, prefix_len: int):
         self.shape = _check_shape(shape)
-        prefix_len = _check_int(prefix_len, "prefix_len")
+        prefix_len = check_int("prefix_len", prefix_len)
         if not 0 <= prefix_len <= self.shape[1]:
             raise ValueError(f"prefix_len must be in [0, kv_len={self.shape[1]}], got {prefix_len=}")
         self.prefix_len = prefix_len

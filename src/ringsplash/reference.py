@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_inputs, default_scale
+from ringsplash._checks import check_attention_call, check_float
 from ringsplash._types import Array, Float
 from ringsplash.segment_ids import SegmentIds
 
@@ -28,16 +28,38 @@ def reference_attention(
 ):
     """softmax(scale * q k^T [soft-capped], masked [, sinks]) v, computed densely in float32.
 
-    Returns ``out`` (q.dtype) or ``(out, lse)`` with ``lse`` float32 ``[heads, q_len]``.
-    ``dropout_rate > 0`` (with ``dropout_key``) drops attention probabilities and rescales the
-    kept ones by ``1 / (1 - rate)``; only this dense path supports dropout.
+    Args:
+        q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
+        k: keys ``[kv_heads, kv_len, d]``; ``kv_heads`` divides ``heads`` (GQA; 1 = MQA).
+        v: values, the shape of ``k``.
+        mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one
+            per head), or None to attend everything.
+        segment_ids: ``SegmentIds(q=[q_len], kv=[kv_len])`` integer ids; a query attends only
+            keys with an equal id. Concrete ids of any integer dtype are compared exactly;
+            traced ids must fit int32.
+        scale: positive multiplier of ``q k^T``; None means ``1 / sqrt(d)``.
+        logit_soft_cap: None, or a positive cap ``c``: logits become ``c * tanh(logits / c)``.
+        sinks: floating ``[heads]`` per-head sink logits that join each row's softmax
+            denominator only (attention to "nothing"), or None.
+        return_residuals: also return ``lse`` (float32 ``[heads, q_len]``, natural log, sinks
+            included; ``MASKED_LSE`` for a row with nothing to attend).
+        dropout_rate: probability in ``[0, 1)`` of dropping each attention probability (the
+            kept ones are rescaled by ``1 / (1 - rate)``); only this dense path supports it.
+        dropout_key: a ``jax.random`` key, needed when ``dropout_rate > 0``.
+
+    Returns:
+        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
     """
-    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks)
-    if not 0.0 <= dropout_rate < 1.0:
+    call = check_attention_call(
+        q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks
+    )
+    heads, kv_heads, q_len, kv_len, d = call[:5]
+    scale, logit_soft_cap, segment_ids = call.scale, call.logit_soft_cap, call.segment_ids
+    dropout_rate = check_float("dropout_rate", dropout_rate, minimum=0.0)
+    if not dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate=}")
     if dropout_rate > 0 and dropout_key is None:
         raise ValueError("dropout_rate > 0 needs a dropout_key (a jax.random key)")
-    scale = default_scale(scale, d)
     group = heads // kv_heads
     qf = q.astype(jnp.float32).reshape(kv_heads, group, q_len, d)
     s = jnp.einsum("hgqd,hkd->hgqk", qf, k.astype(jnp.float32)) * scale

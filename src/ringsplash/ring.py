@@ -31,6 +31,8 @@ active (e.g. causal + zigzag): XLA folds the constant predicate.
 import concurrent.futures
 import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +42,15 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_inputs, check_segment_ids, default_scale
+from ringsplash._checks import check_attention_call
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
-from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.config import NUM_LANES, SplashConfig
 
-__all__ = ["RingPlan", "ring_attention", "ring_attention_sharded", "ring_plan"]
+__all__ = ["RingBlocks", "RingPlan", "fit_ring_blocks", "ring_attention", "ring_attention_sharded", "ring_plan"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -63,27 +65,84 @@ class RingPlan:
     active: np.ndarray  # bool [N, N]: shard pair (q shard, kv shard) has a non-empty block
 
 
-def check_ring_lengths(seq_len: int, num_shards: int, layout: str, config: SplashConfig) -> None:
-    """Raise unless every block size tiles each shard (each zigzag half-shard) exactly."""
-    if layout not in layouts.LAYOUTS:
-        raise ValueError(f"layout must be one of {layouts.LAYOUTS}, got {layout=!r}")
+class RingBlocks(NamedTuple):
+    """Block sizes the ring runs with: ``SplashConfig``'s, shrunk to fit its shards."""
+
+    block_shape: tuple[int, int]  # forward / dq
+    block_shape_dkv: tuple[int, int]  # dK/dV
+    config: SplashConfig  # the config to run (``block_kv_compute`` divides the fitted block_kv)
+
+
+def _fit_block(block: int, part: int) -> int | None:
+    """The largest multiple of 128 <= ``block`` that divides ``part`` (a divisor of ``block``,
+    so ``gcd``), or ``part`` itself when it is shorter than ``block`` (as ``splash_attention``
+    shrinks blocks to short sequences); None when neither exists."""
+    if part % block == 0:
+        return block
+    if part < block:
+        return part
+    g = math.gcd(block, part)
+    return g if g % NUM_LANES == 0 else None
+
+
+def fit_ring_blocks(seq_len: int, num_shards: int, layout: layouts.Layout, config: SplashConfig) -> RingBlocks:
+    """Shrink ``config``'s blocks so each tiles every shard (every zigzag half-shard) exactly.
+
+    Args:
+        seq_len: global sequence length S.
+        num_shards: devices N on the ring axis.
+        layout: token layout (zigzag splits each shard into two halves of S / 2N).
+        config: the user's ``SplashConfig``; a block that does not tile a part of ``S / N``
+            (``S / 2N`` for zigzag) shrinks to the largest multiple of 128 dividing it, or to
+            the whole part when the part is shorter than the block.
+
+    Raises:
+        ValueError: naming the ``SplashConfig`` blocks (or the S) that would work, when no
+            such block exists.
+    """
+    layouts.check_layout(layout, seq_len, num_shards)
     parts = 2 * num_shards if layout == "zigzag" else num_shards
+    part = seq_len // parts
+    fitted = {}
     for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
         block = getattr(config, name)
-        if seq_len % (parts * block):
+        fitted[name] = _fit_block(block, part)
+        if fitted[name] is None:
+            what = "zigzag half-shard" if layout == "zigzag" else "shard"
+            good_block = -(-part // NUM_LANES) * NUM_LANES
+            good_s = -(-seq_len // (parts * NUM_LANES)) * parts * NUM_LANES
             raise ValueError(
-                f"sequence length S={seq_len} must be divisible by "
-                f"{'2 x ' if layout == 'zigzag' else ''}num_shards x {name} = {parts} x {block} = "
-                f"{parts * block} for layout {layout!r}"
+                f"ring attention cannot tile a {what} of S // {parts} = {seq_len} // {parts} = {part} tokens "
+                f"(layout {layout!r}, {num_shards} devices) with SplashConfig.{name}={block}: a ring block is a "
+                f"multiple of {NUM_LANES} dividing the {what}, or the whole {what} when it is shorter than the "
+                f"block. Pass SplashConfig(block_q={good_block}, block_kv={good_block}, block_q_dkv={good_block}, "
+                f"block_kv_dkv={good_block}) (blocks shrink to the {part}-token {what}), or use S divisible by "
+                f"{parts} x {NUM_LANES} = {parts * NUM_LANES} (e.g. S={good_s})"
             )
+    bkv = fitted["block_kv"]
+    compute = min(config.block_kv_compute, bkv)
+    if bkv % compute:  # the fitted block_kv is a multiple of 128 here: so is the gcd
+        config = dataclasses.replace(config, block_kv_compute=math.gcd(config.block_kv_compute, bkv))
+    return RingBlocks(
+        block_shape=(fitted["block_q"], bkv),
+        block_shape_dkv=(fitted["block_q_dkv"], fitted["block_kv_dkv"]),
+        config=config,
+    )
 
 
-def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: str, config: SplashConfig) -> RingPlan:
-    """Host metadata of a ring (cached): O(non-empty blocks + S), never a dense S x S mask."""
+def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig) -> RingPlan:
+    """Host metadata of a ring (cached): O(non-empty blocks + S), never a dense S x S mask.
+
+    Args:
+        mask: the global ``(S, S)`` mask on original positions.
+        num_shards: devices N on the ring axis.
+        layout: token layout of the shards.
+        config: ``SplashConfig``; its blocks are fitted to the shards (:func:`fit_ring_blocks`).
+    """
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
-    check_ring_lengths(seq_len, num_shards, layout, config)
-    dkv = None if config.backend == "xla" else config.block_shape_dkv
-    return _ring_plan(mask, int(num_shards), layout, config.block_shape, dkv)
+    blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
+    dkv = None if config.backend == "xla" else blocks.block_shape_dkv
+    return _ring_plan(mask, int(num_shards), layout, blocks.block_shape, dkv)
 
 
 @functools.lru_cache(maxsize=16)
@@ -276,7 +335,7 @@ def ring_attention(
     *,
     axis_name,
     segment_ids: SegmentIds | None = None,
-    layout: str = "contiguous",
+    layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: Float[Array, "heads"] | None = None,
@@ -285,39 +344,54 @@ def ring_attention(
 ) -> Float[Array, "heads q_shard d"]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
-    ``q, k, v`` (and ``segment_ids``) are this device's shard, in ``layout`` order; ``mask`` is
-    the global ``(S, S)`` mask on original token positions, ``S = N * q_shard``.
+    Args:
+        q: this device's queries ``[heads, q_shard, d]``, floating point, in ``layout`` order.
+        k: this device's keys ``[kv_heads, q_shard, d]``; ``kv_heads`` divides ``heads``.
+        v: this device's values, the shape of ``k``.
+        mask: the global ``(S, S)`` mask on original token positions, ``S = N * q_shard``.
+        axis_name: the mesh axis (N devices) the sequence is sharded over; must be bound.
+        segment_ids: this shard's ``SegmentIds(q=[q_shard], kv=[q_shard])`` (int32 inside
+            ``shard_map``); the kv ids travel with K/V.
+        layout: token order of the shards (``ringsplash.layouts``): ``"contiguous"``,
+            ``"zigzag"`` or ``"striped"``.
+        scale: positive multiplier of ``q k^T``; None means ``1 / sqrt(d)``.
+        logit_soft_cap: None, or a positive cap ``c``: logits become ``c * tanh(logits / c)``.
+        sinks: floating ``[heads]`` per-head sink logits (replicated), joining each row's
+            denominator once, or None.
+        config: ``SplashConfig``; blocks that do not tile a shard (zigzag: a half-shard)
+            shrink to fit (:func:`fit_ring_blocks`).
+        unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
+
+    Returns:
+        this device's output ``[heads, q_shard, d]`` in ``q.dtype``, ``layout`` order.
     """
     n = _axis_size(axis_name)
-    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, None, None, sinks)
-    if q_len != kv_len:
-        raise ValueError(f"ring attention needs equal local q and kv lengths, got {q_len=}, {kv_len=}")
-    if not isinstance(config, SplashConfig):
-        raise TypeError(f"config must be a SplashConfig, got {type(config).__name__}")
-    seq_len = q_len * n
-    if not isinstance(mask, (masks_lib.Mask, masks_lib.MultiHeadMask)):
-        raise TypeError(f"mask must be a ringsplash.masks.Mask or MultiHeadMask, got {type(mask).__name__}")
-    mshape = mask.shape[1:] if isinstance(mask, masks_lib.MultiHeadMask) else mask.shape
-    if tuple(mshape) != (seq_len, seq_len):
-        raise ValueError(
-            f"mask shape {tuple(mshape)} must be the global (S, S) = {(seq_len, seq_len)} "
-            f"(local length {q_len} x {n} shards on axis {axis_name!r})"
-        )
-    if isinstance(mask, masks_lib.MultiHeadMask) and mask.shape[0] != heads:
-        raise ValueError(f"MultiHeadMask has {mask.shape[0]} heads, q has {heads=}")
-    if segment_ids is not None:
-        try:
-            check_segment_ids(segment_ids, q_len, kv_len)
-        except ValueError as e:
-            raise ValueError(f"{e} (segment ids are per shard: local length S/N = {q_len})") from None
-    check_ring_lengths(seq_len, n, layout, config)
+    call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
+                            segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name)
+    seq_len = call.q_len * n
+    blocks = fit_ring_blocks(seq_len, n, layout, config)
     plan = ring_plan(mask, n, layout, config)
     ring = _make_ring(
-        plan, n, axis_name, default_scale(scale, d), logit_soft_cap, config, unroll,
+        plan, n, axis_name, call.scale, call.logit_soft_cap, blocks.config, unroll,
         sinks_vma=frozenset() if sinks is None else _vma(sinks),
     )
-    q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
+    seg = call.segment_ids
+    q_seg, kv_seg = (None, None) if seg is None else (seg.q, seg.kv)
     return ring(q, k, v, q_seg, kv_seg, sinks)
+
+
+def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap, sinks, config, *, local, axis_name):
+    """The shared entry check, with the ring's global-mask and equal-length rules."""
+    hint = ""
+    if local and seq_len:
+        hint = f"the global (S, S) mask for {seq_len // q.shape[1]} shards on axis {axis_name!r}"
+    return check_attention_call(
+        q, k, v, mask=mask, mask_required=True, mask_shape=None if seq_len is None else (seq_len, seq_len),
+        mask_hint=hint, segment_ids=segment_ids,
+        segment_hint=f"segment ids are per shard: local length S/N = {q.shape[1]}" if local and seq_len else "",
+        scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
+        equal_lengths=True,
+    )
 
 
 def ring_attention_sharded(
@@ -329,23 +403,45 @@ def ring_attention_sharded(
     mesh: jax.sharding.Mesh,
     axis_name,
     segment_ids: SegmentIds | None = None,
-    layout: str = "contiguous",
+    layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: Float[Array, "heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
 ) -> Float[Array, "heads seq d"]:
-    """:func:`ring_attention` on global arrays already in ``layout`` order (see
-    ``ringsplash.layouts.permute``), sharded along the sequence over ``mesh.shape[axis_name]``.
-    The mask is defined on original positions; the output is in ``layout`` order."""
+    """:func:`ring_attention` on global arrays already in ``layout`` order, sharded along the
+    sequence over ``mesh.shape[axis_name]`` devices.
+
+    Args:
+        q: queries ``[heads, S, d]``, floating point, in ``layout`` order
+            (``ringsplash.layouts.permute``).
+        k: keys ``[kv_heads, S, d]`` in ``layout`` order; ``kv_heads`` divides ``heads``.
+        v: values, the shape of ``k``.
+        mask: the ``(S, S)`` mask on original token positions.
+        mesh: a ``jax.sharding.Mesh`` with the axis ``axis_name``.
+        axis_name: the mesh axis (N devices) to shard the sequence over.
+        segment_ids: global ``SegmentIds(q=[S], kv=[S])`` in ``layout`` order, or None.
+            Concrete ids of any integer dtype are renumbered exactly; traced ids must fit int32.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (``ringsplash.layouts``).
+        scale: positive multiplier of ``q k^T``; None means ``1 / sqrt(d)``.
+        logit_soft_cap: None, or a positive cap ``c``: logits become ``c * tanh(logits / c)``.
+        sinks: floating ``[heads]`` per-head sink logits, or None.
+        config: ``SplashConfig``; blocks shrink to fit the shards (:func:`fit_ring_blocks`).
+        unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
+
+    Returns:
+        ``[heads, S, d]`` in ``q.dtype`` and ``layout`` order.
+    """
+    call = _check_ring_call(q, k, v, mask, None, segment_ids, scale, logit_soft_cap, sinks, config,
+                            local=False, axis_name=axis_name)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}, no axis_name={axis_name!r}")
     n = mesh.shape[axis_name]
-    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks)
-    if q_len != kv_len:
-        raise ValueError(f"ring attention needs q_len == kv_len, got {q_len=}, {kv_len=}")
-    check_ring_lengths(q_len, n, layout, config)
+    fit_ring_blocks(call.q_len, n, layout, config)
+    segment_ids = call.segment_ids  # int32, renumbered exactly if wider ids were given
     seq = P(None, axis_name)
     seg_spec = None if segment_ids is None else SegmentIds(P(axis_name), P(axis_name))
     fn = functools.partial(

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
+from ringsplash._checks import check_divides, check_int, check_positive_int
 from ringsplash.data import Batch, DataStream
 from ringsplash.model import Transformer, TransformerConfig
 
@@ -61,12 +62,9 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {name}={v!r}")
-        if self.batch_size % self.data_parallel:
-            raise ValueError(f"data_parallel={self.data_parallel} must divide batch_size={self.batch_size}")
-        if not 0 <= self.warmup_steps <= self.steps:
+            check_positive_int(name, getattr(self, name))
+        check_divides("data_parallel", self.data_parallel, "batch_size", self.batch_size)
+        if not 0 <= check_int("warmup_steps", self.warmup_steps) <= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
 
 

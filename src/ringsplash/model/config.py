@@ -6,20 +6,20 @@ A config that constructs is a config that runs: each rejected combination raises
 
 import dataclasses
 import math
-import numbers
+from typing import Literal
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
+from ringsplash._checks import check_choice, check_float, check_int, check_positive_int, literal_choices
+from ringsplash.ring import fit_ring_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
-STRATEGIES = ("reference", "splash", "ring")
-MASKS = ("causal", "local", "chunked", "prefix_lm", "full")
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _positive_int(name: str, value) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+Strategy = Literal["reference", "splash", "ring"]
+MaskKind = Literal["causal", "local", "chunked", "prefix_lm", "full"]
+DType = Literal["float32", "bfloat16", "float16"]
+STRATEGIES: tuple[str, ...] = literal_choices(Strategy)
+MASKS: tuple[str, ...] = literal_choices(MaskKind)
+DTYPES: tuple[str, ...] = literal_choices(DType)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,29 +56,29 @@ class TransformerConfig:
     mlp_multiple: int = 8
     rope_theta: float = 10_000.0
     max_seq_len: int = 2048
-    attention: str = "reference"
-    mask: str = "causal"
+    attention: Strategy = "reference"
+    mask: MaskKind = "causal"
     local_window: int | None = None
     chunk_size: int | None = None
     prefix_len: int | None = None
     ring_axis_name: str | None = None
-    ring_layout: str = "zigzag"
+    ring_layout: layouts.Layout = "zigzag"
     ring_size: int = 1
     logit_soft_cap: float | None = None
     sinks: bool = False
     attention_dropout: float = 0.0
     remat: bool = False
     tie_embeddings: bool = False
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
     splash: SplashConfig = SplashConfig()
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
-        _positive_int("num_kv_heads", self.num_kv_heads)
+        check_positive_int("num_kv_heads", self.num_kv_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads} "
@@ -91,28 +91,23 @@ class TransformerConfig:
                     f"set head_dim explicitly or change num_heads"
                 )
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-        _positive_int("head_dim", self.head_dim)
+        check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs): use an even head_dim")
-        if not (isinstance(self.mlp_ratio, numbers.Real) and self.mlp_ratio > 0):
-            raise ValueError(f"mlp_ratio must be a positive number, got {self.mlp_ratio!r}")
-        if not (isinstance(self.rope_theta, numbers.Real) and self.rope_theta > 0):
-            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        check_float("mlp_ratio", self.mlp_ratio, positive=True)
+        check_float("rope_theta", self.rope_theta, positive=True)
 
-        if self.attention not in STRATEGIES:
-            raise ValueError(f"attention={self.attention!r} is unknown: use one of {STRATEGIES}")
+        check_choice("attention", self.attention, STRATEGIES)
         self._check_mask()
         for name in ("param_dtype", "compute_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name}={getattr(self, name)!r} is unknown: use one of {DTYPES}")
-        if self.logit_soft_cap is not None and not (
-            isinstance(self.logit_soft_cap, numbers.Real) and self.logit_soft_cap > 0
-        ):
-            raise ValueError(f"logit_soft_cap must be None or a positive number, got {self.logit_soft_cap!r}")
-        if not (isinstance(self.attention_dropout, numbers.Real) and 0.0 <= self.attention_dropout < 1.0):
-            raise ValueError(f"attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
+            check_choice(name, getattr(self, name), DTYPES)
+        if self.logit_soft_cap is not None:
+            check_float("logit_soft_cap", self.logit_soft_cap, positive=True)
+        dropout = check_float("attention_dropout", self.attention_dropout, minimum=0.0)
+        if not dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got attention_dropout={self.attention_dropout!r}")
         if not isinstance(self.splash, SplashConfig):
-            raise ValueError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
+            raise TypeError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
 
         kernels = self.attention in ("splash", "ring")
         if kernels and self.attention_dropout > 0:
@@ -126,8 +121,7 @@ class TransformerConfig:
                     "attention='ring' needs ring_axis_name (the mesh axis the ring runs over, "
                     "e.g. ring_axis_name='context')"
                 )
-            if self.ring_layout not in layouts.LAYOUTS:
-                raise ValueError(f"ring_layout={self.ring_layout!r} is unknown: use one of {layouts.LAYOUTS}")
+            check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
         elif self.ring_size != 1:
             raise ValueError(
                 f"ring_size={self.ring_size} needs attention='ring' (the other strategies run on "
@@ -143,36 +137,33 @@ class TransformerConfig:
             self._check_lengths()
 
     def _check_mask(self) -> None:
-        if self.mask not in MASKS:
-            raise ValueError(f"mask={self.mask!r} is unknown: use one of {MASKS}")
+        check_choice("mask", self.mask, MASKS)
         needs = {"local": "local_window", "chunked": "chunk_size", "prefix_lm": "prefix_len"}
         for mask, option in needs.items():
             value = getattr(self, option)
             if self.mask == mask:
                 minimum = 0 if option != "chunk_size" else 1
-                if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-                    raise ValueError(f"mask={mask!r} needs {option}=<int >= {minimum}>, got {option}={value!r}")
+                try:
+                    check_int(option, value, minimum=minimum)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"mask={mask!r} needs {option}=<int >= {minimum}>: {e}") from None
             elif value is not None:
                 raise ValueError(f"{option}={value!r} only applies to mask={mask!r}: set {option}=None")
         if self.mask == "prefix_lm" and self.prefix_len > self.max_seq_len:
             raise ValueError(f"prefix_len={self.prefix_len} must be <= max_seq_len={self.max_seq_len}")
 
     def _check_lengths(self) -> None:
-        ring = self.attention == "ring"
-        if ring and self.ring_layout == "zigzag":
-            parts, what = 2 * self.ring_size, f"2 x ring_size = {2 * self.ring_size}"
-        elif ring:
-            parts, what = self.ring_size, f"ring_size = {self.ring_size}"
-        else:
-            parts, what = 1, "1"
+        if self.attention == "ring":  # the ring shrinks blocks to its shards, or says which config fits
+            fit_ring_blocks(self.max_seq_len, self.ring_size, self.ring_layout, self.splash)
+            return
         s = self.splash
         blocks = {"block_q": s.block_q, "block_kv": s.block_kv, "block_q_dkv": s.block_q_dkv, "block_kv_dkv": s.block_kv_dkv}
         for name, block in blocks.items():
-            if self.max_seq_len % (parts * block):
+            if self.max_seq_len % block:
                 raise ValueError(
-                    f"sequence length must be divisible by ring size x block sizes: max_seq_len={self.max_seq_len} "
-                    f"is not divisible by ({what}) x splash.{name}={block} = {parts * block}: use smaller "
-                    f"blocks (multiples of {NUM_LANES}) or a max_seq_len divisible by {parts * block}"
+                    f"sequence length must be divisible by the block sizes: max_seq_len={self.max_seq_len} "
+                    f"is not divisible by splash.{name}={block}: use smaller "
+                    f"blocks (multiples of {NUM_LANES}) or a max_seq_len divisible by {block}"
                 )
 
     # ------------------------------------------------------------------ derived values

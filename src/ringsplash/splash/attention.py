@@ -28,7 +28,7 @@ from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_inputs, check_segment_ids, default_scale
+from ringsplash._checks import check_attention_call, check_divides, default_scale
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks import PARTIAL
@@ -218,11 +218,9 @@ def _local_positions(positions, info_positions, shard, shards, local_len):
     return jax.lax.dynamic_slice_in_dim(allpos, shard * local_len, local_len)
 
 
-def _segments(segment_ids, q_len, kv_len):
-    if segment_ids is None:
-        return None, None
-    check_segment_ids(segment_ids, q_len, kv_len)
-    return jnp.asarray(segment_ids.q, jnp.int32), jnp.asarray(segment_ids.kv, jnp.int32)
+def _segments(segment_ids):
+    """int32 (q, kv) ids from ids already normalised by ``check_attention_call`` (or None)."""
+    return (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
 
 
 def splash_forward(
@@ -243,20 +241,36 @@ def splash_forward(
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"]]:
     """Sink-free ``(out, lse)`` of the local q shard against the local kv shard.
 
-    ``info`` is built with ``(config.block_q, config.block_kv)``; ``q_shard``/``kv_shard``
-    (ints or traced) pick its shard-pair work list; positions default to the shard's slice
-    of ``info.q_positions`` / ``info.kv_positions``; ``segment_ids`` are the local ones.
-    ``out`` has ``out_dtype`` (None = q's dtype; ``jnp.float32`` gives a ring unrounded
-    partial outputs; both backends write it directly from their float32 accumulators).
+    Args:
+        q: local queries ``[heads, q_shard, d]``, floating point.
+        k: local keys ``[kv_heads, kv_shard, d]``, the dtype of ``q``.
+        v: local values, the shape and dtype of ``k``.
+        info: ``MaskInfo`` built with ``(config.block_q, config.block_kv)`` for these shards.
+        q_shard: which q shard of ``info`` this is (int or traced int).
+        kv_shard: which kv shard of ``info`` this is (int or traced int).
+        q_positions: int ``[q_shard]`` original positions of the local rows; None = the shard's
+            slice of ``info.q_positions``.
+        kv_positions: int ``[kv_shard]`` original positions of the local columns; None = the
+            shard's slice of ``info.kv_positions``.
+        segment_ids: the local ``SegmentIds(q=[q_shard], kv=[kv_shard])``, or None.
+        scale: positive multiplier of ``q k^T``; None means ``1 / sqrt(d)``.
+        logit_soft_cap: None, or a positive cap ``c``: logits become ``c * tanh(logits / c)``.
+        config: ``SplashConfig`` (backend; block sizes must match ``info``).
+        out_dtype: dtype of ``out`` (None = q's dtype; ``jnp.float32`` gives a ring unrounded
+            partial outputs; both backends write it directly from their float32 accumulators).
+
+    Returns:
+        ``(out [heads, q_shard, d], lse float32 [heads, q_shard])``.
     """
-    heads, q_len, kv_len, d = q.shape[0], q.shape[1], k.shape[1], q.shape[2]
-    check_attention_inputs(q, k, v, same_dtype=True)
+    call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
+                                config=config, config_type=SplashConfig, same_dtype=True)
+    q_len, kv_len = call.q_len, call.kv_len
     _check_info(info, q_len, kv_len, transpose=False)
     q_pos = _local_positions(q_positions, info.q_positions, q_shard, info.q_shards, q_len)
     kv_pos = _local_positions(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len)
-    q_seg, kv_seg = _segments(segment_ids, q_len, kv_len)
+    q_seg, kv_seg = _segments(call.segment_ids)
     args = (q, k, v, info, info.schedule(q_shard, kv_shard), q_pos, kv_pos, q_seg, kv_seg)
-    return _dispatch_forward(args, scale=default_scale(scale, d), logit_soft_cap=logit_soft_cap, config=config,
+    return _dispatch_forward(args, scale=call.scale, logit_soft_cap=call.logit_soft_cap, config=config,
                              out_dtype=out_dtype)
 
 
@@ -279,21 +293,35 @@ def splash_backward(
     logit_soft_cap: float | None = None,
     config: SplashConfig = SplashConfig(),
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard d"]]:
-    """float32 ``(dq, dk, dv)`` of one shard pair from the *final* ``lse`` (sinks included)
-    and ``delta = rowsum(d_out * out)`` of the final output. ``info_dkv`` is the transposed
-    MaskInfo with ``config.block_shape_dkv`` (the xla backend accepts None)."""
-    q_len, kv_len, d = q.shape[1], k.shape[1], q.shape[2]
-    check_attention_inputs(q, k, v, same_dtype=True)
+    """float32 ``(dq, dk, dv)`` of one shard pair.
+
+    Args:
+        q, k, v: the local shards, as in :func:`splash_forward`.
+        d_out: cotangent of the *final* output ``[heads, q_shard, d]`` (cast to q's dtype).
+        lse: float32 ``[heads, q_shard]`` log-sum-exp of the *final* output (sinks included).
+        delta: float32 ``[heads, q_shard]``, ``rowsum(d_out * out)`` of the final output.
+        info: forward ``MaskInfo`` (``config.block_shape``), as in :func:`splash_forward`.
+        info_dkv: the transposed ``MaskInfo`` with ``config.block_shape_dkv``; the xla
+            backend accepts None.
+        q_shard, kv_shard, q_positions, kv_positions, segment_ids, scale, logit_soft_cap,
+        config: as in :func:`splash_forward`.
+
+    Returns:
+        float32 ``(dq [heads, q_shard, d], dk, dv [kv_heads, kv_shard, d])``.
+    """
+    call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
+                                config=config, config_type=SplashConfig, same_dtype=True)
+    q_len, kv_len = call.q_len, call.kv_len
     _check_info(info, q_len, kv_len, transpose=False)
     if info_dkv is not None:
         _check_info(info_dkv, q_len, kv_len, transpose=True)
     q_pos = _local_positions(q_positions, info.q_positions, q_shard, info.q_shards, q_len)
     kv_pos = _local_positions(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len)
-    q_seg, kv_seg = _segments(segment_ids, q_len, kv_len)
+    q_seg, kv_seg = _segments(call.segment_ids)
     sched_dkv = None if info_dkv is None else info_dkv.schedule(q_shard, kv_shard)
     args = (q, k, v, d_out, lse, delta, info, info.schedule(q_shard, kv_shard), info_dkv, sched_dkv,
             q_pos, kv_pos, q_seg, kv_seg)
-    return _dispatch_backward(args, scale=default_scale(scale, d), logit_soft_cap=logit_soft_cap,
+    return _dispatch_backward(args, scale=call.scale, logit_soft_cap=call.logit_soft_cap,
                               config=config, grad_dtype=jnp.float32)
 
 
@@ -369,17 +397,33 @@ def splash_attention(
 ):
     """Block-sparse attention with the shapes and semantics of ``reference_attention``.
 
-    Returns ``out`` (q.dtype) or ``(out, lse)`` (``lse`` float32, sinks included).
     Differentiable in q, k, v and sinks (custom VJP). MaskInfos are built on the host at
-    trace time (cached). Blocks larger than a length shrink to it.
+    trace time (cached). A block longer than its sequence shrinks to the sequence length.
+
+    Args:
+        q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
+        k: keys ``[kv_heads, kv_len, d]``, the dtype of ``q``; ``kv_heads`` divides ``heads``.
+        v: values, the shape and dtype of ``k``.
+        mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one
+            per head), or None to attend everything.
+        segment_ids: ``SegmentIds(q=[q_len], kv=[kv_len])`` integer ids; a query attends only
+            keys with an equal id. Concrete ids of any integer dtype are compared exactly;
+            traced ids must fit int32.
+        scale: positive multiplier of ``q k^T``; None means ``1 / sqrt(d)``.
+        logit_soft_cap: None, or a positive cap ``c``: logits become ``c * tanh(logits / c)``.
+        sinks: floating ``[heads]`` per-head sink logits that join each row's softmax
+            denominator only, or None.
+        config: ``SplashConfig`` (block sizes, backend).
+        return_residuals: also return ``lse`` (float32 ``[heads, q_len]``, natural log, sinks
+            included); ``lse`` is differentiable too.
+
+    Returns:
+        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
     """
-    if not isinstance(config, SplashConfig):
-        raise TypeError(f"config must be a SplashConfig, got {type(config).__name__}")
-    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks, same_dtype=True)
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"q, k, v must be floating point, got dtype {q.dtype}")
-    if logit_soft_cap is not None and not logit_soft_cap > 0:
-        raise ValueError(f"logit_soft_cap must be positive or None, got {logit_soft_cap=}")
+    call = check_attention_call(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale,
+                                logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
+                                config_type=SplashConfig, same_dtype=True)
+    q_len, kv_len = call.q_len, call.kv_len
     if mask is None:
         mask = masks_lib.FullMask((q_len, kv_len))
     bq, bkv = _effective_block(config.block_q, q_len), _effective_block(config.block_kv, kv_len)
@@ -387,10 +431,9 @@ def splash_attention(
     for name, block, length, lname in (("block_q", bq, q_len, "q_len"), ("block_kv", bkv, kv_len, "kv_len"),
                                        ("block_q_dkv", bq_dkv, q_len, "q_len"),
                                        ("block_kv_dkv", bkv_dkv, kv_len, "kv_len")):
-        if length % block:
-            raise ValueError(f"{name}={block} must divide {lname}={length}")
+        check_divides(name, block, lname, length)
     info = build_mask_info(mask, (bq, bkv))
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, (bq_dkv, bkv_dkv), transpose=True)
-    q_seg, kv_seg = _segments(segment_ids, q_len, kv_len)
-    static = (info, info_dkv, default_scale(scale, d), logit_soft_cap, config, bool(return_residuals))
+    q_seg, kv_seg = _segments(call.segment_ids)
+    static = (info, info_dkv, call.scale, call.logit_soft_cap, config, bool(return_residuals))
     return _attention(static, q, k, v, sinks, q_seg, kv_seg)

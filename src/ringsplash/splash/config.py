@@ -12,17 +12,14 @@ Backends:
 """
 
 import dataclasses
-import numbers
-from typing import Any
+from typing import Any, Literal
 
-BACKENDS = ("auto", "mosaic_tpu", "interpret", "xla")
+from ringsplash._scalar_checks import check_choice, check_positive_int, check_positive_multiple, literal_choices
+
+Backend = Literal["auto", "mosaic_tpu", "interpret", "xla"]
+BACKENDS: tuple[str, ...] = literal_choices(Backend)
 NUM_LANES = 128
 NUM_SUBLANES = 8
-
-
-def _check_block(name: str, value: Any, multiple: int) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0 or value % multiple:
-        raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,26 +39,25 @@ class SplashConfig:
     block_kv_compute: int | None = None  # None = block_kv
     block_q_dkv: int = 512
     block_kv_dkv: int = 512
-    backend: str = "auto"
+    backend: Backend = "auto"
     interpret_params: Any = None
     vmem_limit_bytes: int | None = None
 
     def __post_init__(self):
-        _check_block("block_q", self.block_q, NUM_LANES)
-        _check_block("block_kv", self.block_kv, NUM_LANES)
-        _check_block("block_q_dkv", self.block_q_dkv, NUM_LANES)
-        _check_block("block_kv_dkv", self.block_kv_dkv, NUM_LANES)
+        for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
+            object.__setattr__(self, name, check_positive_multiple(name, getattr(self, name), NUM_LANES))
         if self.block_kv_compute is None:
             object.__setattr__(self, "block_kv_compute", self.block_kv)
-        _check_block("block_kv_compute", self.block_kv_compute, NUM_LANES)
+        object.__setattr__(
+            self, "block_kv_compute", check_positive_multiple("block_kv_compute", self.block_kv_compute, NUM_LANES)
+        )
         if self.block_kv % self.block_kv_compute:
             raise ValueError(
                 f"block_kv_compute={self.block_kv_compute} must divide block_kv={self.block_kv}"
             )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
+        check_choice("backend", self.backend, BACKENDS)
         if self.vmem_limit_bytes is not None:
-            _check_block("vmem_limit_bytes", self.vmem_limit_bytes, 1)
+            object.__setattr__(self, "vmem_limit_bytes", check_positive_int("vmem_limit_bytes", self.vmem_limit_bytes))
 
     @property
     def block_shape(self) -> tuple[int, int]:

@@ -1,0 +1,76 @@
+"""Scalar argument checks (ints, floats, choices, divisibility) shared by every module.
+
+This module imports nothing from ringsplash, so the lowest layers (``masks``, ``layouts``,
+config dataclasses) can use it; :mod:`ringsplash._checks` re-exports every helper together
+with the attention-input checks (which need ``masks`` and so cannot live here without an
+import cycle). Every helper names the argument, what was expected and what was given, and
+returns the normalised value.
+"""
+
+import numbers
+import typing
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+
+
+def literal_choices(literal: Any) -> tuple:
+    """The tuple of values of a ``Literal[...]`` type: one source of truth for mode strings."""
+    choices = typing.get_args(literal)
+    if typing.get_origin(literal) is not typing.Literal or not choices:
+        raise TypeError(f"expected a Literal[...] type, got {literal!r}")
+    return choices
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """``value`` as an ``int`` (numpy integers accepted, bools rejected), ``>= minimum``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {name}={value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {name}={value!r}")
+    return int(value)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` as an ``int`` > 0."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+    return int(value)
+
+
+def check_positive_multiple(name: str, value: Any, multiple: int) -> int:
+    """``value`` as an ``int`` > 0 divisible by ``multiple``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value <= 0 or value % multiple:
+        raise ValueError(f"{name} must be a positive multiple of {multiple}, got {name}={value!r}")
+    return int(value)
+
+
+def check_float(name: str, value: Any, *, positive: bool = False, minimum: float | None = None,
+                maximum: float | None = None) -> float:
+    """``value`` as a finite python ``float`` (ints accepted; bools, strings, arrays rejected)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number, got {name}={value!r} ({type(value).__name__})")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {name}={value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {name}={value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {name}={value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {name}={value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Collection[Any]) -> Any:
+    """``value`` if it is one of ``choices``."""
+    if isinstance(value, bool) or value not in tuple(choices):
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {name}={value!r}")
+    return value
+
+
+def check_divides(divisor_name: str, divisor: int, name: str, value: int, *, hint: str = "") -> None:
+    """Raise unless ``divisor`` divides ``value``."""
+    if value % divisor:
+        raise ValueError(f"{divisor_name}={divisor} must divide {name}={value}" + (f" ({hint})" if hint else ""))

@@ -1,0 +1,308 @@
+"""The one validation path: every attention entry point x every bad input, and defects 2-5 of issue 9.
+
+Each entry point is called through ``inspect.unwrap``, i.e. without the test run's
+jaxtyping/beartype wrapper, so these tests see what a user without runtime type checking
+sees: the library's own error. Add a new entry point to ``ENTRY_POINTS`` (with the inputs it
+takes) and every case below runs against it.
+"""
+
+import inspect
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_inputs import inputs, max_err
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import ringsplash as rs
+from ringsplash import masks
+from ringsplash.splash.config import SplashConfig
+
+S, HEADS, KV_HEADS, D = 256, 2, 1, 16
+N = 2  # ring devices in the bad-input matrix (each shard holds 128 tokens)
+XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
+CAUSAL = masks.CausalMask((S, S))
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("ctx",), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
+
+
+def _unchecked(fn):
+    return inspect.unwrap(fn)
+
+
+# ----------------------------------------------------------------------------------------
+# entry points: each takes (q, k, v, **kw) with kw among FEATURES it lists
+
+
+def _reference(q, k, v, mask=CAUSAL, **kw):
+    return _unchecked(rs.reference_attention)(q, k, v, mask, **kw)
+
+
+def _splash(q, k, v, mask=CAUSAL, config=XLA, **kw):
+    return _unchecked(rs.splash_attention)(q, k, v, mask, config=config, **kw)
+
+
+def _info(transpose=False):
+    return rs.build_mask_info(CAUSAL, (128, 128), transpose=transpose)
+
+
+def _splash_forward(q, k, v, config=XLA, **kw):
+    return _unchecked(rs.splash_forward)(q, k, v, _info(), config=config, **kw)
+
+
+def _splash_backward(q, k, v, config=XLA, **kw):
+    shape = getattr(q, "shape", (HEADS, S, D))
+    d_out = jnp.ones(shape, jnp.float32)
+    lse = delta = jnp.zeros(shape[:2], jnp.float32)
+    return _unchecked(rs.splash_backward)(q, k, v, d_out, lse, delta, _info(), _info(True), config=config, **kw)
+
+
+def _ring(q, k, v, mask=CAUSAL, config=XLA, segment_ids=None, sinks=None, **kw):
+    ring = _unchecked(rs.ring_attention)
+
+    def local(q, k, v, segment_ids, sinks):
+        return ring(q, k, v, mask, axis_name="ctx", segment_ids=segment_ids, sinks=sinks, config=config, **kw)
+
+    seq = P(None, "ctx")
+    seg_spec = jax.tree.map(lambda _: P("ctx"), segment_ids)  # the structure given, right or wrong
+    specs = (seq, seq, seq, seg_spec, None if sinks is None else P())
+    return jax.shard_map(local, mesh=_mesh(N), in_specs=specs, out_specs=seq, check_vma=False)(
+        q, k, v, segment_ids, sinks)
+
+
+def _ring_sharded(q, k, v, mask=CAUSAL, config=XLA, **kw):
+    return _unchecked(rs.ring_attention_sharded)(q, k, v, mask, mesh=_mesh(N), axis_name="ctx", config=config, **kw)
+
+
+class Entry(NamedTuple):
+    fn: object
+    features: frozenset  # optional inputs it takes besides q, k, v
+
+
+ALL = frozenset({"mask", "segment_ids", "scale", "logit_soft_cap", "sinks", "config"})
+ENTRY_POINTS = {
+    "reference_attention": Entry(_reference, ALL - {"config"}),
+    "splash_attention": Entry(_splash, ALL),
+    "splash_forward": Entry(_splash_forward, ALL - {"mask", "sinks"}),
+    "splash_backward": Entry(_splash_backward, ALL - {"mask", "sinks"}),
+    "ring_attention": Entry(_ring, ALL),
+    "ring_attention_sharded": Entry(_ring_sharded, ALL),
+}
+
+
+def _qkv(dtype=jnp.float32):
+    q, k, v, _, _ = inputs(jax.random.key(0), HEADS, KV_HEADS, S, S, d=D)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+IDS = jnp.arange(S, dtype=jnp.int32) // 64
+
+
+class Bad(NamedTuple):
+    feature: str | None  # the input it needs (None: q/k/v only)
+    qkv: object  # () -> (q, k, v)
+    kwargs: dict
+    error: type
+    match: str
+
+
+BAD = {
+    # defect 2: integer q/k/v (the reference and the ring returned a silently wrong int output)
+    "int_qkv": Bad(None, lambda: _qkv(jnp.int32), {}, TypeError,
+                   r"q must be a floating-point array, got q\.dtype=int32"),
+    "int_v": Bad(None, lambda: (*_qkv()[:2], _qkv(jnp.int32)[2]), {}, TypeError,
+                 r"v must be a floating-point array, got v\.dtype=int32"),
+    "bool_k": Bad(None, lambda: (_qkv()[0], _qkv(bool)[1], _qkv()[2]), {}, TypeError,
+                  r"k must be a floating-point array, got k\.dtype=bool"),
+    "q_rank": Bad(None, lambda: (_qkv()[0][0], *_qkv()[1:]), {}, ValueError, r"q must be \[heads, length, head_dim\]"),
+    "gqa": Bad(None, lambda: (jnp.ones((3, S, D)), jnp.ones((2, S, D)), jnp.ones((2, S, D))), {}, ValueError,
+               r"kv_heads=2 must divide heads=3"),
+    # defect 3: logit_soft_cap 0 / negative / non-finite (uniform attention, NaN at a zero logit)
+    "soft_cap_zero": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap=0), ValueError,
+                         r"logit_soft_cap must be > 0, got logit_soft_cap=0\.0"),
+    "soft_cap_negative": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap=-30.0), ValueError,
+                             r"logit_soft_cap must be > 0, got logit_soft_cap=-30\.0"),
+    "soft_cap_inf": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap=float("inf")), ValueError,
+                        r"logit_soft_cap must be finite, got logit_soft_cap=inf"),
+    "soft_cap_str": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap="30"), TypeError,
+                        r"logit_soft_cap must be a real number, got logit_soft_cap='30'"),
+    # defect 5: scale errors name scale
+    "scale_str": Bad("scale", _qkv, dict(scale="a"), TypeError, r"scale must be a real number, got scale='a'"),
+    "scale_zero": Bad("scale", _qkv, dict(scale=0.0), ValueError, r"scale must be > 0, got scale=0\.0"),
+    "scale_nan": Bad("scale", _qkv, dict(scale=float("nan")), ValueError, r"scale must be finite, got scale=nan"),
+    # defect 5: a config of the wrong type is named before anything reads its attributes
+    "config_dict": Bad("config", _qkv, dict(config={"block_q": 128}), TypeError,
+                       r"config must be a SplashConfig, got config=\{'block_q': 128\} \(dict\)"),
+    "config_none": Bad("config", _qkv, dict(config=None), TypeError, r"config must be a SplashConfig, got config=None"),
+    # sinks
+    "sinks_shape": Bad("sinks", _qkv, dict(sinks=jnp.zeros((HEADS + 1,))), ValueError,
+                       r"sinks must have shape \(heads,\)=\(2,\), got \(3,\)"),
+    "sinks_int": Bad("sinks", _qkv, dict(sinks=jnp.zeros((HEADS,), jnp.int32)), TypeError,
+                     r"sinks must be a floating-point array, got sinks\.dtype=int32"),
+    # segment ids (defect 4's value rule is tested numerically below)
+    "segment_ids_float": Bad("segment_ids", _qkv, dict(segment_ids=rs.SegmentIds(IDS, IDS.astype(jnp.float32))),
+                             TypeError, r"segment_ids\.kv must be an integer array, got dtype float32"),
+    "segment_ids_bool": Bad("segment_ids", _qkv, dict(segment_ids=rs.SegmentIds(IDS > 1, IDS)),
+                            TypeError, r"segment_ids\.q must be an integer array, got dtype bool"),
+    "segment_ids_tuple": Bad("segment_ids", _qkv, dict(segment_ids=(IDS, IDS)), TypeError,
+                             r"segment_ids must be ringsplash\.SegmentIds"),
+    # mask
+    "mask_array": Bad("mask", _qkv, dict(mask=np.ones((S, S), bool)), TypeError,
+                      r"mask must be a ringsplash\.masks\.Mask or MultiHeadMask, got ndarray"),
+    "mask_shape": Bad("mask", _qkv, dict(mask=masks.CausalMask((S, 2 * S))), ValueError,
+                      rf"mask shape \({S}, {2 * S}\) must equal \(q_len, kv_len\)=\({S}, {S}\)"),
+    "multihead_heads": Bad("mask", _qkv, dict(mask=masks.MultiHeadMask([CAUSAL] * 3)), ValueError,
+                           r"MultiHeadMask has 3 heads, q has heads=2"),
+}
+
+CASES = [
+    pytest.param(entry, bad, id=f"{name}-{case}")
+    for name, entry in ENTRY_POINTS.items()
+    for case, bad in BAD.items()
+    if bad.feature is None or bad.feature in entry.features
+]
+
+
+@pytest.mark.parametrize("entry, bad", CASES)
+def test_entry_point_rejects_bad_input(entry, bad):
+    with pytest.raises(bad.error, match=bad.match):
+        entry.fn(*bad.qkv(), **bad.kwargs)
+
+
+def test_config_type_is_checked_before_lengths():
+    """Defect 5: ring_attention_sharded(config=<dict>) raised AttributeError from a length check."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"config must be a SplashConfig, got config=\{\} \(dict\)"):
+        _unchecked(rs.ring_attention_sharded)(q, k, v, CAUSAL, mesh=_mesh(8), axis_name="ctx", config={})
+
+
+def test_every_entry_point_is_in_the_matrix():
+    """A new public attention function (e.g. another strategy) must join ENTRY_POINTS."""
+    public = {n for n in rs.__all__ if n.endswith(("_attention", "_attention_sharded")) or n.startswith("splash_")}
+    assert public == set(ENTRY_POINTS)
+
+
+# ----------------------------------------------------------------------------------------
+# defect 4: segment ids wider than int32 are never merged silently
+
+
+def _documents(dtype, offset):
+    """Four documents of S/4 tokens whose ids differ only above bit 31 (when offset = 2**32)."""
+    ids = np.arange(S) // (S // 4)
+    wide = (ids % 2).astype(dtype) * dtype(offset) + (ids // 2).astype(dtype)  # 0, 2**32, 1, 2**32 + 1
+    separate = jnp.asarray(ids, jnp.int32)
+    return rs.SegmentIds(q=wide.astype(dtype), kv=wide.astype(dtype)), rs.SegmentIds(q=separate, kv=separate)
+
+
+FULL = masks.FullMask((S, S))
+SEGMENT_ENTRY_POINTS = {
+    "reference_attention": lambda q, k, v, seg: _reference(q, k, v, FULL, segment_ids=seg),
+    "splash_attention": lambda q, k, v, seg: _splash(q, k, v, FULL, segment_ids=seg),
+    "splash_forward": lambda q, k, v, seg: rs.splash_forward(q, k, v, rs.build_mask_info(FULL, (128, 128)),
+                                                             segment_ids=seg, config=XLA)[0],
+    "ring_attention_sharded": lambda q, k, v, seg: _ring_sharded(q, k, v, FULL, segment_ids=seg),
+}
+
+
+@pytest.mark.parametrize("name", SEGMENT_ENTRY_POINTS)
+@pytest.mark.parametrize("dtype, offset", [(np.int64, 2**32), (np.uint64, 2**63), (np.uint32, 2**31)])
+def test_wide_segment_ids_stay_apart(name, dtype, offset):
+    """int64 / uint64 / uint32 numpy ids that differ only in high bits give the answer of the
+    separated documents (int32 ids 0..3), never that of merged ones (the int32 cast of the
+    64-bit ids merges documents 0+1 and 2+3)."""
+    wide, separate = _documents(dtype, offset)
+    q, k, v = _qkv()
+    got = SEGMENT_ENTRY_POINTS[name](q, k, v, wide)
+    want = rs.reference_attention(q, k, v, FULL, segment_ids=separate)
+    merged = rs.reference_attention(q, k, v, FULL, segment_ids=rs.SegmentIds(separate.q // 2, separate.kv // 2))
+    assert max_err(merged, want) > 0.1  # a merge would be visible
+    # measured 0.0 for every entry point and dtype; 1e-6 allows float32 reassociation only
+    assert max_err(got, want) < 1e-6
+
+
+def test_traced_wide_segment_ids_are_rejected():
+    """Inside a traced computation int64 ids cannot be renumbered: a clear error, not a cast."""
+    q, k, v = _qkv()
+    with jax.enable_x64(True):
+        ids = jnp.arange(S, dtype=jnp.int64)
+        for fn in (_reference, _splash):
+            with pytest.raises(TypeError, match=r"segment_ids\.q has dtype int64.*pass int32 segment ids"):
+                jax.jit(lambda a, b: fn(q, k, v, segment_ids=rs.SegmentIds(a, b)))(ids, ids)
+
+
+def test_traced_uint32_segment_ids_bitcast_exactly():
+    wide, separate = _documents(np.uint32, 2**31)
+    q, k, v = _qkv()
+    got = jax.jit(lambda a, b: _splash(q, k, v, FULL, segment_ids=rs.SegmentIds(a, b)))(
+        jnp.asarray(wide.q), jnp.asarray(wide.kv))
+    want = rs.reference_attention(q, k, v, FULL, segment_ids=separate)
+    assert max_err(got, want) < 1e-6  # measured 0.0; 1e-6 allows float32 reassociation only
+
+
+# ----------------------------------------------------------------------------------------
+# the ring fits its blocks to its shards
+
+
+def test_ring_default_config_fits_short_shards():
+    """S = 2048 on 8 devices with a default SplashConfig (512 blocks; zigzag half-shards of 128
+    tokens, refused before): the ring shrinks its blocks and matches the reference, forward and
+    gradients (contiguous shards of 256 are covered by test_fit_ring_blocks_shrinks_like_splash)."""
+    s, n, layout = 2048, 8, "zigzag"
+    q, k, v, d_out, _ = inputs(jax.random.key(1), 2, 1, s, s, d=16)
+    mask = masks.CausalMask((s, s))
+    perm = rs.layouts.permutation(layout, s, n)
+    inv = rs.layouts.inverse_permutation(layout, s, n)
+
+    def ring(q, k, v):
+        out = rs.ring_attention_sharded(q[:, perm], k[:, perm], v[:, perm], mask, mesh=_mesh(n), axis_name="ctx",
+                                        layout=layout, config=SplashConfig())
+        return out[:, inv]
+
+    def out_and_grads(fn):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+
+    got_out, got_grads = jax.jit(lambda: out_and_grads(ring))()
+    want_out, want_grads = out_and_grads(lambda q, k, v: rs.reference_attention(q, k, v, mask))
+    assert max_err(got_out, want_out) < 3e-6  # measured 3.5e-7 in float32; < 10x headroom
+    for g, w in zip(got_grads, want_grads):
+        assert max_err(g, w) < 5e-5  # measured <= 6.7e-6 (dk) in float32; < 10x headroom
+
+
+def test_fit_ring_blocks_shrinks_like_splash():
+    from ringsplash.ring import fit_ring_blocks
+
+    assert fit_ring_blocks(2048, 8, "zigzag", SplashConfig()).block_shape == (128, 128)
+    assert fit_ring_blocks(2048, 8, "contiguous", SplashConfig()).block_shape == (256, 256)
+    assert fit_ring_blocks(8192, 8, "contiguous", SplashConfig()).block_shape == (512, 512)
+    fit = fit_ring_blocks(3 * 256 * 8, 8, "contiguous", SplashConfig(block_kv=512, block_kv_compute=256))
+    assert fit.block_shape == (256, 256) and fit.config.block_kv_compute == 256  # gcd(512, 768)
+    fit = fit_ring_blocks(3 * 128 * 8, 8, "contiguous", SplashConfig(block_kv=768, block_kv_compute=256))
+    assert fit.block_shape == (384, 384) and fit.config.block_kv_compute == 128  # 256 does not tile 384
+    assert fit_ring_blocks(64 * 8, 8, "striped", SplashConfig()).block_shape == (64, 64)  # whole short shard
+
+
+def test_ring_impossible_shape_names_a_config_that_works():
+    from ringsplash.ring import fit_ring_blocks
+
+    s, n = 8 * 600, 8  # shards of 600 tokens: no multiple of 128 <= 512 tiles them
+    q = jnp.ones((2, s, 16))
+    expected = (
+        "ring attention cannot tile a shard of S // 8 = 4800 // 8 = 600 tokens (layout 'contiguous', 8 devices) "
+        "with SplashConfig.block_q=512: a ring block is a multiple of 128 dividing the shard, or the whole shard "
+        "when it is shorter than the block. Pass SplashConfig(block_q=640, block_kv=640, block_q_dkv=640, "
+        "block_kv_dkv=640) (blocks shrink to the 600-token shard), or use S divisible by 8 x 128 = 1024 (e.g. S=5120)"
+    )
+    with pytest.raises(ValueError, match=re.escape(expected) + "$"):
+        _unchecked(rs.ring_attention_sharded)(q, q[:1], q[:1], masks.CausalMask((s, s)), mesh=_mesh(n),
+                                              axis_name="ctx")
+    # what it suggests works
+    good = SplashConfig(block_q=640, block_kv=640, block_q_dkv=640, block_kv_dkv=640)
+    assert fit_ring_blocks(s, n, "contiguous", good).block_shape == (600, 600)
+    assert fit_ring_blocks(5120, n, "contiguous", SplashConfig()).block_shape == (128, 128)
