@@ -3,8 +3,9 @@
 Every case lays the unsharded inputs out in the ring's token order, runs
 ``ring_attention_sharded`` forward and backward (one jit: output and the VJP of a random
 cotangent) and compares out, dq, dk, dv (and d_sinks) in original order with
-``reference_attention``: float32 max abs error <= 1e-4. Most cases use the plain-jnp Splash
-backend (fast on CPU); one uses the Pallas TPU interpreter.
+``reference_attention`` at the float32 tolerances below. Most cases use the plain-jnp Splash
+backend (fast on CPU); the interpret cases run the Pallas TPU interpreter, including rings
+whose shard pairs differ in activity across devices.
 """
 
 import functools
@@ -29,7 +30,12 @@ from ringsplash import layouts, masks
 from ringsplash.ring import ring_attention, ring_attention_sharded, ring_plan
 from ringsplash.splash.config import SplashConfig
 
-TOL = 1e-4
+# Float32 max abs error vs the reference, measured over every case in this file (xla and
+# interpret backends, N = 2 / 4 / 8, every mask x layout, shared 2-core CPU): out <= 9.5e-7,
+# dq / dk / dv <= 5.7e-6, d_sinks <= 8e-7.
+OUT_TOL = 8e-6  # ~8x headroom
+GRAD_TOL = 5e-5  # ~9x headroom (dK/dV sum S/N-row partial products on each of N steps)
+TOLS = {"out": OUT_TOL, "dq": GRAD_TOL, "dk": GRAD_TOL, "dv": GRAD_TOL, "d_sinks": GRAD_TOL}
 LAYOUTS = ("contiguous", "zigzag", "striped")
 XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
 
@@ -104,14 +110,14 @@ def run_both(key, mask, *, n, layout, heads=2, kv_heads=1, s=1024, d=32, segment
     return jax.jit(ring)(q, k, v, snk), jax.jit(ref)(q, k, v, snk)
 
 
-def assert_close(got, want, tol=TOL):
+def assert_close(got, want):
     for name, a, b in zip(("out", "dq", "dk", "dv", "d_sinks"), got, want):
         if b is None:
             assert a is None, name
             continue
         assert not np.any(np.isnan(np.asarray(a))), f"{name} has NaN"
         err = max_err(a, b)
-        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol}"
+        assert err <= TOLS[name], f"{name}: max abs error {err:.3g} > {TOLS[name]}"
 
 
 # ----------------------------------------------------------------------------------------
@@ -260,16 +266,18 @@ INTERPRET_CASES = {
     "zigzag_causal_n2": InterpretCase("causal", 2, "zigzag", 512, sinks=True, segments=True),
     # inactive shard pairs: devices differ in which steps have work
     "contiguous_causal_n2": InterpretCase("causal", 2, "contiguous", 512, sinks=False, segments=True),
-    "contiguous_causal_n4": InterpretCase("causal", 4, "contiguous", 1024, sinks=True, segments=False),
-    "contiguous_prefix_lm_n4": InterpretCase("prefix_lm", 4, "contiguous", 1024, sinks=False, segments=False),
-    "contiguous_local_n4": InterpretCase("local", 4, "contiguous", 1024, sinks=False, segments=True),
+    "contiguous_causal_n4": InterpretCase("causal", 4, "contiguous", 512, sinks=True, segments=False),
+    "contiguous_prefix_lm_n4": InterpretCase("prefix_lm", 4, "contiguous", 512, sinks=False, segments=False),
+    "contiguous_local_n4": InterpretCase("local", 4, "contiguous", 512, sinks=False, segments=True),
 }
 
 
 @pytest.mark.parametrize("case", INTERPRET_CASES)
 def test_ring_interpret_backend_matches_reference(case):
     errs = run_interpret_case(**INTERPRET_CASES[case]._asdict())
-    assert errs and all(err <= TOL for err in errs.values()), errs
+    print(case, errs)
+    assert errs.keys() >= {"out", "dq", "dk", "dv"}, errs
+    assert all(err <= TOLS[name] for name, err in errs.items()), errs
 
 
 # ----------------------------------------------------------------------------------------
@@ -286,7 +294,7 @@ def test_ring_attention_inside_user_shard_map(key):
         mesh=mesh(n, "sp"), in_specs=P(None, "sp"), out_specs=P(None, "sp"), check_vma=False,
     )
     out = layouts.unpermute(jax.jit(lambda x: fn(x, x, x))(ql), layout, n, axis=1)
-    assert max_err(out, rs.reference_attention(q, q, q, mask)) <= TOL
+    assert max_err(out, rs.reference_attention(q, q, q, mask)) <= OUT_TOL
 
 
 # ----------------------------------------------------------------------------------------
