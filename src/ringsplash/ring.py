@@ -14,8 +14,8 @@ float32 state by online softmax in natural log:
 Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
 so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
 and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see
-``_make_ring``: the interpreter needs every device in every kernel). Sinks join once, after the last step:
-``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
+``_make_ring``: the interpreter needs every device in every kernel). Sinks join once, after
+the last step: ``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
 
 Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
 in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
@@ -224,8 +224,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
 
         def contribution(k_t, v_t, seg_t, src, dq, *, parts=("dq", "dkv")):
             """(dq + this step's dq, this step's dK, dV for kv shard `src`); skipped (zeros) for
-            an empty pair (computed, and zero, on the interpret backend). The received accumulators are added outside, so their transfer
-            only has to land after the kernel. ``parts`` drops outputs that are not needed."""
+            an empty pair (computed, and zero, on the interpret backend). The received
+            accumulators are added outside, so their transfer only has to land after the kernel. ``parts`` drops outputs that are not needed."""
             zero_kv = lambda: (zeros(k_t), zeros(v_t))
 
             def compute(dq):
