@@ -225,7 +225,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         def contribution(k_t, v_t, seg_t, src, dq, *, parts=("dq", "dkv")):
             """(dq + this step's dq, this step's dK, dV for kv shard `src`); skipped (zeros) for
             an empty pair (computed, and zero, on the interpret backend). The received
-            accumulators are added outside, so their transfer only has to land after the kernel. ``parts`` drops outputs that are not needed."""
+            accumulators are added outside, so their transfer only has to land after the kernel.
+            ``parts`` drops outputs that are not needed."""
             zero_kv = lambda: (zeros(k_t), zeros(v_t))
 
             def compute(dq):
