@@ -30,9 +30,9 @@ from ringsplash import layouts, masks
 from ringsplash.ring import ring_attention, ring_attention_sharded, ring_plan
 from ringsplash.splash.config import SplashConfig
 
-# Float32 max abs error vs the reference, measured over every case in this file (xla and
-# interpret backends, N = 2 / 4 / 8, every mask x layout, shared 2-core CPU): out <= 9.5e-7,
-# dq / dk / dv <= 5.7e-6, d_sinks <= 8e-7.
+# Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla
+# backend, 19 of 21 cases) and the five interpret cases: out <= 9.5e-7, dq / dk / dv <= 5.7e-6,
+# d_sinks <= 1.4e-6 (outside testing over N = 2 / 4 / 8 reported <= 3e-6).
 OUT_TOL = 8e-6  # ~8x headroom
 GRAD_TOL = 5e-5  # ~9x headroom (dK/dV sum S/N-row partial products on each of N steps)
 TOLS = {"out": OUT_TOL, "dq": GRAD_TOL, "dk": GRAD_TOL, "dv": GRAD_TOL, "d_sinks": GRAD_TOL}
