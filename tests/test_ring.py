@@ -3,26 +3,39 @@
 Every case lays the unsharded inputs out in the ring's token order, runs
 ``ring_attention_sharded`` forward and backward (one jit: output and the VJP of a random
 cotangent) and compares out, dq, dk, dv (and d_sinks) in original order with
-``reference_attention``: float32 max abs error <= 1e-4. Most cases use the plain-jnp Splash
-backend (fast on CPU); one uses the Pallas TPU interpreter.
+``reference_attention`` at the float32 tolerances below. Most cases use the plain-jnp Splash
+backend (fast on CPU); the interpret cases run the Pallas TPU interpreter, including rings
+whose shard pairs differ in activity across devices.
 """
 
 import functools
+import json
+import os
+import subprocess
+import sys
+import zlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_inputs import max_err
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.ring import ring_attention, ring_attention_sharded, ring_plan
 from ringsplash.splash.config import SplashConfig
-from attention_inputs import max_err
 
-TOL = 1e-4
+# Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla
+# backend, 19 of 21 cases) and the five interpret cases: out <= 9.5e-7, dq / dk / dv <= 5.7e-6,
+# d_sinks <= 1.4e-6 (outside testing over N = 2 / 4 / 8 reported <= 3e-6).
+OUT_TOL = 8e-6  # ~8x headroom
+GRAD_TOL = 5e-5  # ~9x headroom (dK/dV sum S/N-row partial products on each of N steps)
+TOLS = {"out": OUT_TOL, "dq": GRAD_TOL, "dk": GRAD_TOL, "dv": GRAD_TOL, "d_sinks": GRAD_TOL}
 LAYOUTS = ("contiguous", "zigzag", "striped")
 XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
 
@@ -97,14 +110,14 @@ def run_both(key, mask, *, n, layout, heads=2, kv_heads=1, s=1024, d=32, segment
     return jax.jit(ring)(q, k, v, snk), jax.jit(ref)(q, k, v, snk)
 
 
-def assert_close(got, want, tol=TOL):
+def assert_close(got, want):
     for name, a, b in zip(("out", "dq", "dk", "dv", "d_sinks"), got, want):
         if b is None:
             assert a is None, name
             continue
         assert not np.any(np.isnan(np.asarray(a))), f"{name} has NaN"
         err = max_err(a, b)
-        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol}"
+        assert err <= TOLS[name], f"{name}: max abs error {err:.3g} > {TOLS[name]}"
 
 
 # ----------------------------------------------------------------------------------------
@@ -117,7 +130,7 @@ def assert_close(got, want, tol=TOL):
 def test_ring_mask_layout_matches_reference(key, kind, layout):
     i = MASK_KINDS.index(kind) + LAYOUTS.index(layout)
     heads, kv_heads = ((4, 2), (2, 1), (4, 1))[i % 3]  # GQA, MQA, MQA with groups of 4
-    kw = dict(segments=i % 2 == 0, sinks=i % 3 == 1, cap=30.0 if i % 3 == 2 else None)
+    kw = {"segments": i % 2 == 0, "sinks": i % 3 == 1, "cap": 30.0 if i % 3 == 2 else None}
     got, want = run_both(key, make_mask(kind, 1024, heads), n=4, layout=layout, heads=heads, kv_heads=kv_heads, **kw)
     assert_close(got, want)
 
@@ -203,15 +216,68 @@ def test_ring_scores_spread_over_all_shards_need_every_step(key):
 
 
 # ----------------------------------------------------------------------------------------
-# Pallas TPU kernels (interpreter) inside the ring
+# Pallas TPU kernels (interpreter) inside the ring. The interpreter synchronises all devices
+# at every kernel call, so a ring whose devices run different numbers of kernels hangs (issue
+# 9, defect 1): each case runs in a subprocess under a timeout, so a hang fails the test
+# instead of stalling the suite, and reports its errors back as JSON.
+
+INTERPRET_TIMEOUT_S = 900  # a case takes 1-3 min on the shared 2-core machine, up to ~5 under heavy load
 
 
-def test_ring_interpret_backend_matches_reference(key):
+def interpret_case_errors(kind: str, n: int, layout: str, s: int, sinks: bool, segments: bool) -> dict:
+    """Max abs errors (out, dq, dk, dv, d_sinks) of the interpret-backend ring vs the reference."""
     cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
                        interpret_params=pltpu.InterpretParams(uninitialized_memory="nan"))
-    got, want = run_both(key, make_mask("causal", 512, 2), n=2, layout="zigzag", heads=2, kv_heads=1, s=512,
-                         d=128, segments=True, sinks=True, config=cfg)
-    assert_close(got, want)
+    key = jax.random.key(zlib.crc32(f"{kind}-{n}-{layout}".encode()))
+    got, want = run_both(key, make_mask(kind, s, 2), n=n, layout=layout, heads=2, kv_heads=1, s=s, d=64,
+                         segments=segments, sinks=sinks, config=cfg)
+    errs = {}
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d_sinks"), got, want):
+        if b is not None:
+            errs[name] = float("nan") if np.any(np.isnan(np.asarray(a))) else max_err(a, b)
+    return errs
+
+
+def run_interpret_case(**case) -> dict:
+    code = (
+        "import json, jax; jax.config.update('jax_num_cpu_devices', 8); import test_ring; "
+        f"print('ERRORS', json.dumps(test_ring.interpret_case_errors(**{case!r})))"
+    )
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), capture_output=True,
+                              text=True, check=False, timeout=INTERPRET_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"interpret ring {case} did not finish in {INTERPRET_TIMEOUT_S} s (hang)")
+    assert proc.returncode == 0, f"interpret ring {case} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.rsplit("ERRORS", 1)[1])
+
+
+class InterpretCase(NamedTuple):
+    kind: str
+    n: int
+    layout: str
+    s: int
+    sinks: bool
+    segments: bool
+
+
+INTERPRET_CASES = {
+    # every shard pair active: all devices run every kernel
+    "zigzag_causal_n2": InterpretCase("causal", 2, "zigzag", 512, sinks=True, segments=True),
+    # inactive shard pairs: devices differ in which steps have work
+    "contiguous_causal_n2": InterpretCase("causal", 2, "contiguous", 512, sinks=False, segments=True),
+    "contiguous_causal_n4": InterpretCase("causal", 4, "contiguous", 512, sinks=True, segments=False),
+    "contiguous_prefix_lm_n4": InterpretCase("prefix_lm", 4, "contiguous", 512, sinks=False, segments=False),
+    "contiguous_local_n4": InterpretCase("local", 4, "contiguous", 512, sinks=False, segments=True),
+}
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES)
+def test_ring_interpret_backend_matches_reference(case):
+    errs = run_interpret_case(**INTERPRET_CASES[case]._asdict())
+    print(case, errs)
+    assert errs.keys() >= {"out", "dq", "dk", "dv"}, errs
+    assert all(err <= TOLS[name] for name, err in errs.items()), errs
 
 
 # ----------------------------------------------------------------------------------------
@@ -228,7 +294,7 @@ def test_ring_attention_inside_user_shard_map(key):
         mesh=mesh(n, "sp"), in_specs=P(None, "sp"), out_specs=P(None, "sp"), check_vma=False,
     )
     out = layouts.unpermute(jax.jit(lambda x: fn(x, x, x))(ql), layout, n, axis=1)
-    assert max_err(out, rs.reference_attention(q, q, q, mask)) <= TOL
+    assert max_err(out, rs.reference_attention(q, q, q, mask)) <= OUT_TOL
 
 
 # ----------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ float32 state by online softmax in natural log:
 
 Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
 so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
-and the merge (``lax.cond`` on ``num_active``). Sinks join once, after the last step:
-``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
+and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see
+``_make_ring``: the interpreter needs every device in every kernel). Sinks join once, after
+the last step: ``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
 
 Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
 in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
@@ -149,7 +150,7 @@ def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, 
 def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv) -> RingPlan:
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
     perm = layouts.permutation(layout, seq_len, num_shards)
-    common = dict(q_shards=num_shards, kv_shards=num_shards, q_positions=perm, kv_positions=perm)
+    common = {"q_shards": num_shards, "kv_shards": num_shards, "q_positions": perm, "kv_positions": perm}
     if block_shape_dkv is None:
         info, info_dkv = build_mask_info(mask, block_shape, **common), None
     else:  # the two views are independent numpy work (mostly GIL-free): build them side by side
@@ -218,11 +219,25 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
     """The custom_vjp ring function of (q, k, v, q_seg, kv_seg, sinks) for fixed statics."""
     hop = [(i, (i + 1) % n) for i in range(n)]  # device i sends to i + 1
     send = functools.partial(lax.ppermute, axis_name=axis_name, perm=hop)
-    kw = dict(scale=scale, cap=cap, config=config)
+    kw = {"scale": scale, "cap": cap, "config": config}
     # Kernel backends compute dq and dK/dV in separate kernels: two conds on the last step
     # cost nothing once XLA drops each branch's unused kernel (the fused xla backend would
     # run twice).
     split_last = config.backend != "xla"
+    # Skipping inactive shard pairs with lax.cond saves whole kernels on TPU (and with the xla
+    # backend). The Pallas TPU interpreter cannot skip: every interpreted pallas_call waits on a
+    # process-wide threading.Barrier of all devices before its first grid step (it models
+    # remote DMAs, and a kernel without collective_id gets a global barrier) and on a second
+    # one when it frees the shared memory at its end; no InterpretParams removes them. A device
+    # that skips a kernel its peers run leaves them blocked there (N = 2: forever; N >= 4: until
+    # XLA's collective-permute rendezvous times out and aborts), and mismatched kernel counts
+    # would pair different kernels across devices. So there every device runs every step's
+    # kernels; an inactive pair's work list is empty, giving o = 0, lse = MASKED_LSE (merge is
+    # exact: weight 0) and zero dq / dK / dV.
+    skip_inactive = config.backend != "interpret"
+
+    def when_active(pred, compute, skip, *args):
+        return lax.cond(pred, compute, skip, *args) if skip_inactive else compute(*args)
 
     def visiting(me, t):  # kv shard held by device `me` at step t
         return (me - t) % n
@@ -242,7 +257,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
                 o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
                 return o, new
 
-            o, lse = lax.cond(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
+            o, lse = when_active(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
             return (*nxt, o, lse), None
 
         o = _varying(jnp.zeros(q.shape, jnp.float32), axis_name)
@@ -268,15 +283,16 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
 
         def contribution(k_t, v_t, seg_t, src, dq, *, parts=("dq", "dkv")):
             """(dq + this step's dq, this step's dK, dV for kv shard `src`); skipped (zeros) for
-            an empty pair. The received accumulators are added outside, so their transfer
-            only has to land after the kernel. ``parts`` drops outputs that are not needed."""
+            an empty pair (computed, and zero, on the interpret backend). The received
+            accumulators are added outside, so their transfer only has to land after the kernel.
+            ``parts`` drops outputs that are not needed."""
             zero_kv = lambda: (zeros(k_t), zeros(v_t))
 
             def compute(dq):
                 dq_t, dk_t, dv_t = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw)
                 return (dq + dq_t if "dq" in parts else dq), *((dk_t, dv_t) if "dkv" in parts else zero_kv())
 
-            return lax.cond(active[me, src], compute, lambda dq: (dq, *zero_kv()), dq)
+            return when_active(active[me, src], compute, lambda dq: (dq, *zero_kv()), dq)
 
         def step(carry, t, *, last):
             k_t, v_t, seg_t, dq, dk, dv = carry
