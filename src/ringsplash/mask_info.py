@@ -359,13 +359,14 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
     key_cols = None
     if qb.stride is not None and qb.stride == kb.stride:
         key_cols = mask.block_key(qb.start[q_idx], kb.start[kv_idx], qb.stride)
+    materialised = {}  # candidate -> block, so no candidate is materialised twice
     if key_cols:
         keys = np.stack([np.asarray(c, dtype=np.int64) for c in key_cols], axis=1)
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
     elif key_cols == []:  # content never varies
         first, inverse = np.zeros(1, np.int64), np.zeros(n, np.int64)
-    else:  # no analytic key: hash each candidate's content
+    else:  # no analytic key (e.g. a NumpyMask part): hash each candidate's content
         digests, first, inverse = {}, [], np.empty(n, np.int64)
         for i in range(n):
             blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
@@ -373,10 +374,13 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
             inverse[i] = digests.setdefault(d, len(digests))
             if inverse[i] == len(first):
                 first.append(i)
+                materialised[i] = blk
         first = np.asarray(first, np.int64)
     blocks, unique_kind = [], np.empty(first.size, np.int8)
     for u, i in enumerate(first):
-        blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
+        blk = materialised.get(int(i))
+        if blk is None:
+            blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
         unique_kind[u] = FULL if blk.all() else (EMPTY if not blk.any() else PARTIAL)
         blocks.append(blk)
     still_partial = np.flatnonzero(unique_kind == PARTIAL)
