@@ -7,7 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_inputs import inputs, max_err
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from test_masks import any_masks
 
+import ringsplash as rs
 from ringsplash import build_mask_info, layouts, masks
 from ringsplash import mask_info as mask_info_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL
@@ -442,11 +447,29 @@ def test_or_of_disjoint_bands_lists_no_empty_gap():
         assert int(info.num_active[0, 0, 0]) == info.kind.shape[-1]  # no kind-0 step at all
 
 
+@settings(max_examples=150)
+@given(data=st.data())
+def test_random_compositions_round_trip(data):
+    """Random ``&`` / ``|`` trees of every mask type on random blockings, layouts and shards."""
+    shards = data.draw(st.sampled_from([1, 2, 4]), label="shards")
+    bq, bkv = data.draw(st.sampled_from([1, 2, 4]), label="bq"), data.draw(st.sampled_from([1, 2, 4]), label="bkv")
+    q_len = shards * bq * data.draw(st.integers(1, 4), label="q blocks per shard")
+    kv_len = shards * bkv * data.draw(st.integers(1, 4), label="kv blocks per shard")
+    mask, expected = data.draw(any_masks((q_len, kv_len), depth=3), label="mask")
+    layout = data.draw(st.sampled_from(["none", "striped", "zigzag", "random"]), label="layout")
+    if layout == "zigzag":  # 2N chunks must tile both lengths
+        assume(q_len % (2 * shards) == 0 and kv_len % (2 * shards) == 0)
+    q_pos, kv_pos = positions(layout, q_len, shards), positions(layout, kv_len, shards)
+    transpose = data.draw(st.booleans(), label="transpose")
+    mode = data.draw(st.sampled_from(mask_info_lib.PARTIAL_MODES), label="partial_mode")
+    np.testing.assert_array_equal(mask[:, :], expected)
+    info = build_mask_info(mask, (bq, bkv), q_shards=shards, kv_shards=shards, q_positions=q_pos,
+                           kv_positions=kv_pos, transpose=transpose, partial_mode=mode)
+    check_info(info, mask, q_pos, kv_pos, mode)
+
+
 @pytest.mark.parametrize("name", ["local|eye", "causal&random"])
 def test_splash_on_numpy_composites_matches_reference(key, name):
-    import ringsplash as rs
-    from attention_inputs import inputs, max_err
-
     n = 256  # 2 x 2 blocks of 128 (the smallest block the config allows)
     mask = {
         "local|eye": masks.LocalMask((n, n), window=(16, 0)) | masks.NumpyMask(np.eye(n, dtype=bool)[::-1]),
