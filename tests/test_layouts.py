@@ -52,6 +52,16 @@ def test_striped_definition(num_shards):
         np.testing.assert_array_equal(held[s], np.arange(s, seq_len, num_shards))  # in increasing order
 
 
+def defined_permutation(layout, seq_len, num_shards):
+    """Independent statement of each layout: the original tokens of shard 0, then shard 1, ..."""
+    if layout == "contiguous":
+        return np.arange(seq_len)
+    if layout == "striped":  # shard s holds s, s + N, s + 2N, ...
+        return np.concatenate([np.arange(s, seq_len, num_shards) for s in range(num_shards)])
+    chunks = np.arange(seq_len).reshape(2 * num_shards, -1)  # zigzag: chunks s and 2N - 1 - s
+    return np.concatenate([np.concatenate([chunks[s], chunks[2 * num_shards - 1 - s]]) for s in range(num_shards)])
+
+
 @given(
     layout=st.sampled_from(layouts.LAYOUTS),
     num_shards=st.integers(1, 8),
@@ -62,7 +72,9 @@ def test_permutation_and_inverse(layout, num_shards, per):
     perm = layouts.permutation(layout, seq_len, num_shards)
     inv = layouts.inverse_permutation(layout, seq_len, num_shards)
     assert perm.dtype == np.int32 and inv.dtype == np.int32 and perm.shape == (seq_len,)
-    np.testing.assert_array_equal(np.sort(perm), np.arange(seq_len))
+    np.testing.assert_array_equal(perm, defined_permutation(layout, seq_len, num_shards))
+    np.testing.assert_array_equal(
+        layouts.shard_positions(layout, seq_len, num_shards), perm.reshape(num_shards, -1))
     np.testing.assert_array_equal(perm[inv], np.arange(seq_len))
     np.testing.assert_array_equal(inv[perm], np.arange(seq_len))
     assert not perm.flags.writeable  # cached: callers must not be able to corrupt it
@@ -90,8 +102,10 @@ def test_permute_unpermute_round_trip(layout, num_shards, axis, use_jax):
 
 def test_permute_under_jit():
     x = jnp.arange(32.0).reshape(2, 16)
-    f = jax.jit(lambda a: layouts.unpermute(layouts.permute(a, "zigzag", 4, axis=1), "zigzag", 4, axis=1))
-    np.testing.assert_array_equal(f(x), x)
+    laid_out = jax.jit(lambda a: layouts.permute(a, "zigzag", 4, axis=1))(x)
+    np.testing.assert_array_equal(laid_out, np.asarray(x)[:, defined_permutation("zigzag", 16, 4)])
+    back = jax.jit(lambda a: layouts.unpermute(a, "zigzag", 4, axis=1))(laid_out)
+    np.testing.assert_array_equal(back, x)
 
 
 def test_layout_errors():

@@ -227,9 +227,10 @@ def _pair_entries(mask: Mask, qb: _Blocks, kb: _Blocks, q_sel: slice, kv_sel: sl
     ml, mh = np.repeat(m_lo, counts), np.repeat(m_hi, counts)
     nl, nh = n_lo[minor_idx], n_hi[minor_idx]
     kinds = mask.classify_blocks(nl, nh, ml, mh) if transpose else mask.classify_blocks(ml, mh, nl, nh)
-    work = _PairWork(counts, minor_idx, kinds)
+    # candidate intervals are supersets (a union under ``|``, a numpy block row's span): drop
+    # what classifies EMPTY
+    work = _drop_empty(_PairWork(counts, minor_idx, kinds))
     if order is not None:
-        work = _drop_empty(work)
         major_of = np.repeat(np.arange(counts.size), work.counts)
         minor_idx = order[work.minor].astype(np.int32)
         resort = np.lexsort((minor_idx, major_of))
@@ -251,6 +252,76 @@ def _dense_kinds(mask: NumpyMask, qb: _Blocks, kb: _Blocks, bq: int, bkv: int) -
     arr = arr.reshape(arr.shape[0] // bq, bq, arr.shape[1] // bkv, bkv)
     any_, all_ = arr.any(axis=(1, 3)), arr.all(axis=(1, 3))
     return np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
+
+
+class _BoundNumpy(Mask):
+    """A ``NumpyMask`` leaf bound to one blocking, so composites containing it take the
+    O(candidates) path of structured masks.
+
+    One pass over the array (O(q_len * kv_len), the size the user already handed over)
+    gives every block's kind and every block's attended interval; afterwards each analytic
+    call is a table lookup. Calls receive the ``lo`` position of real blocks (as
+    ``_pair_entries`` passes them), and a position belongs to exactly one block, so
+    ``lo`` identifies its block under any layout. A block row that attends nothing gets
+    the inverted interval (_HI, _LO): empty under ``&``, neutral under ``|``'s min/max.
+    """
+
+    classification_exact = "any"
+    has_mask_function = False
+
+    def __init__(self, mask: NumpyMask, qb: "_Blocks", kb: "_Blocks", bq: int, bkv: int):
+        self.shape, self.mask = mask.shape, mask
+        arr = mask.array
+        q_len, kv_len = arr.shape
+        nq, nk = q_len // bq, kv_len // bkv
+        self._q_block = np.empty(q_len, np.int64)
+        self._q_block[qb.positions] = np.arange(q_len) // bq
+        self._kv_block = np.empty(kv_len, np.int64)
+        self._kv_block[kb.positions] = np.arange(kv_len) // bkv
+        self._kinds = _dense_kinds(mask, qb, kb, bq, bkv)
+        # per row / column (original positions): first and last attended position
+        lo_hi = masks_lib._LO, masks_lib._HI
+        self._kv_lo, self._kv_hi = _block_intervals(arr, qb.positions, nq, *lo_hi)
+        self._q_lo, self._q_hi = _block_intervals(arr.T, kb.positions, nk, *lo_hi)
+
+    def _key(self):
+        return (self.mask, id(self))
+
+    def evaluate(self, xp, q_pos, kv_pos):
+        return self.mask.evaluate(xp, q_pos, kv_pos)
+
+    def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
+        return self._kinds[self._q_block[q_lo], self._kv_block[kv_lo]]
+
+    def attended_kv_range(self, q_lo, q_hi):
+        blk = self._q_block[q_lo]
+        return self._kv_lo[blk], self._kv_hi[blk]
+
+    def attending_q_range(self, kv_lo, kv_hi):
+        blk = self._kv_block[kv_lo]
+        return self._q_lo[blk], self._q_hi[blk]
+
+
+def _block_intervals(arr: np.ndarray, row_positions: np.ndarray, n_blocks: int, lo_sentinel, hi_sentinel):
+    """Per block of rows (rows in laid-out order): the min / max column position attended."""
+    has = arr.any(axis=1)
+    first = np.where(has, arr.argmax(axis=1), hi_sentinel).astype(np.int64)
+    last = np.where(has, arr.shape[1] - 1 - arr[:, ::-1].argmax(axis=1), lo_sentinel).astype(np.int64)
+    first, last = first[row_positions].reshape(n_blocks, -1), last[row_positions].reshape(n_blocks, -1)
+    return first.min(axis=1), last.max(axis=1)
+
+
+def _bind_numpy(mask: Mask, qb: "_Blocks", kb: "_Blocks", bq: int, bkv: int, bound: dict) -> Mask:
+    """``mask`` with every NumpyMask leaf replaced by its ``_BoundNumpy`` (analytics only)."""
+    if isinstance(mask, NumpyMask):
+        if mask not in bound:
+            bound[mask] = _BoundNumpy(mask, qb, kb, bq, bkv)
+        return bound[mask]
+    if isinstance(mask, masks_lib._Binary):
+        left = _bind_numpy(mask.left, qb, kb, bq, bkv, bound)
+        right = _bind_numpy(mask.right, qb, kb, bq, bkv, bound)
+        return mask if (left is mask.left and right is mask.right) else type(mask)(left, right)
+    return mask
 
 
 def _dense_pair_entries(kinds: np.ndarray, q_sel: slice, kv_sel: slice, transpose: bool) -> _PairWork:
@@ -287,13 +358,14 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
     key_cols = None
     if qb.stride is not None and qb.stride == kb.stride:
         key_cols = mask.block_key(qb.start[q_idx], kb.start[kv_idx], qb.stride)
+    materialised = {}  # candidate -> block, so no candidate is materialised twice
     if key_cols:
         keys = np.stack([np.asarray(c, dtype=np.int64) for c in key_cols], axis=1)
         _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
     elif key_cols == []:  # content never varies
         first, inverse = np.zeros(1, np.int64), np.zeros(n, np.int64)
-    else:  # no analytic key: hash each candidate's content
+    else:  # no analytic key (e.g. a NumpyMask part): hash each candidate's content
         digests, first, inverse = {}, [], np.empty(n, np.int64)
         for i in range(n):
             blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
@@ -301,10 +373,13 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
             inverse[i] = digests.setdefault(d, len(digests))
             if inverse[i] == len(first):
                 first.append(i)
+                materialised[i] = blk
         first = np.asarray(first, np.int64)
     blocks, unique_kind = [], np.empty(first.size, np.int8)
     for u, i in enumerate(first):
-        blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
+        blk = materialised.get(int(i))
+        if blk is None:
+            blk = _materialise(mask, qb, kb, int(q_idx[i]), int(kv_idx[i]), bq, bkv)
         unique_kind[u] = FULL if blk.all() else (EMPTY if not blk.any() else PARTIAL)
         blocks.append(blk)
     still_partial = np.flatnonzero(unique_kind == PARTIAL)
@@ -350,6 +425,10 @@ def _build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, par
     """Work lists of every shard pair for one 2-D mask: ({(a, b): _PairList}, blocks | None)."""
     nq_s, nk_s = qb.lo.size // q_shards, kb.lo.size // kv_shards
     dense_kinds = _dense_kinds(mask, qb, kb, bq, bkv) if isinstance(mask, NumpyMask) else None
+    # Composites with NumpyMask parts: analytics (candidates, kinds) from the bound tree, contents
+    # (materialised partial blocks) from ``mask`` itself. Such a mask has no in-kernel
+    # mask_function (has_mask_function is False), so its partial blocks are always stored.
+    analytic = _bind_numpy(mask, qb, kb, bq, bkv, {}) if dense_kinds is None else mask
     works = {}
     for a in range(q_shards):
         for b in range(kv_shards):
@@ -357,7 +436,7 @@ def _build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, par
             if dense_kinds is not None:
                 works[a, b] = _dense_pair_entries(dense_kinds, q_sel, kv_sel, transpose)
             else:
-                works[a, b] = _pair_entries(mask, qb, kb, q_sel, kv_sel, transpose)
+                works[a, b] = _pair_entries(analytic, qb, kb, q_sel, kv_sel, transpose)
 
     # Gather every PARTIAL candidate (global block indices) to deduplicate across pairs.
     parts, q_glob, kv_glob = {}, [], []

@@ -324,7 +324,8 @@ class PrefixLMMask(Mask):
 
 
 class NumpyMask(Mask):
-    """An explicit dense bool array (hashable by content); classification is dense."""
+    """An explicit dense bool array (hashable by content); classified from the array by
+    ``build_mask_info``, alone or combined with other masks by ``&`` / ``|``."""
 
     has_mask_function = False
 
@@ -359,7 +360,9 @@ class NumpyMask(Mask):
         return xp.asarray(self.array)[q_pos, kv_pos]
 
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
-        raise NotImplementedError("NumpyMask blocks are classified densely by build_mask_info")
+        # position ranges do not determine a block of an arbitrary array; build_mask_info binds
+        # the array to its blocking instead (alone, or as a leaf of an & / | composite)
+        raise NotImplementedError("NumpyMask blocks are classified from the array by build_mask_info")
 
 
 class _Binary(Mask):
