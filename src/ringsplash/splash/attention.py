@@ -120,7 +120,7 @@ def pallas_forward(q, k, v, info, schedule, q_pos, kv_pos, q_seg, kv_seg, *,
         masks=ops["masks"], block_shape=info.block_shape,
         block_kv_compute=min(config.block_kv_compute, info.block_shape[1]),
         scale=default_scale(scale, q.shape[-1]), logit_soft_cap=logit_soft_cap, out_dtype=out_dtype,
-        interpret=_interpret(config, backend), vmem_limit_bytes=config.vmem_limit_bytes,
+        probs_dtype=config.matmul_dtype(q.dtype), interpret=_interpret(config, backend), vmem_limit_bytes=config.vmem_limit_bytes,
         count_steps=count_steps,
     )
 
@@ -138,6 +138,7 @@ def pallas_backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedu
     as_col = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[:, None]
     as_row = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[None, :]
     common = dict(scale=scale, logit_soft_cap=logit_soft_cap, out_dtype=grad_dtype,
+                  probs_dtype=config.matmul_dtype(q.dtype),
                   interpret=interpret, vmem_limit_bytes=config.vmem_limit_bytes, count_steps=count_steps)
 
     ops = _static_operands(info)

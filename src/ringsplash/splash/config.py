@@ -13,9 +13,14 @@ Backends:
 
 import dataclasses
 import numbers
-from typing import Any
+from typing import Any, Literal
+
+import numpy as np
+
+from ringsplash._checks import check_choice
 
 BACKENDS = ("auto", "mosaic_tpu", "interpret", "xla")
+PROBS_DTYPES = ("input", "float32")
 NUM_LANES = 128
 NUM_SUBLANES = 8
 
@@ -35,6 +40,19 @@ class SplashConfig:
     ``interpret_params`` (a ``pltpu.InterpretParams``) tunes the ``"interpret"`` backend;
     ``None`` uses ``InterpretParams()``. Blocks longer than a sequence shrink to its length
     in ``splash_attention``.
+
+    ``probs_dtype`` is the input dtype of the matmuls that take probabilities or score
+    gradients, the same rule in every backend (``interpret`` / ``mosaic_tpu`` / ``xla`` agree
+    to float32-accumulation noise under the same setting):
+
+    * ``"input"`` (default) — ``P`` (forward ``P @ V``, backward ``P.T @ dO``) and ``dS``
+      (``dS @ K``, ``dS.T @ Q``) are rounded to q's dtype, and so is the other operand.
+      With bfloat16 inputs this is the MXU's native bf16 x bf16 -> f32 path on TPU (the fast
+      one; several times the float32 matmul rate) at the cost of one bf16 rounding of P and
+      dS (relative 2^-9 per entry; outputs move by about a bf16 unit, gradients by a few).
+      With float32 inputs it changes nothing.
+    * ``"float32"`` — P and dS stay float32 and the other operand is upcast: the numerics of
+      the dense float32 oracle, at the float32 matmul rate on TPU.
     """
 
     block_q: int = 512
@@ -42,9 +60,10 @@ class SplashConfig:
     block_kv_compute: int | None = None  # None = block_kv
     block_q_dkv: int = 512
     block_kv_dkv: int = 512
-    backend: str = "auto"
+    backend: Literal["auto", "mosaic_tpu", "interpret", "xla"] = "auto"
     interpret_params: Any = None
     vmem_limit_bytes: int | None = None
+    probs_dtype: Literal["input", "float32"] = "input"
 
     def __post_init__(self):
         _check_block("block_q", self.block_q, NUM_LANES)
@@ -62,6 +81,11 @@ class SplashConfig:
             raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
         if self.vmem_limit_bytes is not None:
             _check_block("vmem_limit_bytes", self.vmem_limit_bytes, 1)
+        check_choice("probs_dtype", self.probs_dtype, PROBS_DTYPES)
+
+    def matmul_dtype(self, input_dtype):
+        """The dtype P and dS are rounded to before their matmuls (``probs_dtype``)."""
+        return np.dtype(input_dtype) if self.probs_dtype == "input" else np.dtype(np.float32)
 
     @property
     def block_shape(self) -> tuple[int, int]:

@@ -97,7 +97,7 @@ def _dq_kernel(
     # scratch
     dq_scr, lse_scr, delta_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps,
+    scale, logit_soft_cap, masks, num_steps, probs_dtype,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
@@ -135,7 +135,8 @@ def _dq_kernel(
             p = jnp.where(mask, p, 0.0)
         dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_scr[:, :1], t)
-        dq_scr[...] += lax.dot_general(ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32)
+        dq_scr[...] += lax.dot_general(ds.astype(probs_dtype), k.astype(probs_dtype), NN_DIMS,
+                                       preferred_element_type=jnp.float32)
 
     _dispatch_kinds(kind, compute)
 
@@ -169,7 +170,7 @@ def _dkv_kernel(
     # scratch
     dk_scr, dv_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps, group, inner,
+    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype,
 ):
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row, _, lst = _dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
@@ -206,10 +207,12 @@ def _dkv_kernel(
         p = jnp.exp(s - lse_ref[...])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dv_scr[...] += lax.dot_general(p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32)
+        dv_scr[...] += lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS,
+                                       preferred_element_type=jnp.float32)
         dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_ref[...], t)
-        dk_scr[...] += lax.dot_general(ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32)
+        dk_scr[...] += lax.dot_general(ds.astype(probs_dtype), q.astype(probs_dtype), NN_DIMS,
+                                       preferred_element_type=jnp.float32)
 
     _dispatch_kinds(kind, compute)
 
@@ -360,10 +363,11 @@ def splash_dq_kernel(
     q, k, v, d_out, lse, delta, schedule, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
-    interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
 ):
     """dq over the forward work list. ``lse, delta: [heads, q_len]`` float32; the other
-    arguments as in ``splash_forward_kernel``. Returns ``dq [heads, q_len, d]`` in
+    arguments as in ``splash_forward_kernel`` (``probs_dtype``: operand dtype of ``dS @ K``).
+    Returns ``dq [heads, q_len, d]`` in
     ``out_dtype`` (and the per-head count of computing steps with ``count_steps``)."""
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
@@ -400,6 +404,7 @@ def splash_dq_kernel(
 
     body = functools.partial(
         _dq_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks), num_steps=num_steps,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
     kernel = lambda *refs: body(*_unpack(refs, 3, 6, present, 1, count_steps))
     results = pl.pallas_call(
@@ -433,7 +438,7 @@ def splash_dkv_kernel(
     q, k, v, d_out, lse, delta, schedule_dkv, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks_t=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
-    interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
 ):
     """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``).
 
@@ -441,7 +446,8 @@ def splash_dkv_kernel(
     walk (prefetched list ``[lists, steps]``) or the merged one (``[kv_heads, group *
     steps]``, for groups whose heads have different masks). Positions / segment ids: q side
     int32 ``[1, q_len]`` rows, kv side ``[kv_len, 1]`` columns. ``mask_blocks_t`` holds the
-    partial blocks transposed, int8 ``[num_partials, bkv, bq]``. Returns ``dk, dv [kv_heads,
+    partial blocks transposed, int8 ``[num_partials, bkv, bq]``. ``probs_dtype`` (None = q's
+    dtype) is the operand dtype of ``P.T @ dO`` and ``dS.T @ Q``. Returns ``dk, dv [kv_heads,
     kv_len, d]`` in ``out_dtype`` (and the per-kv-head count of computing steps with
     ``count_steps``).
     """
@@ -492,6 +498,7 @@ def splash_dkv_kernel(
     body = functools.partial(
         _dkv_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         num_steps=num_steps, group=group, inner=inner,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
     num_prefetch = len(prefetched)
 

@@ -185,7 +185,7 @@ def _forward_kernel(
     # scratch
     m_scr, l_scr, acc_scr,
     *,
-    scale, logit_soft_cap, masks, block_kv_compute, num_steps,
+    scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
@@ -244,7 +244,8 @@ def _forward_kernel(
                 p = jnp.where(mask, p, 0.0)  # a fully masked tile row must add nothing
             m_scr[...] = m_next
             l_scr[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(v.dtype), v, NN_DIMS, preferred_element_type=jnp.float32)
+            pv = lax.dot_general(p.astype(probs_dtype), v.astype(probs_dtype), NN_DIMS,
+                                 preferred_element_type=jnp.float32)
             acc_scr[...] = alpha[:, :1] * acc_scr[...] + pv
             return carry
 
@@ -310,7 +311,7 @@ def splash_forward_kernel(
     q, k, v, schedule, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, block_kv_compute, scale, logit_soft_cap=None, out_dtype=None,
-    interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
 ):
     """Run the forward kernel on one shard pair.
 
@@ -322,7 +323,9 @@ def splash_forward_kernel(
     None. ``masks``: per list, the mask whose ``mask_function`` the kernel may evaluate, or
     None. Returns ``out [heads, q_len, d]`` (``out_dtype``, default q's), ``lse [heads,
     q_len]`` float32 and, with ``count_steps``, the number of computing steps per head
-    ``[heads]``. The schedule is packed (``pack_schedule``) before scalar prefetch.
+    ``[heads]``. ``probs_dtype`` (None = q's dtype) is the operand dtype of ``P @ V``
+    (``SplashConfig.probs_dtype``). The schedule is packed (``pack_schedule``) before scalar
+    prefetch.
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
@@ -368,6 +371,7 @@ def splash_forward_kernel(
     body = functools.partial(
         _forward_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         block_kv_compute=block_kv_compute, num_steps=num_steps,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
 
     def kernel(*refs):

@@ -14,7 +14,10 @@ a portable fallback elsewhere.
 Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics):
 
 * **Compute dtype.** Inputs are cast to float32 once; all arithmetic is float32 (CPU has no
-  fast bf16 matmul, and the oracle is float32). ``out`` is cast back to ``q.dtype``.
+  fast bf16 matmul, and the oracle is float32). ``out`` is cast back to ``q.dtype``. Under
+  ``SplashConfig.probs_dtype="input"`` P and dS (and the other operand of their matmuls) are
+  rounded to q's dtype before the float32 matmul, exactly as the Pallas kernels feed the MXU,
+  so the backends agree to float32-accumulation noise.
 * **GQA / MQA.** The q heads of a list are viewed as ``[kv_heads, group, q_len, d]`` against
   ``k, v: [kv_heads, kv_len, d]``; K/V are never repeated. A list holding an arbitrary subset of
   heads (``MultiHeadMask``) gathers its kv heads per step, a block at a time.
@@ -117,6 +120,16 @@ def _check_shapes(q, k, v, info):
 
 
 # --------------------------------------------------------------------------- per-step pieces
+
+
+def _rounder(config, input_dtype):
+    """``x -> x`` rounded to the matmul dtype of P / dS (``SplashConfig.probs_dtype``), kept
+    float32: a bf16 x bf16 product is exact in float32, so a float32 matmul of rounded
+    operands is what the MXU computes."""
+    dtype = np.dtype(input_dtype) if config is None else config.matmul_dtype(input_dtype)
+    if dtype == np.dtype(np.float32):
+        return lambda x: x
+    return lambda x: x.astype(dtype).astype(_F32)
 
 
 def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
@@ -235,8 +248,8 @@ def forward(
     ``partial_mask_blocks``); ``schedule`` the (possibly traced) ``[lists, max_steps]`` work
     lists. Rows with nothing to attend get ``out = 0`` and ``lse = MASKED_LSE``.
     """
-    del config  # block sizes come from info; nothing else is tunable here
     _check_shapes(q, k, v, info)
+    rnd = _rounder(config, q.dtype)
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
     bq, bkv = info.block_shape
@@ -249,14 +262,14 @@ def forward(
     lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
     for plan in _list_plans(info, heads, kv_heads):
         o_l, lse_l = _forward_list(
-            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma
+            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd
         )
         out = _scatter_heads(out, o_l, plan)
         lse = _scatter_heads(lse, lse_l, plan)
     return out.astype(q.dtype if out_dtype is None else out_dtype), lse
 
 
-def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma):
+def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd):
     bq, bkv = info.block_shape
     ql = _list_view(q, plan)  # [kvh, g, q_len, d]
     kvh, g, q_len, d = ql.shape
@@ -274,7 +287,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l_new = alpha * l + p.sum(-1)
-        pv = jnp.einsum("kgqc,kcd->kgqd", p, vb, preferred_element_type=_F32)
+        pv = jnp.einsum("kgqc,kcd->kgqd", rnd(p), rnd(vb), preferred_element_type=_F32)
         return _vary((m_new, l_new, alpha[..., None] * acc + pv), vma)
 
     def skip(args):
@@ -341,8 +354,9 @@ def backward(
     Walks the forward ``schedule`` once and scatter-adds dK/dV, so ``info_dkv`` and
     ``schedule_dkv`` are unused (they may be None).
     """
-    del info_dkv, schedule_dkv, config
+    del info_dkv, schedule_dkv
     _check_shapes(q, k, v, info)
+    rnd = _rounder(config, q.dtype)
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
     scale = default_scale(scale, d)
@@ -357,7 +371,7 @@ def backward(
     for plan in _list_plans(info, heads, kv_heads):
         dq_l, dk_l, dv_l = _backward_list(
             qf, kf, vf, dof, lse, delta, plan, info, schedule,
-            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma,
+            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd,
         )
         dq = _scatter_heads(dq, dq_l, plan)
         if plan.kv_identity:
@@ -369,7 +383,7 @@ def backward(
 
 
 def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
-                   q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma):
+                   q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd):
     bq, bkv = info.block_shape
     ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
     lsel, deltal = _list_view(lse, plan), _list_view(delta, plan)  # [kvh, g, q_len]
@@ -394,10 +408,10 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         ds = p * (dp - delta_b[..., None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        ds = ds * scale
-        dq_b = jnp.einsum("kgqc,kcd->kgqd", ds, kb, preferred_element_type=_F32)
-        dk_b = jnp.einsum("kgqc,kgqd->kcd", ds, qb, preferred_element_type=_F32)
-        dv_b = jnp.einsum("kgqc,kgqd->kcd", p, dob, preferred_element_type=_F32)
+        ds = rnd(ds)  # rounded unscaled, then scaled after the matmul, as in the kernels
+        dq_b = jnp.einsum("kgqc,kcd->kgqd", ds, rnd(kb), preferred_element_type=_F32) * scale
+        dk_b = jnp.einsum("kgqc,kgqd->kcd", ds, rnd(qb), preferred_element_type=_F32) * scale
+        dv_b = jnp.einsum("kgqc,kgqd->kcd", rnd(p), rnd(dob), preferred_element_type=_F32)
         return _vary((dq_b, dk_b, dv_b), vma)
 
     def skip(args):
