@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
 from ringsplash.splash.kernel_forward import (
-    MASK_VALUE, NN_DIMS, NT_DIMS, _sds, _semantics, block_mask, kind_of, kv_block_of, pack_schedule,
+    MASK_VALUE, NN_DIMS, NT_DIMS, _sds, _semantics, block_mask, drop_unattended, kind_of, kv_block_of, pack_schedule,
     partial_of, q_block_of,
 )
 
@@ -118,7 +118,6 @@ def _dq_kernel(
 
     def compute(which):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        s, t = _scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
         mask = block_mask(
             which, partial_of(kinds_ref[lst, i]), lst,
             None if q_pos_ref is None else q_pos_ref[...],
@@ -128,6 +127,9 @@ def _dq_kernel(
             None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0,
             masks=masks,
         )
+        if mask is not None:
+            k, v = drop_unattended(mask, k, v, transposed=False)
+        s, t = _scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp(s - lse_scr[:, :1])
@@ -192,7 +194,6 @@ def _dkv_kernel(
     def compute(which):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         # transposed tiles (kv, q): q-side rows (1, bq) broadcast over kv rows
-        s, t = _scores_and_tanh(k, q, scale=scale, logit_soft_cap=logit_soft_cap)
         mask = block_mask(
             which, partial_of(kinds_ref[row, i]), lst,
             None if q_pos_ref is None else q_pos_ref[...],
@@ -202,6 +203,9 @@ def _dkv_kernel(
             None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0,
             masks=masks,
         )
+        if mask is not None:
+            k, v = drop_unattended(mask, k, v, transposed=True)
+        s, t = _scores_and_tanh(k, q, scale=scale, logit_soft_cap=logit_soft_cap)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp(s - lse_ref[...])

@@ -160,6 +160,26 @@ def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, mask
     return mask
 
 
+def drop_unattended(mask, k, v, *, transposed):
+    """``k, v`` with the rows of kv positions that no row of the tile attends set to 0.
+
+    This is the masked-values contract (``reference_attention``): a kv position that no
+    query attends never reaches an output or gradient, even when its K / V are NaN or Inf.
+    The score ``where`` alone removes a masked K from the forward, but ``P @ V`` multiplies
+    a masked V by P = 0 (0 * NaN = NaN) and ``dS @ K`` a masked K by dS = 0, so both are
+    zeroed before their matmuls. ``mask`` is the bool tile, ``(q, kv)`` or, ``transposed``,
+    ``(kv, q)``; ``k, v`` are ``[bkv, d]``.
+    """
+    hit = mask.astype(jnp.float32)
+    if transposed:
+        col = jnp.max(hit, axis=1, keepdims=True)  # (bkv, 1)
+    else:  # (1, bkv) row -> (bkv, 1) column through a lane-aligned transpose
+        row = jnp.max(hit, axis=0, keepdims=True)
+        col = jnp.transpose(jnp.broadcast_to(row, (NUM_LANES, row.shape[1])))[:, :1]
+    keep = col > 0.0
+    return jnp.where(keep, k, jnp.zeros_like(k)), jnp.where(keep, v, jnp.zeros_like(v))
+
+
 def _sds(like, shape, dtype):
     """An output shape that varies over the same manual mesh axes as ``like`` (shard_map)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
@@ -219,7 +239,6 @@ def _forward_kernel(
         def body(c, carry):
             cols = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute)
             k, v = k_ref[cols, :], v_ref[cols, :]
-            s = scores(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
             stored = None
             if which == "partial" and mask_ref is not None:
                 stored = mask_ref[0, :, cols] != 0
@@ -231,6 +250,9 @@ def _forward_kernel(
                 None if kv_seg_ref is None else kv_seg_ref[:, cols],
                 stored, masks=masks,
             )
+            if mask is not None:
+                k, v = drop_unattended(mask, k, v, transposed=False)
+            s = scores(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
             if mask is not None:
                 s = jnp.where(mask, s, MASK_VALUE)
             # Online softmax: m = running row max, l = running sum of exp(s - m), acc =

@@ -29,6 +29,9 @@ Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics
   adds into float32 buffers. ``info_dkv`` / ``schedule_dkv`` (the transposed view) are
   accepted for interface parity with the kernels and ignored: scatter-adding dK/dV from the
   forward order does 5 block matmuls per pair instead of the 7 of separate dq and dK/dV passes.
+* **Masked values.** K / V rows of kv positions that no q row of a block attends are zeroed
+  before the block's matmuls, so non-finite values there never leak (the contract of
+  ``reference_attention``).
 * **Masks.** Every visited block goes through one ``where`` (full blocks select all; its cost
   is ~1/(4·heads·d) of the block's matmuls, so no separate full-block branch); partial blocks
   take the deduplicated ``partial_mask_blocks`` row or, for ``partial_index == -1``, the list
@@ -163,6 +166,13 @@ def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
     return block_mask
 
 
+def _drop_unattended(mask, kb, vb):
+    """Zero the K / V rows of kv positions no q row of the block attends (the masked-values
+    contract of ``reference_attention``: 0 * NaN in ``P @ V`` / ``dS @ K`` would leak them)."""
+    keep = jnp.any(mask, axis=0)[None, :, None]  # [1, bkv, 1]; the mask is shared by the list
+    return jnp.where(keep, kb, 0.0), jnp.where(keep, vb, 0.0)
+
+
 def _kv_block(x, plan: _ListPlan, kv_start, bkv):
     blk = lax.dynamic_slice_in_dim(x, kv_start, bkv, axis=1)  # [kv_heads, bkv, d]
     return blk if plan.kv_identity else blk[plan.kv_heads]
@@ -280,8 +290,9 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         qb = lax.dynamic_slice_in_dim(ql, qi * bq, bq, axis=2)
         kb = _kv_block(k, plan, ki * bkv, bkv)
         vb = _kv_block(v, plan, ki * bkv, bkv)
-        s, _ = _scores(qb, kb, scale, cap)
         mask = block_mask(kind, pidx, qi * bq, ki * bkv)
+        kb, vb = _drop_unattended(mask, kb, vb)
+        s, _ = _scores(qb, kb, scale, cap)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))  # finite: m starts at _NEG_INIT
         p = jnp.exp(s - m_new[..., None])
@@ -400,8 +411,9 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         delta_b = lax.dynamic_slice_in_dim(deltal, qs, bq, axis=2)
         kb = _kv_block(k, plan, ks, bkv)
         vb = _kv_block(v, plan, ks, bkv)
-        s, t = _scores(qb, kb, scale, cap)
         mask = block_mask(kind, pidx, qs, ks)
+        kb, vb = _drop_unattended(mask, kb, vb)
+        s, t = _scores(qb, kb, scale, cap)
         # Masked entries (and rows with lse = MASKED_LSE, which are fully masked) give P = 0.
         p = jnp.where(mask, jnp.exp(jnp.where(mask, s, -jnp.inf) - lse_b[..., None]), 0.0)
         dp = jnp.einsum("kgqd,kcd->kgqc", dob, vb, preferred_element_type=_F32)
