@@ -22,6 +22,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.splash import attention as attention_lib
+from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
 from attention_inputs import inputs, max_err
 
@@ -238,7 +239,7 @@ def test_splash_forward_out_dtype(key):
 
 
 def test_splash_packed_work_list_round_trips_and_rejects_overflow():
-    from ringsplash.splash import kernel_forward as kf
+    from ringsplash.splash import _kernel_common as kf
 
     q_block = jnp.asarray([0, 1, 65535, 40000], jnp.int32)
     kv_block = jnp.asarray([65535, 0, 32768, 7], jnp.int32)
@@ -276,13 +277,14 @@ def test_splash_computes_only_non_empty_blocks(key, mask):
     info_dkv = rs.build_mask_info(mask, cfg.block_shape_dkv, transpose=True)
     q, k, v, d_out, _ = inputs(key, heads, kv_heads, n, n)
     pos = jnp.arange(n, dtype=jnp.int32)
-    kw = dict(scale=0.125, logit_soft_cap=None, config=cfg, backend="interpret", count_steps=True)
-    out, lse, count = attention_lib.pallas_forward(q, k, v, info, info.schedule(), pos, pos, None, None, **kw)
+    static = BackendStatic(info, info_dkv, 0.125, None, cfg)
+    out, lse, count = attention_lib.pallas_forward(
+        ForwardInputs(q, k, v, info.schedule(), pos, pos, None, None), static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count), non_empty)
     delta = jnp.sum(out * d_out, axis=-1)
     *_, count_dq, count_dkv = attention_lib.pallas_backward(
-        q, k, v, d_out, lse, delta, info, info.schedule(), info_dkv, info_dkv.schedule(),
-        pos, pos, None, None, **kw)
+        BackwardInputs(q, k, v, d_out, lse, delta, info.schedule(), info_dkv.schedule(), pos, pos, None, None),
+        static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count_dq), non_empty)
     # one dK/dV grid per kv head walks the blocks of every q head of its group
     np.testing.assert_array_equal(np.asarray(count_dkv), non_empty * heads // kv_heads)

@@ -48,9 +48,10 @@ import numpy as np
 from jax import lax
 
 from ringsplash._checks import default_scale
-from ringsplash._types import Array, Float, Int
+from ringsplash._types import Array, Float
 from ringsplash.masks import PARTIAL
 from ringsplash.reference import MASKED_LSE
+from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 
 __all__ = ["forward", "backward"]
 
@@ -236,28 +237,17 @@ def _vary(tree, vma: frozenset):
 
 
 def forward(
-    q: Float[Array, "heads q_len d"],
-    k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len d"],
-    info,
-    schedule,
-    q_pos: Int[Array, " q_len"],
-    kv_pos: Int[Array, " kv_len"],
-    q_seg: Int[Array, " q_len"] | None,
-    kv_seg: Int[Array, " kv_len"] | None,
-    *,
-    scale: float | None,
-    logit_soft_cap: float | None,
-    config=None,
-    out_dtype=None,
+    inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None,
 ) -> tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]:
     """Sink-free block-sparse attention of one shard pair: ``(out, lse float32)``; ``out`` in
     ``out_dtype`` (None = q's dtype; float32 keeps a ring's partial results unrounded).
 
-    ``info`` supplies the static parts (``block_shape``, ``head_to_list``, ``masks``,
-    ``partial_mask_blocks``); ``schedule`` the (possibly traced) ``[lists, max_steps]`` work
-    lists. Rows with nothing to attend get ``out = 0`` and ``lse = MASKED_LSE``.
+    ``static.info`` supplies the static parts (``block_shape``, ``head_to_list``, ``masks``,
+    ``partial_mask_blocks``); ``inputs.schedule`` the (possibly traced) ``[lists, max_steps]``
+    work lists. Rows with nothing to attend get ``out = 0`` and ``lse = MASKED_LSE``.
     """
+    q, k, v, schedule, q_pos, kv_pos, q_seg, kv_seg = inputs
+    info, scale, logit_soft_cap, config = static.info, static.scale, static.logit_soft_cap, static.config
     _check_shapes(q, k, v, info)
     rnd = _rounder(config, q.dtype)
     heads, q_len, d = q.shape
@@ -336,24 +326,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
 
 
 def backward(
-    q: Float[Array, "heads q_len d"],
-    k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len d"],
-    d_out: Float[Array, "heads q_len d"],
-    lse: Float[Array, "heads q_len"],
-    delta: Float[Array, "heads q_len"],
-    info,
-    schedule,
-    info_dkv,
-    schedule_dkv,
-    q_pos: Int[Array, " q_len"],
-    kv_pos: Int[Array, " kv_len"],
-    q_seg: Int[Array, " q_len"] | None,
-    kv_seg: Int[Array, " kv_len"] | None,
-    *,
-    scale: float | None,
-    logit_soft_cap: float | None,
-    config=None,
+    inputs: BackwardInputs, static: BackendStatic,
 ) -> tuple[
     Float[Array, "heads q_len d"],
     Float[Array, "kv_heads kv_len d"],
@@ -362,10 +335,11 @@ def backward(
     """``(dq, dk, dv)`` in float32 for one shard pair, given the final ``lse`` and
     ``delta = rowsum(d_out * out)``: ``P = exp(s - lse)``, ``dS = P * (dP - delta)``.
 
-    Walks the forward ``schedule`` once and scatter-adds dK/dV, so ``info_dkv`` and
-    ``schedule_dkv`` are unused (they may be None).
+    Walks the forward ``schedule`` once and scatter-adds dK/dV, so ``static.info_dkv`` and
+    ``inputs.schedule_dkv`` are unused (they may be None).
     """
-    del info_dkv, schedule_dkv
+    q, k, v, d_out, lse, delta, schedule, _, q_pos, kv_pos, q_seg, kv_seg = inputs
+    info, scale, logit_soft_cap, config = static.info, static.scale, static.logit_soft_cap, static.config
     _check_shapes(q, k, v, info)
     rnd = _rounder(config, q.dtype)
     heads, q_len, d = q.shape
