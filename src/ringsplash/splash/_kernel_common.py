@@ -247,6 +247,18 @@ def optional_specs(pairs):
     return specs, operands, present
 
 
+def mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv):
+    """``optional_specs`` of the forward / dq kernels' positions, segment ids and partial
+    blocks, ``(q, kv)`` tiles: q side ``(bq, 1)`` columns, kv side ``(1, bkv)`` rows."""
+    return optional_specs([
+        (q_pos, pl.BlockSpec((bq, 1), q_col_map)),
+        (kv_pos, pl.BlockSpec((1, bkv), kv_row_map)),
+        (q_seg, pl.BlockSpec((bq, 1), q_col_map)),
+        (kv_seg, pl.BlockSpec((1, bkv), kv_row_map)),
+        (mask_blocks, pl.BlockSpec((1, bq, bkv), mask_map)),
+    ])
+
+
 def unpack_refs(refs, num_prefetch, num_fixed, present, num_outputs, with_count):
     """Kernel refs in body order, with None where an optional input / the count is absent."""
     prefetched, rest = list(refs[:num_prefetch]), list(refs[num_prefetch:])

@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash.splash._kernel_common import (
     MASK_VALUE, NN_DIMS, NT_DIMS, count_map, dispatch_kinds, drop_unattended, kind_of, kv_block_of, kv_map,
-    kv_row_map, mask_map, optional_specs, pack_schedule, partial_of, q_block_of, q_col_map, q_map, row_map,
+    mask_operand_specs, optional_specs, pack_schedule, partial_of, q_block_of, q_map, row_map,
     run_edges, scores_and_tanh, sds, semantics, tally_step, tile_mask, unpack_refs,
 )
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
@@ -299,13 +299,7 @@ def splash_dq_kernel(
         pl.BlockSpec((None, 1, bq), row_map),
         pl.BlockSpec((None, 1, bq), row_map),
     ]
-    specs, operands, present = optional_specs([
-        (q_pos, pl.BlockSpec((bq, 1), q_col_map)),
-        (kv_pos, pl.BlockSpec((1, bkv), kv_row_map)),
-        (q_seg, pl.BlockSpec((bq, 1), q_col_map)),
-        (kv_seg, pl.BlockSpec((1, bkv), kv_row_map)),
-        (mask_blocks, pl.BlockSpec((1, bq, bkv), mask_map)),
-    ])
+    specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv)
     out_shape = [sds(q, (heads, q_len, d), out_dtype)]
     out_specs = [pl.BlockSpec((None, bq, d), q_map)]
     if count_steps:

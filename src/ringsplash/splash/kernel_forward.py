@@ -18,8 +18,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash.reference import MASKED_LSE  # lse of a row with nothing to attend (finite)
 from ringsplash.splash._kernel_common import (
-    MASK_VALUE, NN_DIMS, count_map, dispatch_kinds, drop_unattended, kind_of, kv_map, kv_row_map,
-    mask_map, optional_specs, pack_schedule, partial_of, q_block_of, q_col_map, q_map, row_map, run_edges,
+    MASK_VALUE, NN_DIMS, count_map, dispatch_kinds, drop_unattended, kind_of, kv_map,
+    mask_operand_specs, pack_schedule, partial_of, q_block_of, q_map, row_map, run_edges,
     scores_and_tanh, sds, semantics, tally_step, tile_mask, unpack_refs,
 )
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
@@ -144,13 +144,7 @@ def splash_forward_kernel(
         pl.BlockSpec((None, bkv, d), kv_map_g),
         pl.BlockSpec((None, bkv, d), kv_map_g),
     ]
-    specs, operands, present = optional_specs([
-        (q_pos, pl.BlockSpec((bq, 1), q_col_map)),
-        (kv_pos, pl.BlockSpec((1, bkv), kv_row_map)),
-        (q_seg, pl.BlockSpec((bq, 1), q_col_map)),
-        (kv_seg, pl.BlockSpec((1, bkv), kv_row_map)),
-        (mask_blocks, pl.BlockSpec((1, bq, bkv), mask_map)),
-    ])
+    specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv)
 
     out_shape = [
         sds(q, (heads, q_len, d), out_dtype),
