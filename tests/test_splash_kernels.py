@@ -360,7 +360,9 @@ def test_splash_auto_backend_runs_jnp_path_on_cpu(key):
         (dict(block_kv=0), ValueError, "block_kv=0 must be a positive multiple of 128"),
         (dict(block_kv=256, block_kv_compute=384), ValueError, "block_kv_compute=384 must divide block_kv=256"),
         (dict(block_q_dkv=64), ValueError, "block_q_dkv=64"),
-        (dict(backend="gpu"), ValueError, "backend='gpu' must be one of"),
+        # mode strings are Literals: with runtime type checking on (tests) jaxtyping rejects them first
+        (dict(backend="gpu"), (ValueError, jaxtyping.TypeCheckError), "backend"),
+        (dict(probs_dtype="bfloat16"), (ValueError, jaxtyping.TypeCheckError), "probs_dtype"),
     ],
 )
 def test_splash_config_rejects_bad_values(kwargs, error, match):
