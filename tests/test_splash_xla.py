@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import layouts, masks
+from ringsplash._checks import default_scale
 from ringsplash.splash import xla
+from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
@@ -25,6 +27,18 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
 def xla_config(bq=128, bkv=128):
     return rs.SplashConfig(block_q=bq, block_kv=bkv, block_q_dkv=bq, block_kv_dkv=bkv, backend="xla")
+
+
+def xla_forward(q, k, v, info, sched, q_pos, kv_pos, q_seg, kv_seg, *, scale=None, logit_soft_cap=None):
+    static = BackendStatic(info, None, default_scale(scale, q.shape[-1]), logit_soft_cap, xla_config())
+    return xla.forward(ForwardInputs(q, k, v, sched, q_pos, kv_pos, q_seg, kv_seg), static)
+
+
+def xla_backward(q, k, v, d_out, lse, delta, info, sched, q_pos, kv_pos, q_seg, kv_seg, *, scale=None,
+                 logit_soft_cap=None):
+    static = BackendStatic(info, None, default_scale(scale, q.shape[-1]), logit_soft_cap, xla_config())
+    inputs = BackwardInputs(q, k, v, d_out, lse, delta, sched, None, q_pos, kv_pos, q_seg, kv_seg)
+    return xla.backward(inputs, static)
 
 
 def random_numpy_mask(seed, q_len, kv_len):
@@ -80,15 +94,14 @@ def check_direct(key, mask, *, heads=4, kv_heads=2, q_len=S, kv_len=S, d=64, dty
     grads_ref = vjp((d_out, jnp.zeros_like(lse_ref)))
 
     pos_q, pos_kv = jnp.asarray(perm_q, jnp.int32), jnp.asarray(perm_kv, jnp.int32)
-    kw = dict(scale=scale, logit_soft_cap=logit_soft_cap, config=None)
+    kw = dict(scale=scale, logit_soft_cap=logit_soft_cap)
 
     @jax.jit
     def run(q, k, v, d_out):
         sched = info.schedule()
-        out, lse = xla.forward(q, k, v, info, sched, pos_q, pos_kv, q_seg, kv_seg, **kw)
+        out, lse = xla_forward(q, k, v, info, sched, pos_q, pos_kv, q_seg, kv_seg, **kw)
         delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-        grads = xla.backward(q, k, v, d_out, lse, delta, info, sched, None, None,
-                             pos_q, pos_kv, q_seg, kv_seg, **kw)
+        grads = xla_backward(q, k, v, d_out, lse, delta, info, sched, pos_q, pos_kv, q_seg, kv_seg, **kw)
         return out, lse, grads
 
     out, lse, grads = run(q, k, v, d_out)
@@ -190,7 +203,7 @@ def test_xla_shard_pairs_of_a_zigzag_ring(key):
     for a in range(shards):
         outs, lses = [], []
         for b in range(shards):
-            o, lse = xla.forward(
+            o, lse = xla_forward(
                 ql[:, a * n : (a + 1) * n], kl[:, b * n : (b + 1) * n], vl[:, b * n : (b + 1) * n], info,
                 info.schedule(jnp.int32(a), jnp.int32(b)), pos[a * n : (a + 1) * n],
                 pos[b * n : (b + 1) * n], None, None, scale=None, logit_soft_cap=None,
@@ -280,9 +293,9 @@ def test_xla_scans_type_check_under_shard_map_with_traced_shard_indices(key):
         sched = info.schedule(a, a)
         p = jax.lax.dynamic_slice_in_dim(pos, a * n, n)
         kw = dict(scale=None, logit_soft_cap=None)
-        out, lse = xla.forward(q, k, v, info, sched, p, p, None, None, **kw)
+        out, lse = xla_forward(q, k, v, info, sched, p, p, None, None, **kw)
         delta = jnp.sum(d_out * out, axis=-1)
-        dq, dk, dv = xla.backward(q, k, v, d_out, lse, delta, info, sched, None, None, p, p, None, None, **kw)
+        dq, dk, dv = xla_backward(q, k, v, d_out, lse, delta, info, sched, p, p, None, None, **kw)
         return out, dq
 
     spec = P(None, "ctx")

@@ -49,6 +49,13 @@ def reference_attention(
 
     Returns:
         ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
+
+    Masked values (the contract every strategy follows): K and V at a kv position that no
+    query row attends (of any q head sharing its kv head: masked out everywhere, or a
+    padding segment no q segment matches) never reach an output, lse or gradient, even when
+    they are NaN or Inf, and their dk / dv are 0. A non-finite K / V at a position that some
+    row attends is an input of that row and may make other rows NaN as well (in Splash the
+    rows of the same q block; here every row of the head group).
     """
     call = check_attention_call(
         q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks
@@ -61,18 +68,22 @@ def reference_attention(
     if dropout_rate > 0 and dropout_key is None:
         raise ValueError("dropout_rate > 0 needs a dropout_key (a jax.random key)")
     group = heads // kv_heads
-    qf = q.astype(jnp.float32).reshape(kv_heads, group, q_len, d)
-    s = jnp.einsum("hgqd,hkd->hgqk", qf, k.astype(jnp.float32)) * scale
-    if logit_soft_cap is not None:
-        s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
-    s = s.reshape(heads, q_len, kv_len)
-
     allowed = jnp.ones((1, q_len, kv_len), bool)
     if mask is not None:
         allowed = jnp.asarray(masks_lib.dense(mask))
     if segment_ids is not None:
         allowed = allowed & (segment_ids.q[:, None] == segment_ids.kv[None, :])[None]
-    allowed = jnp.broadcast_to(allowed, s.shape)
+    allowed = jnp.broadcast_to(allowed, (heads, q_len, kv_len))
+    # Masked values: a kv position that no query of its kv head's group attends may hold
+    # anything (NaN / Inf in padding); zeroing it keeps 0 * NaN out of p @ v and the gradients.
+    attended = jnp.any(allowed.reshape(kv_heads, group * q_len, kv_len), axis=1)[..., None]
+    k = jnp.where(attended, k.astype(jnp.float32), 0.0)
+    v = jnp.where(attended, v.astype(jnp.float32), 0.0)
+    qf = q.astype(jnp.float32).reshape(kv_heads, group, q_len, d)
+    s = jnp.einsum("hgqd,hkd->hgqk", qf, k) * scale
+    if logit_soft_cap is not None:
+        s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+    s = s.reshape(heads, q_len, kv_len)
 
     s = jnp.where(allowed, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
@@ -87,7 +98,7 @@ def reference_attention(
     if dropout_rate > 0:  # dropping unnormalised p then dividing by l = dropping probabilities
         keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, p.shape)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
-    pv = jnp.einsum("hgqk,hkd->hgqd", p.reshape(kv_heads, group, q_len, kv_len), v.astype(jnp.float32))
+    pv = jnp.einsum("hgqk,hkd->hgqd", p.reshape(kv_heads, group, q_len, kv_len), v)
     out = pv.reshape(heads, q_len, d) / safe_l[..., None]
     out = out.astype(q.dtype)
     if not return_residuals:

@@ -1,30 +1,21 @@
 """Splash attention: backend dispatch, custom VJP and the public entry points.
 
-Internal backend interface (shared with ``splash/xla.py``), one shard pair, no sinks::
-
-    forward(q, k, v, info, schedule, q_pos, kv_pos, q_seg, kv_seg, *,
-            scale, logit_soft_cap, config) -> (out [heads, q_len, d] in q.dtype,
-                                               lse [heads, q_len] float32)
-    (both forwards also take ``out_dtype``, None = q's dtype)
-    backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedule_dkv,
-             q_pos, kv_pos, q_seg, kv_seg, *, scale, logit_soft_cap, config)
-        -> (dq, dk, dv) float32
-
-``info`` / ``info_dkv`` are MaskInfos (static metadata; ``info_dkv`` transposed, blocks
-``config.block_shape_dkv``), ``schedule`` / ``schedule_dkv`` their ``BlockSchedule`` for the
-shard pair (possibly traced), positions int32 ``[q_len]`` / ``[kv_len]`` of the local rows /
-columns, segment ids int32 or None.
+The backends share the interface of ``splash/backend_interface.py`` (``ForwardInputs`` /
+``BackwardInputs`` traced records, ``BackendStatic`` settings): the Pallas kernels here
+(``pallas_forward`` / ``pallas_backward``, backends ``interpret`` and ``mosaic_tpu``) and
+the jnp implementation in ``splash/xla.py``.
 """
 
+import dataclasses
 import functools
 import weakref
+from typing import NamedTuple
 
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
 from ringsplash import masks as masks_lib
@@ -35,6 +26,7 @@ from ringsplash.masks import PARTIAL
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash import xla as xla_backend
+from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
 
 # ----------------------------------------------------------------------------------------
@@ -42,10 +34,17 @@ from ringsplash.splash.config import SplashConfig
 
 
 _mosaic_guard_p = jex_core.Primitive("splash_mosaic_tpu_guard")
-# eager calls compile the primitive for the default device, so they hit the lowering too
-_mosaic_guard_p.def_impl(functools.partial(dispatch.apply_primitive, _mosaic_guard_p))
+# An eager call compiles the primitive for the default device (jit), so it hits the lowering
+# rules below too: a clear error off TPU, the identity on TPU.
+_mosaic_guard_p.def_impl(lambda x: jax.jit(_mosaic_guard_p.bind)(x))
 _mosaic_guard_p.def_abstract_eval(lambda x: x)
 batching.primitive_batchers[_mosaic_guard_p] = lambda args, dims: (_mosaic_guard_p.bind(*args), dims[0])
+
+
+def mosaic_tpu_guard(x):
+    """``x``, unchanged on TPU; lowering it for any other platform raises a ValueError that
+    names ``backend='mosaic_tpu'`` (instead of Mosaic's own error deep inside the kernel)."""
+    return _mosaic_guard_p.bind(x)
 
 
 def _guard_error(ctx, x):
@@ -64,21 +63,30 @@ mlir.register_lowering(_mosaic_guard_p, lambda ctx, x: [x], platform="tpu")
 # ----------------------------------------------------------------------------------------
 # per-MaskInfo kernel operands (host side, cached per MaskInfo object)
 
-_STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, dict]" = weakref.WeakKeyDictionary()
+
+class StaticOperands(NamedTuple):
+    """Host-side kernel operands of one MaskInfo."""
+
+    masks: tuple  # per list: the 2-D mask whose mask_function the kernel evaluates, or None
+    uses_fn: bool  # some partial block has no stored block (partial_index -1): positions needed
+    blocks: np.ndarray | None  # int8 [num_partials, bq, bkv] partial blocks, or None
+    blocks_t: np.ndarray | None  # the same transposed, [num_partials, bkv, bq] (dK/dV kernel)
 
 
-def _static_operands(info: MaskInfo) -> dict:
-    """int8 partial blocks (also transposed) and, per list, the mask to evaluate in kernel."""
+_STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()
+
+
+def _static_operands(info: MaskInfo) -> StaticOperands:
     if info in _STATIC_CACHE:
         return _STATIC_CACHE[info]
     needs_fn = np.any((info.kind == PARTIAL) & (info.partial_index < 0), axis=(1, 2, 3))
     blocks = info.partial_mask_blocks.astype(np.int8) if info.partial_mask_blocks.shape[0] else None
-    ops = {
-        "masks": tuple(m if bool(n) else None for m, n in zip(info.masks, needs_fn)),
-        "uses_fn": bool(needs_fn.any()),
-        "blocks": blocks,
-        "blocks_t": None if blocks is None else np.ascontiguousarray(np.swapaxes(blocks, 1, 2)),
-    }
+    ops = StaticOperands(
+        masks=tuple(m if bool(n) else None for m, n in zip(info.masks, needs_fn)),
+        uses_fn=bool(needs_fn.any()),
+        blocks=blocks,
+        blocks_t=None if blocks is None else np.ascontiguousarray(np.swapaxes(blocks, 1, 2)),
+    )
     _STATIC_CACHE[info] = ops
     return ops
 
@@ -100,63 +108,78 @@ def _interpret(config: SplashConfig, backend: str):
     return False
 
 
+def _as_col(x):
+    return None if x is None else jnp.asarray(x, jnp.int32)[:, None]
+
+
+def _as_row(x):
+    return None if x is None else jnp.asarray(x, jnp.int32)[None, :]
+
+
+def _mask_operands(ops: StaticOperands, q_pos, kv_pos, q_seg, kv_seg, *, transposed: bool) -> dict:
+    """Keyword operands of a kernel wrapper: positions (only where the kernel evaluates a
+    mask_function), segment ids and partial blocks, laid out for ``(q, kv)`` tiles or, when
+    ``transposed``, ``(kv, q)`` tiles."""
+    q_side, kv_side = (_as_row, _as_col) if transposed else (_as_col, _as_row)
+    blocks = ops.blocks_t if transposed else ops.blocks
+    return {
+        "q_pos": q_side(q_pos) if ops.uses_fn else None,
+        "kv_pos": kv_side(kv_pos) if ops.uses_fn else None,
+        "q_seg": q_side(q_seg),
+        "kv_seg": kv_side(kv_seg),
+        "mask_blocks_t" if transposed else "mask_blocks": None if blocks is None else jnp.asarray(blocks),
+        "masks": ops.masks,
+    }
+
+
 # ----------------------------------------------------------------------------------------
-# Pallas backends (same signatures as splash/xla.py, plus the gradient dtype)
+# Pallas backends (the interface of splash/backend_interface.py)
 
 
-def pallas_forward(q, k, v, info, schedule, q_pos, kv_pos, q_seg, kv_seg, *,
-                   scale, logit_soft_cap, config, backend="interpret", count_steps=False, out_dtype=None):
-    ops = _static_operands(info)
+def pallas_forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "interpret",
+                   out_dtype=None, count_steps: bool = False):
+    """The forward kernel on one shard pair; with ``count_steps`` also the number of
+    computing grid steps per head."""
+    q, config, info = inputs.q, static.config, static.info
     if backend == "mosaic_tpu":
-        q = _mosaic_guard_p.bind(q)
-    as_col = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[:, None]
-    as_row = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[None, :]
+        q = mosaic_tpu_guard(q)
     return kernel_forward.splash_forward_kernel(
-        q, k, v, schedule, _heads_to_list(info, q.shape[0]),
-        q_pos=as_col(q_pos) if ops["uses_fn"] else None,
-        kv_pos=as_row(kv_pos) if ops["uses_fn"] else None,
-        q_seg=as_col(q_seg), kv_seg=as_row(kv_seg),
-        mask_blocks=None if ops["blocks"] is None else jnp.asarray(ops["blocks"]),
-        masks=ops["masks"], block_shape=info.block_shape,
-        block_kv_compute=min(config.block_kv_compute, info.block_shape[1]),
-        scale=default_scale(scale, q.shape[-1]), logit_soft_cap=logit_soft_cap, out_dtype=out_dtype,
-        interpret=_interpret(config, backend), vmem_limit_bytes=config.vmem_limit_bytes,
-        count_steps=count_steps,
+        q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
+        **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
+                         transposed=False),
+        block_shape=info.block_shape, block_kv_compute=min(config.block_kv_compute, info.block_shape[1]),
+        scale=static.scale, logit_soft_cap=static.logit_soft_cap, out_dtype=out_dtype,
+        probs_dtype=config.matmul_dtype(q.dtype), interpret=_interpret(config, backend),
+        vmem_limit_bytes=config.vmem_limit_bytes, count_steps=count_steps,
     )
 
 
-def pallas_backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedule_dkv,
-                    q_pos, kv_pos, q_seg, kv_seg, *, scale, logit_soft_cap, config,
-                    backend="interpret", grad_dtype=jnp.float32, count_steps=False):
+def pallas_backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "interpret",
+                    grad_dtype=jnp.float32, count_steps: bool = False):
+    """The dq and dK/dV kernels on one shard pair: ``(dq, dk, dv)`` in ``grad_dtype`` (with
+    ``count_steps`` also the computing steps of each kernel)."""
+    q, config, info, info_dkv = inputs.q, static.config, static.info, static.info_dkv
     if backend == "mosaic_tpu":
-        q = _mosaic_guard_p.bind(q)
-    if info_dkv is None or schedule_dkv is None:
+        q = mosaic_tpu_guard(q)
+    if info_dkv is None or inputs.schedule_dkv is None:
         raise ValueError("the Pallas backward needs the transposed MaskInfo (info_dkv) and its schedule")
     heads = q.shape[0]
-    scale = default_scale(scale, q.shape[-1])
-    interpret = _interpret(config, backend)
-    as_col = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[:, None]
-    as_row = lambda x: None if x is None else jnp.asarray(x, jnp.int32)[None, :]
-    common = dict(scale=scale, logit_soft_cap=logit_soft_cap, out_dtype=grad_dtype,
-                  interpret=interpret, vmem_limit_bytes=config.vmem_limit_bytes, count_steps=count_steps)
-
-    ops = _static_operands(info)
+    common = {
+        "scale": static.scale, "logit_soft_cap": static.logit_soft_cap, "out_dtype": grad_dtype,
+        "probs_dtype": config.matmul_dtype(q.dtype), "interpret": _interpret(config, backend),
+        "vmem_limit_bytes": config.vmem_limit_bytes, "count_steps": count_steps,
+    }
+    positions = (inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg)
+    operands = (q, inputs.k, inputs.v, inputs.d_out, inputs.lse, inputs.delta)
     dq = kernel_backward.splash_dq_kernel(
-        q, k, v, d_out, lse, delta, schedule, _heads_to_list(info, heads),
-        q_pos=as_col(q_pos) if ops["uses_fn"] else None,
-        kv_pos=as_row(kv_pos) if ops["uses_fn"] else None,
-        q_seg=as_col(q_seg), kv_seg=as_row(kv_seg),
-        mask_blocks=None if ops["blocks"] is None else jnp.asarray(ops["blocks"]),
-        masks=ops["masks"], block_shape=info.block_shape, **common,
+        *operands, inputs.schedule, _heads_to_list(info, heads),
+        **_mask_operands(_static_operands(info), *positions, transposed=False),
+        block_shape=info.block_shape, **common,
     )
-    ops_t = _static_operands(info_dkv)
     dkv = kernel_backward.splash_dkv_kernel(
-        q, k, v, d_out, lse, delta, schedule_dkv, _heads_to_list(info_dkv, heads),
-        q_pos=as_row(q_pos) if ops_t["uses_fn"] else None,
-        kv_pos=as_col(kv_pos) if ops_t["uses_fn"] else None,
-        q_seg=as_row(q_seg), kv_seg=as_col(kv_seg),
-        mask_blocks_t=None if ops_t["blocks_t"] is None else jnp.asarray(ops_t["blocks_t"]),
-        masks=ops_t["masks"], block_shape=info_dkv.block_shape, **common,
+        *operands, inputs.schedule_dkv, _heads_to_list(info_dkv, heads),
+        **_mask_operands(_static_operands(info_dkv), *positions, transposed=True),
+        block_shape=info_dkv.block_shape, **common,
     )
     if count_steps:
         (dq, count_dq), (dk, dv, count_dkv) = dq, dkv
@@ -168,41 +191,34 @@ def pallas_backward(q, k, v, d_out, lse, delta, info, schedule, info_dkv, schedu
 # dispatch by backend
 
 
-def _dispatch_forward(args, *, scale, logit_soft_cap, config, out_dtype=None):
-    kw = dict(scale=scale, logit_soft_cap=logit_soft_cap, config=config)
-    xla_fn = lambda *a: xla_backend.forward(*a, **kw, out_dtype=out_dtype)
-    pallas_fn = lambda backend: (lambda *a: pallas_forward(*a, **kw, backend=backend, out_dtype=out_dtype))
-    return _dispatch(config.backend, args, xla_fn, pallas_fn)
-
-
-def _dispatch_backward(args, *, scale, logit_soft_cap, config, grad_dtype):
-    kw = dict(scale=scale, logit_soft_cap=logit_soft_cap, config=config)
-
-    def xla_fn(*a):
-        return tuple(g.astype(grad_dtype) for g in xla_backend.backward(*a, **kw))
-
-    pallas_fn = lambda backend: (lambda *a: pallas_backward(*a, **kw, backend=backend, grad_dtype=grad_dtype))
-    return _dispatch(config.backend, args, xla_fn, pallas_fn)
-
-
-def _dispatch(backend, args, xla_fn, pallas_fn):
-    """Call a backend on ``args`` (a tuple whose MaskInfos / None stay static)."""
-    static = [i for i, a in enumerate(args) if a is None or isinstance(a, MaskInfo)]
-    dynamic = [a for i, a in enumerate(args) if i not in static]
-
-    def call(fn):
-        def run(*dyn):
-            it = iter(dyn)
-            return fn(*[args[i] if i in static else next(it) for i in range(len(args))])
-
-        return run
-
+def _dispatch(backend: str, inputs, xla_fn, pallas_fn):
+    """``xla_fn(inputs)`` or ``pallas_fn(kernel_backend)(inputs)`` by ``config.backend``;
+    ``"auto"`` decides when the computation is lowered, by the lowering platform."""
     if backend == "xla":
-        return call(xla_fn)(*dynamic)
+        return xla_fn(inputs)
     if backend in ("interpret", "mosaic_tpu"):
-        return call(pallas_fn(backend))(*dynamic)
-    # "auto": decided when the computation is lowered, by the lowering platform
-    return jax.lax.platform_dependent(*dynamic, tpu=call(pallas_fn("mosaic_tpu")), default=call(xla_fn))
+        return pallas_fn(backend)(inputs)
+    return jax.lax.platform_dependent(inputs, tpu=pallas_fn("mosaic_tpu"), default=xla_fn)
+
+
+def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None):
+    def xla_fn(x):
+        return xla_backend.forward(x, static, out_dtype=out_dtype)
+
+    def pallas_fn(backend):
+        return lambda x: pallas_forward(x, static, backend=backend, out_dtype=out_dtype)
+
+    return _dispatch(static.config.backend, inputs, xla_fn, pallas_fn)
+
+
+def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dtype):
+    def xla_fn(x):
+        return tuple(g.astype(grad_dtype) for g in xla_backend.backward(x, static))
+
+    def pallas_fn(backend):
+        return lambda x: pallas_backward(x, static, backend=backend, grad_dtype=grad_dtype)
+
+    return _dispatch(static.config.backend, inputs, xla_fn, pallas_fn)
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,9 +285,9 @@ def splash_forward(
     q_pos = _local_positions(q_positions, info.q_positions, q_shard, info.q_shards, q_len)
     kv_pos = _local_positions(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len)
     q_seg, kv_seg = _segments(call.segment_ids)
-    args = (q, k, v, info, info.schedule(q_shard, kv_shard), q_pos, kv_pos, q_seg, kv_seg)
-    return _dispatch_forward(args, scale=call.scale, logit_soft_cap=call.logit_soft_cap, config=config,
-                             out_dtype=out_dtype)
+    inputs = ForwardInputs(q, k, v, info.schedule(q_shard, kv_shard), q_pos, kv_pos, q_seg, kv_seg)
+    static = BackendStatic(info, None, call.scale, call.logit_soft_cap, config)
+    return _dispatch_forward(inputs, static, out_dtype=out_dtype)
 
 
 def splash_backward(
@@ -319,10 +335,10 @@ def splash_backward(
     kv_pos = _local_positions(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len)
     q_seg, kv_seg = _segments(call.segment_ids)
     sched_dkv = None if info_dkv is None else info_dkv.schedule(q_shard, kv_shard)
-    args = (q, k, v, d_out, lse, delta, info, info.schedule(q_shard, kv_shard), info_dkv, sched_dkv,
-            q_pos, kv_pos, q_seg, kv_seg)
-    return _dispatch_backward(args, scale=call.scale, logit_soft_cap=call.logit_soft_cap,
-                              config=config, grad_dtype=jnp.float32)
+    inputs = BackwardInputs(q, k, v, d_out, lse, delta, info.schedule(q_shard, kv_shard), sched_dkv,
+                            q_pos, kv_pos, q_seg, kv_seg)
+    static = BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config)
+    return _dispatch_backward(inputs, static, grad_dtype=jnp.float32)
 
 
 def _check_info(info, q_len, kv_len, *, transpose):
@@ -339,35 +355,43 @@ def _check_info(info, q_len, kv_len, *, transpose):
 # custom VJP over the whole (unsharded) attention, sinks included
 
 
+@dataclasses.dataclass(frozen=True)
+class _VjpStatic:
+    """Non-differentiable settings of ``_attention`` (hashable)."""
+
+    backend: BackendStatic
+    return_residuals: bool
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, sinks, q_seg, kv_seg):
+def _attention(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg):
     return _attention_fwd(static, q, k, v, sinks, q_seg, kv_seg)[0]
 
 
-def _attention_fwd(static, q, k, v, sinks, q_seg, kv_seg):
-    info, info_dkv, scale, cap, config, return_residuals = static
-    args = (q, k, v, info, info.schedule(), jnp.asarray(info.q_positions), jnp.asarray(info.kv_positions),
-            q_seg, kv_seg)
-    out, lse = _dispatch_forward(args, scale=scale, logit_soft_cap=cap, config=config)
+def _attention_fwd(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg):
+    info = static.backend.info
+    inputs = ForwardInputs(q, k, v, info.schedule(), jnp.asarray(info.q_positions),
+                           jnp.asarray(info.kv_positions), q_seg, kv_seg)
+    out, lse = _dispatch_forward(inputs, static.backend)
     if sinks is not None:  # sinks join the denominator only (docs/INTERNALS.md)
         lse_total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
         out = (out.astype(jnp.float32) * jnp.exp(lse - lse_total)[..., None]).astype(q.dtype)
         lse = lse_total
-    result = (out, lse) if return_residuals else out
+    result = (out, lse) if static.return_residuals else out
     return result, (q, k, v, sinks, q_seg, kv_seg, out, lse)
 
 
-def _attention_bwd(static, residuals, g):
-    info, info_dkv, scale, cap, config, return_residuals = static
+def _attention_bwd(static: _VjpStatic, residuals, g):
+    info, info_dkv = static.backend.info, static.backend.info_dkv
     q, k, v, sinks, q_seg, kv_seg, out, lse = residuals
-    d_out, d_lse = g if return_residuals else (g, None)
+    d_out, d_lse = g if static.return_residuals else (g, None)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if d_lse is not None:  # d lse / d s = P: folds into dS = P * (dP - (delta - d_lse))
         delta = delta - d_lse.astype(jnp.float32)
-    args = (q, k, v, d_out.astype(q.dtype), lse, delta, info, info.schedule(), info_dkv,
-            None if info_dkv is None else info_dkv.schedule(),
-            jnp.asarray(info.q_positions), jnp.asarray(info.kv_positions), q_seg, kv_seg)
-    dq, dk, dv = _dispatch_backward(args, scale=scale, logit_soft_cap=cap, config=config, grad_dtype=q.dtype)
+    inputs = BackwardInputs(q, k, v, d_out.astype(q.dtype), lse, delta, info.schedule(),
+                            None if info_dkv is None else info_dkv.schedule(),
+                            jnp.asarray(info.q_positions), jnp.asarray(info.kv_positions), q_seg, kv_seg)
+    dq, dk, dv = _dispatch_backward(inputs, static.backend, grad_dtype=q.dtype)
     d_sinks = None
     if sinks is not None:
         p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)
@@ -435,5 +459,6 @@ def splash_attention(
     info = build_mask_info(mask, (bq, bkv))
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, (bq_dkv, bkv_dkv), transpose=True)
     q_seg, kv_seg = _segments(call.segment_ids)
-    static = (info, info_dkv, call.scale, call.logit_soft_cap, config, bool(return_residuals))
+    static = _VjpStatic(BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config),
+                        bool(return_residuals))
     return _attention(static, q, k, v, sinks, q_seg, kv_seg)

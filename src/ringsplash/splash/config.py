@@ -14,10 +14,14 @@ Backends:
 import dataclasses
 from typing import Any, Literal
 
+import numpy as np
+
 from ringsplash._scalar_checks import check_choice, check_positive_int, check_positive_multiple, literal_choices
 
 Backend = Literal["auto", "mosaic_tpu", "interpret", "xla"]
 BACKENDS: tuple[str, ...] = literal_choices(Backend)
+ProbsDtype = Literal["input", "float32"]
+PROBS_DTYPES: tuple[str, ...] = literal_choices(ProbsDtype)
 NUM_LANES = 128
 NUM_SUBLANES = 8
 
@@ -32,6 +36,19 @@ class SplashConfig:
     ``interpret_params`` (a ``pltpu.InterpretParams``) tunes the ``"interpret"`` backend;
     ``None`` uses ``InterpretParams()``. Blocks longer than a sequence shrink to its length
     in ``splash_attention``.
+
+    ``probs_dtype`` is the input dtype of the matmuls that take probabilities or score
+    gradients, the same rule in every backend (``interpret`` / ``mosaic_tpu`` / ``xla`` agree
+    to float32-accumulation noise under the same setting):
+
+    * ``"input"`` (default) — ``P`` (forward ``P @ V``, backward ``P.T @ dO``) and ``dS``
+      (``dS @ K``, ``dS.T @ Q``) are rounded to q's dtype, and so is the other operand.
+      With bfloat16 inputs this is the MXU's native bf16 x bf16 -> f32 path on TPU (the fast
+      one; several times the float32 matmul rate) at the cost of one bf16 rounding of P and
+      dS (relative 2^-9 per entry; outputs move by about a bf16 unit, gradients by a few).
+      With float32 inputs it changes nothing.
+    * ``"float32"`` — P and dS stay float32 and the other operand is upcast: the numerics of
+      the dense float32 oracle, at the float32 matmul rate on TPU.
     """
 
     block_q: int = 512
@@ -42,6 +59,7 @@ class SplashConfig:
     backend: Backend = "auto"
     interpret_params: Any = None
     vmem_limit_bytes: int | None = None
+    probs_dtype: ProbsDtype = "input"
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
@@ -58,6 +76,11 @@ class SplashConfig:
         check_choice("backend", self.backend, BACKENDS)
         if self.vmem_limit_bytes is not None:
             object.__setattr__(self, "vmem_limit_bytes", check_positive_int("vmem_limit_bytes", self.vmem_limit_bytes))
+        check_choice("probs_dtype", self.probs_dtype, PROBS_DTYPES)
+
+    def matmul_dtype(self, input_dtype):
+        """The dtype P and dS are rounded to before their matmuls (``probs_dtype``)."""
+        return np.dtype(input_dtype) if self.probs_dtype == "input" else np.dtype(np.float32)
 
     @property
     def block_shape(self) -> tuple[int, int]:

@@ -20,7 +20,7 @@ With ``s`` the (scaled, soft-capped) scores, ``P = exp(s - lse)``, ``dP = dO @ V
     plus the q head of each entry, and ``inner = 1``.
 
   Tiles are computed transposed, ``(kv, q)``, so lse / delta rows broadcast without
-  transposes. Work lists are packed as in ``kernel_forward`` (two int32 words per entry).
+  transposes. Work lists are packed as in ``_kernel_common`` (two int32 words per entry).
 
 Nothing is materialised per kv block: temporaries are the outputs and the lse-shaped rows.
 """
@@ -33,23 +33,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
-from ringsplash.splash.kernel_forward import (
-    MASK_VALUE, NN_DIMS, NT_DIMS, _sds, _semantics, block_mask, kind_of, kv_block_of, pack_schedule,
-    partial_of, q_block_of,
+from ringsplash.splash._kernel_common import (
+    MASK_VALUE, NN_DIMS, NT_DIMS, count_map, dispatch_kinds, drop_unattended, kind_of, kv_block_of, kv_map,
+    mask_operand_specs, optional_specs, pack_schedule, partial_of, q_block_of, q_map, row_map,
+    run_edges, scores_and_tanh, sds, semantics, tally_step, tile_mask, unpack_refs,
 )
+from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
 
 # ----------------------------------------------------------------------------------------
 # helpers
-
-
-def _scores_and_tanh(a, b, *, scale, logit_soft_cap):
-    """``a @ b.T * scale`` soft-capped, and the tanh needed by the soft-cap derivative."""
-    s = lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32) * scale
-    if logit_soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / logit_soft_cap)
-    return logit_soft_cap * t, t
 
 
 def _score_grad(p, dp, delta, t):
@@ -57,29 +49,6 @@ def _score_grad(p, dp, delta, t):
     if t is not None:
         ds = ds * (1.0 - t * t)  # d(c * tanh(x / c)) / dx
     return ds
-
-
-def _dispatch_kinds(kind, compute):
-    @pl.when(kind == 2)
-    def _full():
-        compute("full")
-
-    @pl.when(kind == 1)
-    def _partial():
-        compute("partial")
-
-
-def _count_steps(count_ref, i, kind, j=0):
-    if count_ref is None:
-        return
-
-    @pl.when((i == 0) & (j == 0))
-    def _zero():
-        count_ref[...] = jnp.zeros(count_ref.shape, jnp.int32)
-
-    @pl.when(kind > 0)
-    def _count():
-        count_ref[...] += 1
 
 
 # ----------------------------------------------------------------------------------------
@@ -97,14 +66,12 @@ def _dq_kernel(
     # scratch
     dq_scr, lse_scr, delta_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps,
+    scale, logit_soft_cap, masks, num_steps, probs_dtype,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
-    q_blk = q_block_of(blocks_ref[lst, i])
     kind = kind_of(kinds_ref[lst, i])
-    first = (i == 0) | (q_block_of(blocks_ref[lst, jnp.maximum(i - 1, 0)]) != q_blk)
-    last = (i == num_steps - 1) | (q_block_of(blocks_ref[lst, jnp.minimum(i + 1, num_steps - 1)]) != q_blk)
+    first, last = run_edges(blocks_ref, lst, i, num_steps, q_block_of)
     bq = q_ref.shape[0]
 
     @pl.when(first)
@@ -114,20 +81,17 @@ def _dq_kernel(
         lse_scr[...] = jnp.transpose(jnp.broadcast_to(lse_ref[...], (NUM_LANES, bq)))
         delta_scr[...] = jnp.transpose(jnp.broadcast_to(delta_ref[...], (NUM_LANES, bq)))
 
-    _count_steps(count_ref, i, kind)
+    tally_step(count_ref, i, kind)
+
+    pos_seg_refs = (q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref)
 
     def compute(which):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        s, t = _scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
-        mask = block_mask(
-            which, partial_of(kinds_ref[lst, i]), lst,
-            None if q_pos_ref is None else q_pos_ref[...],
-            None if kv_pos_ref is None else kv_pos_ref[...],
-            None if q_seg_ref is None else q_seg_ref[...],
-            None if kv_seg_ref is None else kv_seg_ref[...],
-            None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0,
-            masks=masks,
-        )
+        stored = None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0
+        mask = tile_mask(which, partial_of(kinds_ref[lst, i]), lst, pos_seg_refs, stored, masks=masks)
+        if mask is not None:
+            k, v = drop_unattended(mask, k, v, transposed=False)
+        s, t = scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp(s - lse_scr[:, :1])
@@ -135,9 +99,10 @@ def _dq_kernel(
             p = jnp.where(mask, p, 0.0)
         dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_scr[:, :1], t)
-        dq_scr[...] += lax.dot_general(ds.astype(k.dtype), k, NN_DIMS, preferred_element_type=jnp.float32)
+        dq_scr[...] += lax.dot_general(ds.astype(probs_dtype), k.astype(probs_dtype), NN_DIMS,
+                                       preferred_element_type=jnp.float32)
 
-    _dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute)
 
     @pl.when(last)
     def _finalise():
@@ -169,49 +134,45 @@ def _dkv_kernel(
     # scratch
     dk_scr, dv_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps, group, inner,
+    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype,
 ):
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row, _, lst = _dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
-    kv_blk = kv_block_of(blocks_ref[row, i])
     kind = kind_of(kinds_ref[row, i])
     # a kv block's run: consecutive steps naming it, each over the `inner` q heads
-    first = (j == 0) & ((i == 0) | (kv_block_of(blocks_ref[row, jnp.maximum(i - 1, 0)]) != kv_blk))
-    last = (j == inner - 1) & (
-        (i == num_steps - 1) | (kv_block_of(blocks_ref[row, jnp.minimum(i + 1, num_steps - 1)]) != kv_blk)
-    )
+    first, last = run_edges(blocks_ref, row, i, num_steps, kv_block_of)
+    first, last = first & (j == 0), last & (j == inner - 1)
 
     @pl.when(first)
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    _count_steps(count_ref, i, kind, j)
+    tally_step(count_ref, i, kind, j)
+
+    pos_seg_refs = (q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref)
 
     def compute(which):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         # transposed tiles (kv, q): q-side rows (1, bq) broadcast over kv rows
-        s, t = _scores_and_tanh(k, q, scale=scale, logit_soft_cap=logit_soft_cap)
-        mask = block_mask(
-            which, partial_of(kinds_ref[row, i]), lst,
-            None if q_pos_ref is None else q_pos_ref[...],
-            None if kv_pos_ref is None else kv_pos_ref[...],
-            None if q_seg_ref is None else q_seg_ref[...],
-            None if kv_seg_ref is None else kv_seg_ref[...],
-            None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0,
-            masks=masks,
-        )
+        stored = None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0
+        mask = tile_mask(which, partial_of(kinds_ref[row, i]), lst, pos_seg_refs, stored, masks=masks)
+        if mask is not None:
+            k, v = drop_unattended(mask, k, v, transposed=True)
+        s, t = scores_and_tanh(k, q, scale=scale, logit_soft_cap=logit_soft_cap)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp(s - lse_ref[...])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dv_scr[...] += lax.dot_general(p.astype(do.dtype), do, NN_DIMS, preferred_element_type=jnp.float32)
+        dv_scr[...] += lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS,
+                                       preferred_element_type=jnp.float32)
         dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_ref[...], t)
-        dk_scr[...] += lax.dot_general(ds.astype(q.dtype), q, NN_DIMS, preferred_element_type=jnp.float32)
+        dk_scr[...] += lax.dot_general(ds.astype(probs_dtype), q.astype(probs_dtype), NN_DIMS,
+                                       preferred_element_type=jnp.float32)
 
-    _dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute)
 
     @pl.when(last)
     def _finalise():
@@ -221,35 +182,6 @@ def _dkv_kernel(
 
 # ----------------------------------------------------------------------------------------
 # index maps
-
-
-def _q_map(h, i, blocks, kinds, lists):
-    return h, q_block_of(blocks[lists[h], i]), 0
-
-
-def _row_map(h, i, blocks, kinds, lists):
-    return h, 0, q_block_of(blocks[lists[h], i])  # lse / delta rows [heads, 1, q_len]
-
-
-def _kv_map(h, i, blocks, kinds, lists, *, group):
-    # GQA: q head h reads kv head h // group
-    return lax.div(h, group), kv_block_of(blocks[lists[h], i]), 0
-
-
-def _q_col_map(h, i, blocks, kinds, lists):
-    return q_block_of(blocks[lists[h], i]), 0
-
-
-def _kv_row_map(h, i, blocks, kinds, lists):
-    return 0, kv_block_of(blocks[lists[h], i])
-
-
-def _mask_map(h, i, blocks, kinds, lists):
-    return jnp.maximum(partial_of(kinds[lists[h], i]), 0), 0, 0  # only partial entries read it
-
-
-def _count_map(h, i, *prefetched):
-    return h, 0, 0
 
 
 # dK/dV maps: (kv head g, step i, inner j, *prefetched); prefetched is (blocks, kinds, lists)
@@ -337,39 +269,21 @@ def merge_group_lists(blocks, kinds, head_to_list, group):
 # pallas_call wrappers
 
 
-def _optional_specs(pairs):
-    specs, operands, present = [], [], []
-    for arr, spec in pairs:
-        present.append(arr is not None)
-        if arr is not None:
-            specs.append(spec)
-            operands.append(arr)
-    return specs, operands, present
-
-
-def _unpack(refs, num_prefetch, num_fixed, present, num_outputs, count_steps):
-    prefetched, rest = list(refs[:num_prefetch]), list(refs[num_prefetch:])
-    inputs, rest = rest[:num_fixed], rest[num_fixed:]
-    for flag in present:
-        inputs.append(rest.pop(0) if flag else None)
-    outputs = [rest.pop(0) for _ in range(num_outputs)] + [rest.pop(0) if count_steps else None]
-    return prefetched + inputs + outputs + rest
-
-
 def splash_dq_kernel(
     q, k, v, d_out, lse, delta, schedule, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
-    interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
 ):
     """dq over the forward work list. ``lse, delta: [heads, q_len]`` float32; the other
-    arguments as in ``splash_forward_kernel``. Returns ``dq [heads, q_len, d]`` in
+    arguments as in ``splash_forward_kernel`` (``probs_dtype``: operand dtype of ``dS @ K``).
+    Returns ``dq [heads, q_len, d]`` in
     ``out_dtype`` (and the per-head count of computing steps with ``count_steps``)."""
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
     bq, bkv = block_shape
     num_steps = schedule.kind.shape[-1]
-    kv_map = functools.partial(_kv_map, group=heads // kv_heads)
+    kv_map_g = functools.partial(kv_map, group=heads // kv_heads)
     rows = lambda x: x.astype(jnp.float32).reshape(heads, 1, q_len)
     packed = pack_schedule(
         schedule.q_block, schedule.kv_block, schedule.kind, schedule.partial_index,
@@ -378,30 +292,25 @@ def splash_dq_kernel(
     )
 
     in_specs = [
-        pl.BlockSpec((None, bq, d), _q_map),
-        pl.BlockSpec((None, bkv, d), kv_map),
-        pl.BlockSpec((None, bkv, d), kv_map),
-        pl.BlockSpec((None, bq, d), _q_map),
-        pl.BlockSpec((None, 1, bq), _row_map),
-        pl.BlockSpec((None, 1, bq), _row_map),
+        pl.BlockSpec((None, bq, d), q_map),
+        pl.BlockSpec((None, bkv, d), kv_map_g),
+        pl.BlockSpec((None, bkv, d), kv_map_g),
+        pl.BlockSpec((None, bq, d), q_map),
+        pl.BlockSpec((None, 1, bq), row_map),
+        pl.BlockSpec((None, 1, bq), row_map),
     ]
-    specs, operands, present = _optional_specs([
-        (q_pos, pl.BlockSpec((bq, 1), _q_col_map)),
-        (kv_pos, pl.BlockSpec((1, bkv), _kv_row_map)),
-        (q_seg, pl.BlockSpec((bq, 1), _q_col_map)),
-        (kv_seg, pl.BlockSpec((1, bkv), _kv_row_map)),
-        (mask_blocks, pl.BlockSpec((1, bq, bkv), _mask_map)),
-    ])
-    out_shape = [_sds(q, (heads, q_len, d), out_dtype)]
-    out_specs = [pl.BlockSpec((None, bq, d), _q_map)]
+    specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv)
+    out_shape = [sds(q, (heads, q_len, d), out_dtype)]
+    out_specs = [pl.BlockSpec((None, bq, d), q_map)]
     if count_steps:
-        out_shape.append(_sds(q, (heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _count_map))
+        out_shape.append(sds(q, (heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), count_map))
 
     body = functools.partial(
         _dq_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks), num_steps=num_steps,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
-    kernel = lambda *refs: body(*_unpack(refs, 3, 6, present, 1, count_steps))
+    kernel = lambda *refs: body(*unpack_refs(refs, 3, 6, present, 1, count_steps))  # noqa: E731
     results = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -417,7 +326,7 @@ def splash_dq_kernel(
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=_semantics(interpret), vmem_limit_bytes=vmem_limit_bytes
+            dimension_semantics=semantics(interpret), vmem_limit_bytes=vmem_limit_bytes
         ),
         cost_estimate=pl.CostEstimate(
             flops=6 * heads * num_steps * bq * bkv * d, transcendentals=heads * num_steps * bq * bkv,
@@ -433,7 +342,7 @@ def splash_dkv_kernel(
     q, k, v, d_out, lse, delta, schedule_dkv, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks_t=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
-    interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
 ):
     """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``).
 
@@ -441,7 +350,8 @@ def splash_dkv_kernel(
     walk (prefetched list ``[lists, steps]``) or the merged one (``[kv_heads, group *
     steps]``, for groups whose heads have different masks). Positions / segment ids: q side
     int32 ``[1, q_len]`` rows, kv side ``[kv_len, 1]`` columns. ``mask_blocks_t`` holds the
-    partial blocks transposed, int8 ``[num_partials, bkv, bq]``. Returns ``dk, dv [kv_heads,
+    partial blocks transposed, int8 ``[num_partials, bkv, bq]``. ``probs_dtype`` (None = q's
+    dtype) is the operand dtype of ``P.T @ dO`` and ``dS.T @ Q``. Returns ``dk, dv [kv_heads,
     kv_len, d]`` in ``out_dtype`` (and the per-kv-head count of computing steps with
     ``count_steps``).
     """
@@ -476,27 +386,28 @@ def splash_dkv_kernel(
         pl.BlockSpec((None, 1, bq), maps["row"]),
         pl.BlockSpec((None, 1, bq), maps["row"]),
     ]
-    specs, operands, present = _optional_specs([
+    specs, operands, present = optional_specs([
         (q_pos, pl.BlockSpec((1, bq), maps["q_row"])),
         (kv_pos, pl.BlockSpec((bkv, 1), maps["kv_col"])),
         (q_seg, pl.BlockSpec((1, bq), maps["q_row"])),
         (kv_seg, pl.BlockSpec((bkv, 1), maps["kv_col"])),
         (mask_blocks_t, pl.BlockSpec((1, bkv, bq), maps["mask"])),
     ])
-    out_shape = [_sds(q, (kv_heads, kv_len, d), out_dtype)] * 2
+    out_shape = [sds(q, (kv_heads, kv_len, d), out_dtype)] * 2
     out_specs = [pl.BlockSpec((None, bkv, d), maps["kv"])] * 2
     if count_steps:
-        out_shape.append(_sds(q, (kv_heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
+        out_shape.append(sds(q, (kv_heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
         out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _dkv_count_map))
 
     body = functools.partial(
         _dkv_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         num_steps=num_steps, group=group, inner=inner,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
     num_prefetch = len(prefetched)
 
     def kernel(*refs):
-        args = _unpack(refs, num_prefetch, 6, present, 2, count_steps)
+        args = unpack_refs(refs, num_prefetch, 6, present, 2, count_steps)
         if num_prefetch == 3:  # uniform: no per-entry q head
             args.insert(2, None)
         return body(*args)
@@ -513,7 +424,7 @@ def splash_dkv_kernel(
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=_semantics(interpret, arbitrary=2), vmem_limit_bytes=vmem_limit_bytes
+            dimension_semantics=semantics(interpret, arbitrary=2), vmem_limit_bytes=vmem_limit_bytes
         ),
         cost_estimate=pl.CostEstimate(
             flops=8 * visits * bq * bkv * d, transcendentals=visits * bq * bkv,

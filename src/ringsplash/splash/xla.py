@@ -14,7 +14,10 @@ a portable fallback elsewhere.
 Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics):
 
 * **Compute dtype.** Inputs are cast to float32 once; all arithmetic is float32 (CPU has no
-  fast bf16 matmul, and the oracle is float32). ``out`` is cast back to ``q.dtype``.
+  fast bf16 matmul, and the oracle is float32). ``out`` is cast back to ``q.dtype``. Under
+  ``SplashConfig.probs_dtype="input"`` P and dS (and the other operand of their matmuls) are
+  rounded to q's dtype before the float32 matmul, exactly as the Pallas kernels feed the MXU,
+  so the backends agree to float32-accumulation noise.
 * **GQA / MQA.** The q heads of a list are viewed as ``[kv_heads, group, q_len, d]`` against
   ``k, v: [kv_heads, kv_len, d]``; K/V are never repeated. A list holding an arbitrary subset of
   heads (``MultiHeadMask``) gathers its kv heads per step, a block at a time.
@@ -26,6 +29,9 @@ Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics
   adds into float32 buffers. ``info_dkv`` / ``schedule_dkv`` (the transposed view) are
   accepted for interface parity with the kernels and ignored: scatter-adding dK/dV from the
   forward order does 5 block matmuls per pair instead of the 7 of separate dq and dK/dV passes.
+* **Masked values.** K / V rows of kv positions that no q row of a block attends are zeroed
+  before the block's matmuls, so non-finite values there never leak (the contract of
+  ``reference_attention``).
 * **Masks.** Every visited block goes through one ``where`` (full blocks select all; its cost
   is ~1/(4·heads·d) of the block's matmuls, so no separate full-block branch); partial blocks
   take the deduplicated ``partial_mask_blocks`` row or, for ``partial_index == -1``, the list
@@ -42,9 +48,10 @@ import numpy as np
 from jax import lax
 
 from ringsplash._checks import default_scale
-from ringsplash._types import Array, Float, Int
+from ringsplash._types import Array, Float
 from ringsplash.masks import PARTIAL
 from ringsplash.reference import MASKED_LSE
+from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 
 __all__ = ["forward", "backward"]
 
@@ -119,6 +126,16 @@ def _check_shapes(q, k, v, info):
 # --------------------------------------------------------------------------- per-step pieces
 
 
+def _rounder(config, input_dtype):
+    """``x -> x`` rounded to the matmul dtype of P / dS (``SplashConfig.probs_dtype``), kept
+    float32: a bf16 x bf16 product is exact in float32, so a float32 matmul of rounded
+    operands is what the MXU computes."""
+    dtype = np.dtype(input_dtype) if config is None else config.matmul_dtype(input_dtype)
+    if dtype == np.dtype(np.float32):
+        return lambda x: x
+    return lambda x: x.astype(dtype).astype(_F32)
+
+
 def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
     """Returns ``mask(kind, pidx, q_start, kv_start) -> bool [bq, bkv]`` for one list."""
     bq, bkv = info.block_shape
@@ -148,6 +165,13 @@ def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
         return mask
 
     return block_mask
+
+
+def _drop_unattended(mask, kb, vb):
+    """Zero the K / V rows of kv positions no q row of the block attends (the masked-values
+    contract of ``reference_attention``: 0 * NaN in ``P @ V`` / ``dS @ K`` would leak them)."""
+    keep = jnp.any(mask, axis=0)[None, :, None]  # [1, bkv, 1]; the mask is shared by the list
+    return jnp.where(keep, kb, 0.0), jnp.where(keep, vb, 0.0)
 
 
 def _kv_block(x, plan: _ListPlan, kv_start, bkv):
@@ -213,30 +237,19 @@ def _vary(tree, vma: frozenset):
 
 
 def forward(
-    q: Float[Array, "heads q_len d"],
-    k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len d"],
-    info,
-    schedule,
-    q_pos: Int[Array, " q_len"],
-    kv_pos: Int[Array, " kv_len"],
-    q_seg: Int[Array, " q_len"] | None,
-    kv_seg: Int[Array, " kv_len"] | None,
-    *,
-    scale: float | None,
-    logit_soft_cap: float | None,
-    config=None,
-    out_dtype=None,
+    inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None,
 ) -> tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]:
     """Sink-free block-sparse attention of one shard pair: ``(out, lse float32)``; ``out`` in
     ``out_dtype`` (None = q's dtype; float32 keeps a ring's partial results unrounded).
 
-    ``info`` supplies the static parts (``block_shape``, ``head_to_list``, ``masks``,
-    ``partial_mask_blocks``); ``schedule`` the (possibly traced) ``[lists, max_steps]`` work
-    lists. Rows with nothing to attend get ``out = 0`` and ``lse = MASKED_LSE``.
+    ``static.info`` supplies the static parts (``block_shape``, ``head_to_list``, ``masks``,
+    ``partial_mask_blocks``); ``inputs.schedule`` the (possibly traced) ``[lists, max_steps]``
+    work lists. Rows with nothing to attend get ``out = 0`` and ``lse = MASKED_LSE``.
     """
-    del config  # block sizes come from info; nothing else is tunable here
+    q, k, v, schedule, q_pos, kv_pos, q_seg, kv_seg = inputs
+    info, scale, logit_soft_cap, config = static.info, static.scale, static.logit_soft_cap, static.config
     _check_shapes(q, k, v, info)
+    rnd = _rounder(config, q.dtype)
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
     bq, bkv = info.block_shape
@@ -249,14 +262,14 @@ def forward(
     lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
     for plan in _list_plans(info, heads, kv_heads):
         o_l, lse_l = _forward_list(
-            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma
+            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd
         )
         out = _scatter_heads(out, o_l, plan)
         lse = _scatter_heads(lse, lse_l, plan)
     return out.astype(q.dtype if out_dtype is None else out_dtype), lse
 
 
-def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma):
+def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd):
     bq, bkv = info.block_shape
     ql = _list_view(q, plan)  # [kvh, g, q_len, d]
     kvh, g, q_len, d = ql.shape
@@ -267,14 +280,15 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         qb = lax.dynamic_slice_in_dim(ql, qi * bq, bq, axis=2)
         kb = _kv_block(k, plan, ki * bkv, bkv)
         vb = _kv_block(v, plan, ki * bkv, bkv)
-        s, _ = _scores(qb, kb, scale, cap)
         mask = block_mask(kind, pidx, qi * bq, ki * bkv)
+        kb, vb = _drop_unattended(mask, kb, vb)
+        s, _ = _scores(qb, kb, scale, cap)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))  # finite: m starts at _NEG_INIT
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l_new = alpha * l + p.sum(-1)
-        pv = jnp.einsum("kgqc,kcd->kgqd", p, vb, preferred_element_type=_F32)
+        pv = jnp.einsum("kgqc,kcd->kgqd", rnd(p), rnd(vb), preferred_element_type=_F32)
         return _vary((m_new, l_new, alpha[..., None] * acc + pv), vma)
 
     def skip(args):
@@ -312,24 +326,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
 
 
 def backward(
-    q: Float[Array, "heads q_len d"],
-    k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len d"],
-    d_out: Float[Array, "heads q_len d"],
-    lse: Float[Array, "heads q_len"],
-    delta: Float[Array, "heads q_len"],
-    info,
-    schedule,
-    info_dkv,
-    schedule_dkv,
-    q_pos: Int[Array, " q_len"],
-    kv_pos: Int[Array, " kv_len"],
-    q_seg: Int[Array, " q_len"] | None,
-    kv_seg: Int[Array, " kv_len"] | None,
-    *,
-    scale: float | None,
-    logit_soft_cap: float | None,
-    config=None,
+    inputs: BackwardInputs, static: BackendStatic,
 ) -> tuple[
     Float[Array, "heads q_len d"],
     Float[Array, "kv_heads kv_len d"],
@@ -338,11 +335,13 @@ def backward(
     """``(dq, dk, dv)`` in float32 for one shard pair, given the final ``lse`` and
     ``delta = rowsum(d_out * out)``: ``P = exp(s - lse)``, ``dS = P * (dP - delta)``.
 
-    Walks the forward ``schedule`` once and scatter-adds dK/dV, so ``info_dkv`` and
-    ``schedule_dkv`` are unused (they may be None).
+    Walks the forward ``schedule`` once and scatter-adds dK/dV, so ``static.info_dkv`` and
+    ``inputs.schedule_dkv`` are unused (they may be None).
     """
-    del info_dkv, schedule_dkv, config
+    q, k, v, d_out, lse, delta, schedule, _, q_pos, kv_pos, q_seg, kv_seg = inputs
+    info, scale, logit_soft_cap, config = static.info, static.scale, static.logit_soft_cap, static.config
     _check_shapes(q, k, v, info)
+    rnd = _rounder(config, q.dtype)
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
     scale = default_scale(scale, d)
@@ -357,7 +356,7 @@ def backward(
     for plan in _list_plans(info, heads, kv_heads):
         dq_l, dk_l, dv_l = _backward_list(
             qf, kf, vf, dof, lse, delta, plan, info, schedule,
-            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma,
+            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd,
         )
         dq = _scatter_heads(dq, dq_l, plan)
         if plan.kv_identity:
@@ -369,7 +368,7 @@ def backward(
 
 
 def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
-                   q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma):
+                   q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd):
     bq, bkv = info.block_shape
     ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
     lsel, deltal = _list_view(lse, plan), _list_view(delta, plan)  # [kvh, g, q_len]
@@ -386,18 +385,19 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         delta_b = lax.dynamic_slice_in_dim(deltal, qs, bq, axis=2)
         kb = _kv_block(k, plan, ks, bkv)
         vb = _kv_block(v, plan, ks, bkv)
-        s, t = _scores(qb, kb, scale, cap)
         mask = block_mask(kind, pidx, qs, ks)
+        kb, vb = _drop_unattended(mask, kb, vb)
+        s, t = _scores(qb, kb, scale, cap)
         # Masked entries (and rows with lse = MASKED_LSE, which are fully masked) give P = 0.
         p = jnp.where(mask, jnp.exp(jnp.where(mask, s, -jnp.inf) - lse_b[..., None]), 0.0)
         dp = jnp.einsum("kgqd,kcd->kgqc", dob, vb, preferred_element_type=_F32)
         ds = p * (dp - delta_b[..., None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        ds = ds * scale
-        dq_b = jnp.einsum("kgqc,kcd->kgqd", ds, kb, preferred_element_type=_F32)
-        dk_b = jnp.einsum("kgqc,kgqd->kcd", ds, qb, preferred_element_type=_F32)
-        dv_b = jnp.einsum("kgqc,kgqd->kcd", p, dob, preferred_element_type=_F32)
+        ds = rnd(ds)  # rounded unscaled, then scaled after the matmul, as in the kernels
+        dq_b = jnp.einsum("kgqc,kcd->kgqd", ds, rnd(kb), preferred_element_type=_F32) * scale
+        dk_b = jnp.einsum("kgqc,kgqd->kcd", ds, rnd(qb), preferred_element_type=_F32) * scale
+        dv_b = jnp.einsum("kgqc,kgqd->kcd", rnd(p), rnd(dob), preferred_element_type=_F32)
         return _vary((dq_b, dk_b, dv_b), vma)
 
     def skip(args):

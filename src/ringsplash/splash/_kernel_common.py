@@ -1,0 +1,303 @@
+"""Pieces shared by the Splash forward, dq and dK/dV kernels (private to ``splash/``).
+
+Packed work lists: scalar prefetch (SMEM, 1 MiB on TPU) holds the work lists *packed*, two
+int32 words per entry::
+
+    blocks word: bits  0-15 q block, bits 16-31 kv block   (both local to the shard)
+    kind word:   bits  0-1  kind (0 none, 1 partial, 2 full), bits 2-31 partial_index + 1
+
+so a 128K causal list at blocks 512 (32,896 entries) takes 257 KiB. Kernel bodies and index
+maps decode with ``q_block_of`` / ``kv_block_of`` / ``kind_of`` / ``partial_of`` (shifts and
+masks only; the masks after arithmetic shifts make them exact for all 32 bits).
+
+Also here: score / mask / masked-value helpers of a tile, the index maps of the
+``(heads, steps)`` grids of the forward and dq kernels, and the bookkeeping of optional
+operands.
+"""
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ringsplash.splash.config import NUM_LANES
+
+#: score given to masked entries before the max; finite so that no inf - inf appears
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+#: packed work-list layout (see the module docstring)
+BLOCK_BITS = 16
+BLOCK_FIELD = (1 << BLOCK_BITS) - 1
+KIND_BITS = 2
+KIND_FIELD = (1 << KIND_BITS) - 1
+PARTIAL_FIELD = (1 << (32 - KIND_BITS)) - 1
+
+
+# ----------------------------------------------------------------------------------------
+# packed work lists
+
+
+def q_block_of(word):
+    return word & BLOCK_FIELD
+
+
+def kv_block_of(word):
+    return (word >> BLOCK_BITS) & BLOCK_FIELD
+
+
+def kind_of(word):
+    return word & KIND_FIELD
+
+
+def partial_of(word):
+    return ((word >> KIND_BITS) & PARTIAL_FIELD) - 1  # -1 = evaluate mask_function in kernel
+
+
+def check_packable(*, q_blocks, kv_blocks, num_partials):
+    """Raise unless block indices fit 16 bits and partial indices + 1 fit 30 bits."""
+    for name, count in (("q", q_blocks), ("kv", kv_blocks)):
+        if count > BLOCK_FIELD + 1:
+            raise ValueError(
+                f"the packed Splash work list holds {BLOCK_BITS}-bit block indices, so at most "
+                f"{BLOCK_FIELD + 1} {name} blocks per shard; got {name}_blocks={count} "
+                f"(use larger blocks or more shards)"
+            )
+    if num_partials > PARTIAL_FIELD:  # partial_index + 1 <= num_partials
+        raise ValueError(
+            f"the packed Splash work list holds at most {PARTIAL_FIELD} partial mask blocks, "
+            f"got {num_partials=}"
+        )
+
+
+def pack_schedule(q_block, kv_block, kind, partial_index, *, q_blocks, kv_blocks, num_partials):
+    """Pack int work-list arrays (any equal shapes, possibly traced) into the two int32 words
+    of the module docstring: ``(blocks, kinds)``. ``q_blocks`` / ``kv_blocks`` (blocks per
+    shard) and ``num_partials`` are the static bounds checked by ``check_packable``."""
+    check_packable(q_blocks=q_blocks, kv_blocks=kv_blocks, num_partials=num_partials)
+    u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
+    blocks = u32(q_block) | (u32(kv_block) << BLOCK_BITS)
+    kinds = u32(kind) | (u32(jnp.asarray(partial_index).astype(jnp.int32) + 1) << KIND_BITS)
+    as_i32 = lambda x: lax.bitcast_convert_type(x, jnp.int32)
+    return as_i32(blocks), as_i32(kinds)
+
+
+# ----------------------------------------------------------------------------------------
+# one tile: scores, mask, masked values
+
+
+def scores_and_tanh(a, b, *, scale, logit_soft_cap):
+    """Scaled (and soft-capped) float32 scores ``a @ b.T``, and the tanh the soft-cap
+    derivative needs (None without a cap)."""
+    s = lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32) * scale
+    if logit_soft_cap is None:
+        return s, None
+    t = jnp.tanh(s / logit_soft_cap)
+    return logit_soft_cap * t, t
+
+
+def _eval_without_int_sign(closed, *args):
+    """Evaluate a closed jaxpr inline, replacing integer ``sign`` (emitted by ``//`` and
+    ``%``) with compares: Mosaic's ``sign`` lowering asks for the *default* device's TPU
+    generation, which fails when compiling for a TPU topology from a CPU host."""
+    env = dict(zip(closed.jaxpr.constvars, closed.consts))
+    env.update(zip(closed.jaxpr.invars, args))
+    read = lambda var: var.val if isinstance(var, jex_core.Literal) else env[var]
+    for eqn in closed.jaxpr.eqns:
+        invals = [read(var) for var in eqn.invars]
+        sub = eqn.params.get("jaxpr")
+        if eqn.primitive is lax.sign_p and jnp.issubdtype(invals[0].dtype, jnp.integer):
+            x = invals[0]
+            outs = [(x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)]
+        elif isinstance(sub, jex_core.ClosedJaxpr) and eqn.primitive.name in ("pjit", "jit", "closed_call"):
+            outs = _eval_without_int_sign(sub, *invals)
+        else:
+            outs = eqn.primitive.bind(*invals, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(var) for var in closed.jaxpr.outvars]
+
+
+def mask_function_value(mask, q_pos, kv_pos):
+    """``mask.mask_function(q_pos, kv_pos)`` broadcast to a tile, Mosaic-safe."""
+    shape = jnp.broadcast_shapes(q_pos.shape, kv_pos.shape)
+    closed = jax.make_jaxpr(lambda a, b: jnp.broadcast_to(mask.mask_function(a, b), shape))(q_pos, kv_pos)
+    return _eval_without_int_sign(closed, q_pos, kv_pos)[0]
+
+
+def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, masks):
+    """The bool mask of one tile, or None when every entry may attend.
+
+    ``kind`` / ``partial`` / ``lst`` are scalars of the current entry. ``stored`` is the
+    loaded partial block (or None), positions / segment ids are broadcastable tiles.
+    ``masks`` holds, per list, the 2-D mask whose ``mask_function`` to evaluate in kernel
+    (None for lists that never need it). Everything broadcasts, so a (kv, q) tile is made
+    by passing q rows ``[1, bq]`` and kv columns ``[bkv, 1]``.
+    """
+    mask = None
+    if kind == "partial":
+        fn_mask = None
+        if any(m is not None for m in masks):
+            for index, m in enumerate(masks):
+                if m is None:
+                    continue
+                value = mask_function_value(m, q_pos, kv_pos)
+                fn_mask = value if fn_mask is None else jnp.where(lst == index, value, fn_mask)
+        if stored is not None and fn_mask is not None:
+            mask = jnp.where(partial >= 0, stored, fn_mask)
+        else:
+            mask = stored if stored is not None else fn_mask
+    if q_seg is not None:
+        same = q_seg == kv_seg
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def drop_unattended(mask, k, v, *, transposed):
+    """``k, v`` with the rows of kv positions that no row of the tile attends set to 0.
+
+    This is the masked-values contract (``reference_attention``): a kv position that no
+    query attends never reaches an output or gradient, even when its K / V are NaN or Inf.
+    The score ``where`` alone removes a masked K from the forward, but ``P @ V`` multiplies
+    a masked V by P = 0 (0 * NaN = NaN) and ``dS @ K`` a masked K by dS = 0, so both are
+    zeroed before their matmuls. ``mask`` is the bool tile, ``(q, kv)`` or, ``transposed``,
+    ``(kv, q)``; ``k, v`` are ``[bkv, d]``.
+    """
+    hit = mask.astype(jnp.float32)
+    if transposed:
+        col = jnp.max(hit, axis=1, keepdims=True)  # (bkv, 1)
+    else:  # (1, bkv) row -> (bkv, 1) column through a lane-aligned transpose
+        row = jnp.max(hit, axis=0, keepdims=True)
+        col = jnp.transpose(jnp.broadcast_to(row, (NUM_LANES, row.shape[1])))[:, :1]
+    keep = col > 0.0
+    return jnp.where(keep, k, jnp.zeros_like(k)), jnp.where(keep, v, jnp.zeros_like(v))
+
+
+def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None):
+    """``block_mask`` of the current tile from its refs: ``pos_seg_refs`` is the ``(q_pos,
+    kv_pos, q_seg, kv_seg)`` refs (None where absent); ``kv_cols`` slices the kv side (the
+    forward's compute slices, kv along lanes)."""
+    q_pos, kv_pos, q_seg, kv_seg = pos_seg_refs
+    load = lambda ref: None if ref is None else ref[...]  # noqa: E731
+    load_kv = load if kv_cols is None else (lambda ref: None if ref is None else ref[:, kv_cols])
+    return block_mask(which, partial, lst, load(q_pos), load_kv(kv_pos), load(q_seg), load_kv(kv_seg), stored,
+                      masks=masks)
+
+
+# ----------------------------------------------------------------------------------------
+# grid bookkeeping
+
+
+def sds(like, shape, dtype):
+    """An output shape that varies over the same manual mesh axes as ``like`` (shard_map)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def semantics(interpret, arbitrary=1):
+    # The TPU interpreter does not account for grid dimensions added by vmap in
+    # dimension_semantics (Mosaic does); it only uses them to shuffle parallel dimensions.
+    return None if interpret else ("parallel",) + ("arbitrary",) * arbitrary
+
+
+def run_edges(blocks_ref, row, i, num_steps, block_of):
+    """Whether step ``i`` is the first / last of its run: consecutive entries of work list
+    ``row`` naming the same block (``block_of`` = ``q_block_of`` or ``kv_block_of``)."""
+    here = block_of(blocks_ref[row, i])
+    first = (i == 0) | (block_of(blocks_ref[row, jnp.maximum(i - 1, 0)]) != here)
+    last = (i == num_steps - 1) | (block_of(blocks_ref[row, jnp.minimum(i + 1, num_steps - 1)]) != here)
+    return first, last
+
+
+def dispatch_kinds(kind, compute):
+    """``compute("full")`` / ``compute("partial")`` under the entry's kind (0: nothing)."""
+
+    @pl.when(kind == 2)
+    def _full():
+        compute("full")
+
+    @pl.when(kind == 1)
+    def _partial():
+        compute("partial")
+
+
+def tally_step(count_ref, i, kind, j=0):
+    """Count the computing steps into ``count_ref`` (tests; None = not counted)."""
+    if count_ref is None:
+        return
+
+    @pl.when((i == 0) & (j == 0))
+    def _zero():
+        count_ref[...] = jnp.zeros(count_ref.shape, jnp.int32)
+
+    @pl.when(kind > 0)
+    def _count():
+        count_ref[...] += 1
+
+
+def optional_specs(pairs):
+    """``(specs, operands, present)`` of ``(array or None, BlockSpec)`` pairs."""
+    specs, operands, present = [], [], []
+    for arr, spec in pairs:
+        present.append(arr is not None)
+        if arr is not None:
+            specs.append(spec)
+            operands.append(arr)
+    return specs, operands, present
+
+
+def mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv):
+    """``optional_specs`` of the forward / dq kernels' positions, segment ids and partial
+    blocks, ``(q, kv)`` tiles: q side ``(bq, 1)`` columns, kv side ``(1, bkv)`` rows."""
+    return optional_specs([
+        (q_pos, pl.BlockSpec((bq, 1), q_col_map)),
+        (kv_pos, pl.BlockSpec((1, bkv), kv_row_map)),
+        (q_seg, pl.BlockSpec((bq, 1), q_col_map)),
+        (kv_seg, pl.BlockSpec((1, bkv), kv_row_map)),
+        (mask_blocks, pl.BlockSpec((1, bq, bkv), mask_map)),
+    ])
+
+
+def unpack_refs(refs, num_prefetch, num_fixed, present, num_outputs, with_count):
+    """Kernel refs in body order, with None where an optional input / the count is absent."""
+    prefetched, rest = list(refs[:num_prefetch]), list(refs[num_prefetch:])
+    inputs, rest = rest[:num_fixed], rest[num_fixed:]
+    for flag in present:
+        inputs.append(rest.pop(0) if flag else None)
+    outputs = [rest.pop(0) for _ in range(num_outputs)] + [rest.pop(0) if with_count else None]
+    return prefetched + inputs + outputs + rest
+
+
+# ----------------------------------------------------------------------------------------
+# index maps of the (heads, steps) grids (forward, dq): (head, step, *prefetched refs)
+
+
+def q_map(h, i, blocks, kinds, lists):
+    return h, q_block_of(blocks[lists[h], i]), 0
+
+
+def row_map(h, i, blocks, kinds, lists):
+    return h, 0, q_block_of(blocks[lists[h], i])  # lse / delta rows [heads, 1, q_len]
+
+
+def kv_map(h, i, blocks, kinds, lists, *, group):
+    # GQA: q head h reads kv head h // group
+    return lax.div(h, group), kv_block_of(blocks[lists[h], i]), 0
+
+
+def q_col_map(h, i, blocks, kinds, lists):
+    return q_block_of(blocks[lists[h], i]), 0  # positions / segment ids as a (bq, 1) column
+
+
+def kv_row_map(h, i, blocks, kinds, lists):
+    return 0, kv_block_of(blocks[lists[h], i])  # ... as a (1, bkv) row
+
+
+def mask_map(h, i, blocks, kinds, lists):
+    # Non-partial entries (index -1) fetch block 0; it is only read by partial entries.
+    return jnp.maximum(partial_of(kinds[lists[h], i]), 0), 0, 0
+
+
+def count_map(h, i, *prefetched):
+    return h, 0, 0
