@@ -12,14 +12,11 @@ prints the max abs difference of logits and of gradients against the reference.
 
 import dataclasses
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
 
 
 @dataclasses.dataclass(frozen=True)

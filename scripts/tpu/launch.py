@@ -35,7 +35,8 @@ def parse_args(argv=None):
     parser.add_argument("--zone", help="its zone, e.g. us-west4-a")
     parser.add_argument("--project", default=None, help="GCP project (default: gcloud's)")
     parser.add_argument("--remote-dir", default=REMOTE_DIR, help=f"checkout on the workers (default {REMOTE_DIR})")
-    parser.add_argument("--skip-install", action="store_true", help="reuse the installed environment")
+    parser.add_argument("--skip-install", action="store_true",
+                        help="reuse the installed environment (the editable install of --remote-dir)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--worker-entry", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("script", help="experiment to run, e.g. experiments/train_long_context.py")
@@ -81,7 +82,6 @@ def worker_entry(script: str, script_args: list[str]) -> None:
     print(f"[process {jax.process_index()}/{jax.process_count()}] {jax.local_device_count()} local of "
           f"{jax.device_count()} devices ({jax.devices()[0].device_kind})", flush=True)
     sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.join(REPO, "src"))
     runpy.run_path(script, run_name="__main__")
 
 
