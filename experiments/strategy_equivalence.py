@@ -98,9 +98,11 @@ def main(config: Config) -> list[dict]:
     print(f"seq_len={S}, batch={config.batch_size} (2 packed documents per row), heads={config.num_heads}/"
           f"{config.num_kv_heads} kv, sinks + soft-cap, backend={config.backend}, block={b}")
     print(f"max |logit| = {np.max(np.abs(ref_logits)):.3g}, max |grad| = {gmax:.3g}")
-    print(f"{'strategy':<16}{'N':>3}  {'max|Δlogits|':>13}  {'max|Δgrads|':>12}  {'loss':>9}  {'s (CPU, compile incl.)':>22}")
+    print(f"{'strategy':<16}{'N':>3}  {'max|Δlogits|':>13}  {'max|Δgrads|':>12}  {'loss':>9}  "
+          f"{'s (CPU, compile incl.)':>22}")
     for r in rows:
-        print(f"{r['strategy']:<16}{r['n']:>3}  {r['logits']:>13.2e}  {r['grads']:>12.2e}  {r['loss']:>9.5f}  {r['seconds']:>22.1f}")
+        print(f"{r['strategy']:<16}{r['n']:>3}  {r['logits']:>13.2e}  {r['grads']:>12.2e}  {r['loss']:>9.5f}  "
+              f"{r['seconds']:>22.1f}")
     return rows
 
 
