@@ -14,16 +14,13 @@ plot: does more context help?
 import dataclasses
 import glob
 import os
-import sys
 import sysconfig
 import time
 import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
 
 
 @dataclasses.dataclass(frozen=True)

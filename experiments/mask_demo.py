@@ -18,8 +18,8 @@ import numpy as np
 
 import ringsplash as rs
 from ringsplash import masks
-from ringsplash.masks import EMPTY, FULL, PARTIAL
 from ringsplash.cli import parse_config
+from ringsplash.masks import EMPTY, FULL, PARTIAL
 
 SYMBOLS = {EMPTY: ".", PARTIAL: "P", FULL: "F"}
 

@@ -12,14 +12,11 @@ prints the max abs difference of logits and of gradients against the reference.
 
 import dataclasses
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +98,11 @@ def main(config: Config) -> list[dict]:
     print(f"seq_len={S}, batch={config.batch_size} (2 packed documents per row), heads={config.num_heads}/"
           f"{config.num_kv_heads} kv, sinks + soft-cap, backend={config.backend}, block={b}")
     print(f"max |logit| = {np.max(np.abs(ref_logits)):.3g}, max |grad| = {gmax:.3g}")
-    print(f"{'strategy':<16}{'N':>3}  {'max|Δlogits|':>13}  {'max|Δgrads|':>12}  {'loss':>9}  {'s (CPU, compile incl.)':>22}")
+    print(f"{'strategy':<16}{'N':>3}  {'max|Δlogits|':>13}  {'max|Δgrads|':>12}  {'loss':>9}  "
+          f"{'s (CPU, compile incl.)':>22}")
     for r in rows:
-        print(f"{r['strategy']:<16}{r['n']:>3}  {r['logits']:>13.2e}  {r['grads']:>12.2e}  {r['loss']:>9.5f}  {r['seconds']:>22.1f}")
+        print(f"{r['strategy']:<16}{r['n']:>3}  {r['logits']:>13.2e}  {r['grads']:>12.2e}  {r['loss']:>9.5f}  "
+              f"{r['seconds']:>22.1f}")
     return rows
 
 

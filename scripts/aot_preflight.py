@@ -24,9 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment and path set-up)
+from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
 
 GiB = 1024**3
 #: HBM per JAX device (bytes). One device per chip, except tpu7x (Ironwood): 192 GiB per chip
@@ -78,7 +76,8 @@ def compile_step(config: Config):
     import numpy as np
     import optax
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from ringsplash import train
     from ringsplash.data import Batch

@@ -133,7 +133,8 @@ def table_tpu_memory(cases):
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from ringsplash.ring import ring_attention_sharded
 

@@ -7,6 +7,7 @@ import os
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 
 from ringsplash import data, layouts, train
 from ringsplash.model import TransformerConfig
@@ -61,8 +62,8 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     train.save_checkpoint(path, state)
     restored = train.load_checkpoint(path, train.init_state(config, tc, stream.seed))
     assert int(restored.step) == 3
-    for x, y in zip(jax.tree.leaves(eqx.filter(state, eqx.is_array)), jax.tree.leaves(eqx.filter(restored, eqx.is_array)),
-                    strict=True):
+    leaves = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))  # noqa: E731
+    for x, y in zip(leaves(state), leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -103,5 +104,57 @@ def test_recall_batch_answers_are_in_context():
     packed = task.batch(np.random.default_rng(1), 2, episode_len=128)
     assert packed.tokens.shape == (2, 1024) and packed.segment_ids[0].max() == 7
     assert packed.positions[0, 128] == 0
-    assert (data.DataStream(lambda r, n, s: task.batch(r, n), 2, seed=5).batch(7).tokens
-            == data.DataStream(lambda r, n, s: task.batch(r, n), 2, seed=5).batch(7).tokens).all()
+
+
+
+def test_data_stream_is_a_function_of_seed_and_step():
+    task = data.RecallTask(seq_len=128, num_pairs=8, num_queries=8, num_keys=16, num_values=8, num_filler=8)
+    stream = data.DataStream(lambda r, n, s: task.batch(r, n), 2, seed=5)
+    # what a resumed run relies on: batch(step) is the draw of a generator seeded by (seed, step)
+    want = task.batch(np.random.default_rng([5, 7]), 2)
+    for got, expected in zip(stream.batch(7), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert not np.array_equal(stream.batch(8).tokens, want.tokens)
+    assert not np.array_equal(data.DataStream(stream.make, 2, seed=6).batch(7).tokens, want.tokens)
+
+
+def test_resume_with_a_different_config_names_the_fields(tmp_path):
+    config, tc, stream = _setup(steps=4)
+    train.fit(config, tc, stream, str(tmp_path), stop_after=2)
+    changed = tc.__class__(**{**tc.__dict__, "learning_rate": 1e-3, "progress": True, "checkpoint_every": 1})
+    with pytest.raises(ValueError, match=r"config.json.*different config.*train\.learning_rate: 0\.003 vs 0\.001$"):
+        train.fit(config, changed, stream, str(tmp_path))
+    with pytest.raises(ValueError, match=r"model\.d_model: 32 vs 64; train\.learning_rate"):
+        train.fit(config.replace(d_model=64), changed, stream, str(tmp_path))
+    # bookkeeping may change, and resume=False starts afresh under any config
+    state = train.fit(config, tc.__class__(**{**tc.__dict__, "progress": True, "log_every": 1}), stream, str(tmp_path))
+    assert int(state.step) == 4
+    assert int(train.fit(config, changed, stream, str(tmp_path), resume=False).step) == 4
+
+
+def test_metrics_past_the_checkpoint_are_dropped_on_resume(tmp_path):
+    config, tc, stream = _setup(steps=6)
+    tc = tc.__class__(**{**tc.__dict__, "log_every": 1, "checkpoint_every": 2})
+    train.fit(config, tc, stream, str(tmp_path), stop_after=4)
+    log = train.MetricsLog(str(tmp_path))
+    # an interruption after step 5 was logged but before its checkpoint: the last one is step 4
+    log.write({"split": "train", "step": 5, "loss": -1.0})
+    train.fit(config, tc, stream, str(tmp_path))
+    steps = [r["step"] for r in log.read()]
+    assert steps == [1, 2, 3, 4, 5, 6] and all(r["loss"] > 0 for r in log.read())
+
+
+def test_checkpoint_write_interrupted_keeps_the_last_good_one(tmp_path, monkeypatch):
+    config, tc, stream = _setup(steps=2)
+    state = train.fit(config, tc, stream, str(tmp_path))
+    path = str(tmp_path / "checkpoint.eqx")
+    good = open(path, "rb").read()
+
+    def dies_half_way(f, tree):
+        f.write(b"partial")
+        raise KeyboardInterrupt  # a kill mid-write
+
+    monkeypatch.setattr(eqx, "tree_serialise_leaves", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint(path, state._replace(step=state.step + 1))
+    assert open(path, "rb").read() == good

@@ -280,13 +280,50 @@ def save_checkpoint(path: str, state: TrainState) -> None:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
-    eqx.tree_serialise_leaves(tmp, state)
+    with open(tmp, "wb") as f:  # a kill before os.replace leaves the previous checkpoint intact
+        eqx.tree_serialise_leaves(f, state)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def load_checkpoint(path: str, like: TrainState) -> TrainState:
     """Read a checkpoint into the structure (and static fields) of ``like``."""
     return eqx.tree_deserialise_leaves(path, like)
+
+
+def check_run_config(path: str, config: dict, ignore: tuple[str, ...] = ()) -> None:
+    """Write ``config`` (JSON) to ``path``, or, if ``path`` exists (a run being resumed), check that
+    it holds the same config: a ``ValueError`` names every differing field (``ignore``: fields that
+    may change between a run and its resumption, e.g. progress display)."""
+    current = json.loads(json.dumps(config))  # tuples -> lists, as stored
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+        diff = sorted(_config_diff(stored, current, ignore))
+        if diff:
+            raise ValueError(
+                f"{path} was written by a run with a different config; resuming it needs the same one. "
+                "Differing fields (stored vs given): " + "; ".join(f"{k}: {a!r} vs {b!r}" for k, a, b in diff)
+            )
+    if jax.process_index() == 0:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(current, f, indent=1)
+        os.replace(tmp, path)
+
+
+def _config_diff(stored, current, ignore, prefix=""):
+    if not (isinstance(stored, dict) and isinstance(current, dict)):
+        return [] if stored == current else [(prefix.rstrip("."), stored, current)]
+    out = []
+    for k in sorted(set(stored) | set(current)):
+        name = prefix + k
+        if name in ignore:
+            continue
+        missing = "<missing>"
+        out += _config_diff(stored.get(k, missing), current.get(k, missing), ignore, name + ".")
+    return out
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -303,6 +340,17 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+
+    def truncate(self, after_step: int) -> None:
+        """Drop every record past ``after_step`` (those of an interrupted run beyond its last
+        checkpoint, which the resumed run writes again). Atomic: temp file, then rename."""
+        if not os.path.exists(self.path):
+            return
+        keep = [r for r in self.read() if r.get("step", 0) <= after_step]
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+        os.replace(tmp, self.path)
 
     def read(self) -> list[dict]:
         if not os.path.exists(self.path):
@@ -363,6 +411,12 @@ def fit(
 ) -> TrainState:
     """Train for ``tc.steps`` steps (resuming from ``run_dir/checkpoint.eqx`` when present).
 
+    Resuming is exact: the checkpoint holds parameters, optimiser state and step; batches and
+    dropout keys are pure functions of (seed, step). ``run_dir/config.json`` must match the
+    given configs (else a ``ValueError`` names the differing fields), and metrics records past
+    the checkpoint's step (written before an interruption) are dropped, so no step appears twice.
+    A checkpoint is written every ``tc.checkpoint_every`` steps and at the end, atomically.
+
     ``stop_after`` stops early after that many total steps (for tests of exact resumption);
     ``on_log(state, record)`` may return extra metrics (e.g. a held-out evaluation) to log.
     """
@@ -372,6 +426,15 @@ def fit(
     optimizer = make_optimizer(tc)
     step_fn = make_train_step(model_config, optimizer, mesh)
     ckpt = os.path.join(run_dir, "checkpoint.eqx")
+    log = MetricsLog(run_dir)
+    # A resumed run must be the run that wrote the checkpoint (checked before loading it);
+    # bookkeeping fields may change.
+    config_path = os.path.join(run_dir, "config.json")
+    if not resume and os.path.exists(config_path) and jax.process_index() == 0:
+        os.remove(config_path)  # a fresh start may change the config
+    check_run_config(config_path,
+                     {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed},
+                     ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
     state = init_state(model_config, tc, stream.seed)
     if resume and os.path.exists(ckpt):
         state = load_checkpoint(ckpt, state)
@@ -380,11 +443,8 @@ def fit(
     model, opt_state = replicate((state.model, state.opt_state), mesh)
     start = int(state.step)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
-    log = MetricsLog(run_dir)
     if jax.process_index() == 0:
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump({"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed}, f,
-                      indent=1)
+        log.truncate(after_step=start)  # no duplicate steps: records past the checkpoint are rewritten
     schedule = learning_rate_schedule(tc)
     base_key = jax.random.key(tc.seed + 1)
     tokens_per_step = tc.batch_size * model_config.max_seq_len
