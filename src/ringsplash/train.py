@@ -11,9 +11,9 @@ own (unnormalised) loss; the ring's custom VJP returns every device the gradient
 *total* loss through its local tokens, so a ``psum`` over both axes divided by the global
 number of scored tokens is the exact gradient of the mean loss.
 
-Checkpoints (equinox serialisation) hold model, optimiser state, step and the data stream's
-position; batches are a pure function of (seed, step), so a resumed run is bit-identical to an
-uninterrupted one.
+Checkpoints (``ringsplash.checkpoints``: orbax, sharded, atomic) hold model, optimiser state,
+step and the data stream's position; batches are a pure function of (seed, step), so a resumed
+run is bit-identical to an uninterrupted one.
 """
 
 import dataclasses
@@ -32,7 +32,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import layouts
+from ringsplash import checkpoints, layouts
 from ringsplash.data import Batch, DataStream
 from ringsplash.model import Transformer, TransformerConfig
 
@@ -276,19 +276,21 @@ def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int 
     return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
 
 
-def save_checkpoint(path: str, state: TrainState) -> None:
-    """Atomically write ``state`` (equinox leaf serialisation) to ``path`` (process 0 only)."""
-    if jax.process_index() != 0:
+def save_checkpoint(path: str, state: TrainState, *, config: dict | None = None, keep: int | None = 3) -> None:
+    """Save ``state`` as checkpoint ``state.step`` under the directory ``path`` (sharded, atomic,
+    orbax; see ``ringsplash.checkpoints``). Collective: every process calls it. A step already
+    saved is not written again (batches are a pure function of (seed, step), so it is the same
+    state); only the newest ``keep`` checkpoints are kept."""
+    if int(state.step) in checkpoints.all_steps(path):
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    eqx.tree_serialise_leaves(tmp, state)
-    os.replace(tmp, path)
+    checkpoints.save_state(path, state, config=config, keep=keep)
 
 
 def load_checkpoint(path: str, like: TrainState) -> TrainState:
-    """Read a checkpoint into the structure (and static fields) of ``like``."""
-    return eqx.tree_deserialise_leaves(path, like)
+    """Restore the latest checkpoint under ``path`` into the structure, static fields and
+    shardings of ``like`` (arrays or ``jax.ShapeDtypeStruct``s; the mesh may differ from the
+    saving one). Collective."""
+    return checkpoints.restore_state(path, like)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -363,7 +365,7 @@ def fit(
     stop_after: int | None = None,
     on_log: Callable[[TrainState, dict], dict | None] | None = None,
 ) -> TrainState:
-    """Train for ``tc.steps`` steps (resuming from ``run_dir/checkpoint.eqx`` when present).
+    """Train for ``tc.steps`` steps (resuming from the latest checkpoint under ``run_dir/checkpoints``).
 
     ``stop_after`` stops early after that many total steps (for tests of exact resumption);
     ``on_log(state, record)`` may return extra metrics (e.g. a held-out evaluation) to log.
@@ -373,9 +375,9 @@ def fit(
     mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel)
     optimizer = make_optimizer(tc)
     step_fn = make_train_step(model_config, optimizer, mesh)
-    ckpt = os.path.join(run_dir, "checkpoint.eqx")
+    ckpt = os.path.join(run_dir, "checkpoints")
     state = init_state(model_config, tc, stream.seed)
-    if resume and os.path.exists(ckpt):
+    if resume and checkpoints.latest_step(ckpt) is not None:
         state = load_checkpoint(ckpt, state)
         if int(state.data_seed) != stream.seed:
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
