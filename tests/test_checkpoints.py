@@ -5,6 +5,7 @@ the last K, metadata without arrays, exact resumption of ``train.fit``, clear er
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -277,3 +278,43 @@ def test_host_local_arrays_are_stored_as_numpy_with_several_processes():
     assert checkpoints._savable(sharded, process_count=1) is sharded
     data = checkpoints._savable(jax.random.split(jax.random.key(0), 8), process_count=1)
     assert data.dtype == jnp.uint32 and data.shape == (8, 2)
+
+
+def _run_processes(mode, directory, num_processes=2):
+    """Run ``checkpoint_worker.py`` in ``num_processes`` processes (coordinator on localhost)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    worker = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, worker, str(i), str(num_processes), str(port), directory, mode],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(num_processes)]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and f"process {i}: {mode} ok" in out, out[-3000:]
+
+
+def test_saved_in_two_processes_restores_in_one_and_back(tmp_path):
+    """Each process writes only its shards (nothing gathered on process 0); the checkpoint
+    restores in a single process onto a 1 × 8 mesh, and a single-process one in two processes."""
+    import checkpoint_worker as worker
+
+    two = str(tmp_path / "two")
+    _run_processes("save", two)
+    assert sorted(n for n in os.listdir(os.path.join(two, "5", "state")) if n.startswith("ocdbt.process_")) == [
+        "ocdbt.process_0", "ocdbt.process_1"]
+    assert checkpoints.read_metadata(two).process_count == 2
+    state = worker.make_state(_mesh(2, 4))
+    like = {**_abstract(state, _mesh(1, 8), {"w": P(None, "context"), "v": P("context"), "b": P("context")}),
+            "key": state["key"]}
+    worker.check_restored(checkpoints.restore_state(two, like), like)
+
+    one = str(tmp_path / "one")
+    checkpoints.save_state(one, state, step=worker.STEP)
+    _run_processes("restore", one)
