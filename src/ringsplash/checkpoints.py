@@ -9,7 +9,8 @@ Layout of a checkpoint directory (one orbax ``CheckpointManager`` root)::
 Contract:
 - **Collective**: every process calls ``save_state`` / ``restore_state`` with the same arguments.
   Each process writes only the shards it holds (one replica of each); the metadata is written
-  once by orbax's primary host. Nothing assumes one process holds everything.
+  once by orbax's primary host. Nothing assumes one process holds everything. With several
+  hosts the directory must be shared storage (``gs://...``, NFS): each host writes its part.
 - **Atomic**: orbax writes into ``<step>.orbax-checkpoint-tmp*`` and renames it to ``<step>``
   only after every array and the metadata are on disk; a temporary directory left by a killed
   save is never listed as a step, so the previous checkpoint stays the latest usable one.
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -158,12 +160,17 @@ def _check_compatible(saved: tuple[LeafInfo, ...], target: list[LeafInfo], direc
 # ----------------------------------------------------------------------------- manager
 
 
+def _path(directory: str) -> epath.Path:
+    """Local paths made absolute; URLs (``gs://...``) kept as they are."""
+    return epath.Path(directory if "://" in str(directory) else os.path.abspath(directory))
+
+
 def _manager(directory: str, *, keep: int | None = None, create: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=create, enable_async_checkpointing=False,
     )
     return ocp.CheckpointManager(
-        os.path.abspath(directory), options=options, item_names=(_ITEM,),
+        _path(directory), options=options, item_names=(_ITEM,),
         item_handlers={_ITEM: ocp.StandardCheckpointHandler()},
     )
 
@@ -171,7 +178,7 @@ def _manager(directory: str, *, keep: int | None = None, create: bool = False) -
 def all_steps(directory: str) -> list[int]:
     """The finalised (complete) checkpoint steps under ``directory``, ascending; ``[]`` if none.
     Temporary directories of unfinished saves are not steps."""
-    if not os.path.isdir(directory):
+    if not _path(directory).is_dir():
         return []
     with _manager(directory) as mngr:
         return sorted(mngr.all_steps())
