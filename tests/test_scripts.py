@@ -66,7 +66,7 @@ def test_main_job_smoke(tmp_path):
     result = job.main(config)
     assert 0.0 <= result["heldout_accuracy"] <= 1.0 and result["chance"] == 1 / 16
     assert os.path.exists(result["plot"]) and os.path.exists(tmp_path / "run" / "metrics.jsonl")
-    assert os.path.exists(tmp_path / "run" / "checkpoint.eqx")
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / "6")  # the final (orbax) checkpoint, step 6
     assert job.curriculum(job.Config())[0] == (0, 16) and job.curriculum(job.Config())[-1][1] == 1024
 
 

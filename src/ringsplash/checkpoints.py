@@ -12,8 +12,9 @@ Contract:
   once by orbax's primary host. Nothing assumes one process holds everything. With several
   hosts the directory must be shared storage (``gs://...``, NFS): each host writes its part.
 - **Atomic**: orbax writes into ``<step>.orbax-checkpoint-tmp*`` and renames it to ``<step>``
-  only after every array and the metadata are on disk; a temporary directory left by a killed
-  save is never listed as a step, so the previous checkpoint stays the latest usable one.
+  only after every array and the metadata are on disk (on object stores without an atomic
+  rename it writes a commit file last instead); a temporary directory left by a killed save is
+  never listed as a step, so the previous checkpoint stays the latest usable one.
 - **Any target sharding**: ``restore_state`` reads into the shardings of ``like`` (real arrays
   or ``jax.ShapeDtypeStruct``s with ``sharding=``), each device reading only its slice, so a
   checkpoint saved on a data 2 × context 4 mesh restores onto 1 × 8, replicated, or sharded.
