@@ -16,9 +16,9 @@ always has ``seq_len`` tokens, so every step runs the same ring. Without the cur
 circuit does not form within this budget; starting at 32 tokens it forms for some seeds only.
 Held-out evaluation is on fresh full-length sequences only.
 
-Checkpoints and resuming. ``--checkpoint-every N`` writes ``<run dir>/checkpoint.eqx`` every N
-steps (and always at the end), atomically (temp file, then rename), so a kill cannot corrupt the
-last good one. ``--run-dir DIR`` resumes the run in DIR when it holds a checkpoint: parameters,
+Checkpoints and resuming. ``--checkpoint-every N`` writes a sharded orbax checkpoint under
+``<run dir>/checkpoints/<step>`` every N steps (and always at the end), atomically (a temporary
+directory renamed when complete), so a kill cannot corrupt the last good one. ``--run-dir DIR`` resumes the run in DIR when it holds a checkpoint: parameters,
 optimiser state, step, and the data stream (a pure function of seed and step) continue exactly
 where the checkpoint left them, so the resumed run ends bit for bit where an uninterrupted one
 would. The options must be those the run was started with (``DIR/job_config.json``; an error
@@ -115,7 +115,7 @@ def main(config: Config) -> dict:
         except RuntimeError:
             pass
 
-    from ringsplash import data, train
+    from ringsplash import checkpoints, data, train
     from ringsplash.model import TransformerConfig
     from ringsplash.splash import SplashConfig
 
@@ -167,7 +167,7 @@ def main(config: Config) -> dict:
     log = train.MetricsLog(run_dir)
     job_config = {k: v for k, v in dataclasses.asdict(config).items() if k not in RESUMABLE_CHANGES}
     train.check_run_config(os.path.join(run_dir, "job_config.json"), job_config)
-    resuming = os.path.exists(os.path.join(run_dir, "checkpoint.eqx"))
+    resuming = checkpoints.latest_step(os.path.join(run_dir, "checkpoints")) is not None
     print(f"run directory: {run_dir}" + (" (resuming from its checkpoint)" if resuming else ""))
     print(f"devices: {len(mesh.devices.flat)} x {jax.devices()[0].platform} (data={tc.data_parallel}, "
           f"context={tc.context_parallel}); attention={config.attention} layout={config.layout} "
@@ -177,10 +177,11 @@ def main(config: Config) -> dict:
     plot = log.plot(title=f"associative recall, seq {config.seq_len}, {config.attention}")
     wall = time.perf_counter() - t_start
     result = {"heldout_accuracy": final["accuracy"], "heldout_loss": final["loss"], "chance": 1 / config.num_values,
-              "run_dir": run_dir, "plot": plot, "wall_s": wall}
+              "run_dir": run_dir, "plot": plot, "wall_s": wall, "state_digest": train.state_digest(state)}
     print(f"held-out recall accuracy: {final['accuracy']:.3f} (chance {1 / config.num_values:.3f}) "
           f"on {config.eval_batches * config.batch_size} sequences of {config.seq_len} tokens, "
           f"{config.num_queries} queries each")
+    print(f"final state digest: {result['state_digest']}")
     print(f"run directory: {run_dir}")
     print(f"plot: {plot}")
     print(f"wall time: {wall:.0f} s")

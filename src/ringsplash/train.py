@@ -11,9 +11,9 @@ own (unnormalised) loss; the ring's custom VJP returns every device the gradient
 *total* loss through its local tokens, so a ``psum`` over both axes divided by the global
 number of scored tokens is the exact gradient of the mean loss.
 
-Checkpoints (equinox serialisation) hold model, optimiser state, step and the data stream's
-position; batches are a pure function of (seed, step), so a resumed run is bit-identical to an
-uninterrupted one.
+Checkpoints (``ringsplash.checkpoints``: orbax, sharded, atomic) hold model, optimiser state,
+step and the data stream's position; batches are a pure function of (seed, step), so a resumed
+run is bit-identical to an uninterrupted one.
 """
 
 import dataclasses
@@ -32,7 +32,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import layouts
+from ringsplash import checkpoints, layouts
 from ringsplash._checks import check_divides, check_int, check_positive_int
 from ringsplash.data import Batch, DataStream
 from ringsplash.model import Transformer, TransformerConfig
@@ -274,22 +274,40 @@ def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int 
     return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
 
 
-def save_checkpoint(path: str, state: TrainState) -> None:
-    """Atomically write ``state`` (equinox leaf serialisation) to ``path`` (process 0 only)."""
-    if jax.process_index() != 0:
+def save_checkpoint(path: str, state: TrainState, *, config: dict | None = None, keep: int | None = 3) -> None:
+    """Save ``state`` as checkpoint ``state.step`` under the directory ``path`` (sharded, atomic,
+    orbax; see ``ringsplash.checkpoints``). Collective: every process calls it. A step already
+    saved is not written again (batches are a pure function of (seed, step), so it is the same
+    state); only the newest ``keep`` checkpoints are kept."""
+    if int(state.step) in checkpoints.all_steps(path):
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:  # a kill before os.replace leaves the previous checkpoint intact
-        eqx.tree_serialise_leaves(f, state)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    checkpoints.save_state(path, state, config=config, keep=keep)
 
 
 def load_checkpoint(path: str, like: TrainState) -> TrainState:
-    """Read a checkpoint into the structure (and static fields) of ``like``."""
-    return eqx.tree_deserialise_leaves(path, like)
+    """Restore the latest checkpoint under ``path`` into the structure, static fields and
+    shardings of ``like`` (arrays or ``jax.ShapeDtypeStruct``s; the mesh may differ from the
+    saving one). Collective."""
+    return checkpoints.restore_state(path, like)
+
+
+def state_digest(state: TrainState) -> str:
+    """sha256 (hex) of every array of ``state`` (parameters, optimiser state, step) in tree order:
+    equal digests mean bit-identical states, whatever their sharding or process count."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(eqx.filter((state.model, state.opt_state, state.step), eqx.is_array)):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        x = np.asarray(leaf)
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
 
 
 def check_run_config(path: str, config: dict, ignore: tuple[str, ...] = ()) -> None:
@@ -409,7 +427,7 @@ def fit(
     stop_after: int | None = None,
     on_log: Callable[[TrainState, dict], dict | None] | None = None,
 ) -> TrainState:
-    """Train for ``tc.steps`` steps (resuming from ``run_dir/checkpoint.eqx`` when present).
+    """Train for ``tc.steps`` steps (resuming from the latest checkpoint under ``run_dir/checkpoints``).
 
     Resuming is exact: the checkpoint holds parameters, optimiser state and step; batches and
     dropout keys are pure functions of (seed, step). ``run_dir/config.json`` must match the
@@ -425,7 +443,7 @@ def fit(
     mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel)
     optimizer = make_optimizer(tc)
     step_fn = make_train_step(model_config, optimizer, mesh)
-    ckpt = os.path.join(run_dir, "checkpoint.eqx")
+    ckpt = os.path.join(run_dir, "checkpoints")
     log = MetricsLog(run_dir)
     # A resumed run must be the run that wrote the checkpoint (checked before loading it);
     # bookkeeping fields may change.
@@ -436,7 +454,7 @@ def fit(
                      {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed},
                      ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
     state = init_state(model_config, tc, stream.seed)
-    if resume and os.path.exists(ckpt):
+    if resume and checkpoints.latest_step(ckpt) is not None:
         state = load_checkpoint(ckpt, state)
         if int(state.data_seed) != stream.seed:
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
