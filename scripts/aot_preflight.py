@@ -52,7 +52,7 @@ class Config:
     layout: str = "zigzag"
     backend: str = "mosaic_tpu"
     block: int = 512
-    remat: bool = False
+    remat: str = "none"  # none | full | save_attention | save_dots
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     mask: str = "causal"

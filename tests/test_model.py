@@ -80,7 +80,7 @@ def _with_config(model, config):
 
 
 def test_model_shapes_and_options(key):
-    config = _config(max_seq_len=256, num_kv_heads=1, remat=True, tie_embeddings=True)
+    config = _config(max_seq_len=256, num_kv_heads=1, remat="full", tie_embeddings=True)
     model = Transformer(config, key=key)
     tokens = jnp.arange(256) % config.vocab_size
     logits = model(tokens, jnp.arange(256))
@@ -88,7 +88,7 @@ def test_model_shapes_and_options(key):
     assert model.layers.attention.wq.shape == (2, 32, 32)  # stacked [layers, ...]
     assert model.layers.attention.sinks.shape == (2, 4)
     # remat does not change the function
-    plain = _with_config(model, config.replace(remat=False))
+    plain = _with_config(model, config.replace(remat="none"))
     np.testing.assert_allclose(plain(tokens, jnp.arange(256)), logits, rtol=1e-6, atol=1e-6)
 
 

@@ -7,14 +7,23 @@ A config that constructs is a config that runs: each rejected combination raises
 import dataclasses
 import math
 import numbers
+from typing import Literal
 
 from ringsplash import layouts
+from ringsplash._checks import check_choice
 from ringsplash import masks as masks_lib
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 STRATEGIES = ("reference", "splash", "ring")
 MASKS = ("causal", "local", "chunked", "prefix_lm", "full")
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``remat`` policies for the scanned layer step (see ``ringsplash.model.transformer.remat_policy``):
+#: ``"none"`` saves every residual, ``"full"`` saves only the layer input and recomputes the layer,
+#: ``"save_attention"`` saves the attention outputs (and their log-sum-exp) so the backward pass
+#: recomputes the projections and the MLP but never the attention, ``"save_dots"`` saves every
+#: matmul result without batch dimensions plus the attention outputs.
+REMAT_POLICIES = ("none", "full", "save_attention", "save_dots")
+RematPolicy = Literal["none", "full", "save_attention", "save_dots"]
 
 
 def _positive_int(name: str, value) -> None:
@@ -67,7 +76,7 @@ class TransformerConfig:
     logit_soft_cap: float | None = None
     sinks: bool = False
     attention_dropout: float = 0.0
-    remat: bool = False
+    remat: RematPolicy = "none"
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -99,6 +108,7 @@ class TransformerConfig:
         if not (isinstance(self.rope_theta, numbers.Real) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
 
+        check_choice("remat", self.remat, REMAT_POLICIES)
         if self.attention not in STRATEGIES:
             raise ValueError(f"attention={self.attention!r} is unknown: use one of {STRATEGIES}")
         self._check_mask()
@@ -223,4 +233,4 @@ def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-__all__ = ["DTYPES", "MASKS", "STRATEGIES", "TransformerConfig", "dtype_of"]
+__all__ = ["DTYPES", "MASKS", "REMAT_POLICIES", "STRATEGIES", "RematPolicy", "TransformerConfig", "dtype_of"]
