@@ -10,8 +10,8 @@ import numbers
 from typing import Literal
 
 from ringsplash import layouts
-from ringsplash._checks import check_choice
 from ringsplash import masks as masks_lib
+from ringsplash._checks import check_choice
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 STRATEGIES = ("reference", "splash", "ring")
