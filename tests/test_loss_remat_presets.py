@@ -108,3 +108,16 @@ def test_unknown_preset_lists_the_choices(capsys):
     assert parse_config(Cfg, ["--preset", "1b"], presets=PRESETS) == Cfg(preset="1b", d_model=2048, num_layers=16)
     assert parse_config(Cfg, ["--preset", "1b", "--num-layers", "3"], presets=PRESETS) == Cfg("1b", 2048, 3)
     assert PRESET_NAMES == ("tiny", "1b", "llama3-8b")
+
+
+def test_main_job_takes_a_preset_and_overrides():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+    import train_long_context as job
+
+    assert job.parse_args([]) == job.Config()  # the default is the tiny preset
+    got = job.parse_args(["--preset", "1b", "--num-layers", "2"])
+    assert (got.d_model, got.num_layers, got.num_heads, got.num_kv_heads, got.head_dim, got.mlp_ratio,
+            got.mlp_multiple, got.rope_theta) == (2048, 2, 16, 8, 128, 4.0, 256, 500000.0)
