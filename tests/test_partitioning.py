@@ -109,10 +109,11 @@ def test_fsdp_plan_reports_parameters_it_cannot_split():
     assert plan.replicated == ("layers.attention.sinks (2, 2)",)
     assert "replicated (no dimension divisible by 8): layers.attention.sinks (2, 2)" in partitioning.describe(plan)
     # an uneven width: d_model 12 and vocab 33 split over 8 nowhere -> the embedding is replicated
-    config = _config().replace(d_model=12, num_heads=2, sinks=False)
+    config = _config().replace(d_model=12, num_heads=2, head_dim=8, sinks=False)
     plan = train.sharding_plan(config, train.make_mesh(DATA, CONTEXT), fsdp=True)
     assert plan.specs.embedding == P() and f"embedding ({TASK.vocab_size}, 12)" in plan.replicated
-    assert plan.specs.layers.attention.wq == P() and "layers.attention.wq (2, 12, 12)" in plan.replicated
+    assert "layers.attention_norm.weight (2, 12)" in plan.replicated and plan.specs.unembedding == P()
+    assert plan.specs.layers.attention.wq == P(None, None, ("data", "context"))  # [2, 12, 2 heads x 8]
     assert plan.specs.layers.mlp.w_gate == P(None, None, ("data", "context"))  # [2, 12, 32]
     assert train.sharding_plan(config, train.make_mesh(DATA, CONTEXT), fsdp=False).specs.layers.mlp.w_gate == P()
 
