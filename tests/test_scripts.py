@@ -31,8 +31,9 @@ def test_aot_preflight_compiles_tiny_config_for_v5e():
 
 @pytest.mark.tpu_compile
 def test_aot_preflight_exits_nonzero_when_it_does_not_fit():
+    # replicated parameters + AdamW state (1.6 B params x 12 bytes per device); FSDP would fit it
     result = _run(["scripts/aot_preflight.py", "--topology", "v5e:2x2", *TINY, "--d-model", "4096",
-                   "--num-heads", "32", "--num-kv-heads", "32", "--num-layers", "8"])
+                   "--num-heads", "32", "--num-kv-heads", "32", "--num-layers", "8", "--no-fsdp"])
     assert result.returncode == 1, result.stdout + result.stderr
     assert "DOES NOT FIT" in result.stdout
 
