@@ -118,7 +118,6 @@ def compile_step(config: Config):
     import optax
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
@@ -233,7 +232,8 @@ def report(config: Config, compiled, info, *, quiet: bool = False) -> tuple[bool
     gib = lambda x: f"{x / GiB:8.3f} GiB"
     print(f"topology {config.topology} ({info['device_kind']}, {info['devices']} devices): mesh data={info['data']} x "
           f"context={info['context']}; {info['params'] / 1e6:.1f} M params; batch {info['rows']} x {config.seq_len} "
-          f"tokens; remat={config.remat}; loss_chunk={config.loss_chunk or 'off'}; compiled in {info['compile_s']:.1f} s")
+          f"tokens; remat={config.remat}; loss_chunk={config.loss_chunk or 'off'}; "
+          f"compiled in {info['compile_s']:.1f} s")
     print(info["plan"])
     print("per-device HBM:")
     print(f"  arguments    {gib(args)}   (params, optimiser state, batch shard)")

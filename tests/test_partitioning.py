@@ -46,8 +46,8 @@ def runs():
         plan = train.sharding_plan(config, mesh, fsdp)
         model, opt_state = train.place_state(state.model, state.opt_state, mesh, plan, optimizer)
         params, static = eqx.partition(model, eqx.is_array)
-        grads, _ = jax.jit(lambda p, b, plan=plan: train.make_grad_fn(config, mesh, plan=plan)(p, static, b))(
-            params, batches[0])
+        grad_fn = train.make_grad_fn(config, mesh, plan=plan)
+        grads, _ = jax.jit(lambda p, b, grad_fn=grad_fn, static=static: grad_fn(p, static, b))(params, batches[0])
         step = train.make_train_step(config, optimizer, mesh, plan=plan)
         losses, first = [], None
         for i, batch in enumerate(batches):
