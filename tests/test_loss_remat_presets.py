@@ -121,3 +121,28 @@ def test_main_job_takes_a_preset_and_overrides():
     got = job.parse_args(["--preset", "1b", "--num-layers", "2"])
     assert (got.d_model, got.num_layers, got.num_heads, got.num_kv_heads, got.head_dim, got.mlp_ratio,
             got.mlp_multiple, got.rope_theta) == (2048, 2, 16, 8, 128, 4.0, 256, 500000.0)
+
+
+def test_save_attention_does_not_rerun_the_ring_forward():
+    """Under "full" the backward pass re-runs each layer, ring included (more collective-permutes
+    in the compiled step); "save_attention" keeps the ring's named output / lse residuals, so its
+    step has exactly the permutes of "none" (measured: none 15, full 18, save_attention 15)."""
+    import equinox as eqx
+
+    from ringsplash import data
+    from ringsplash.splash import SplashConfig
+
+    blocks = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
+    task = data.RecallTask(seq_len=1024, num_pairs=8, num_queries=8, num_keys=16, num_values=8, num_filler=8)
+    mesh = train.make_mesh(1, 4)
+    counts = {}
+    for policy in ("none", "full", "save_attention"):
+        config = TransformerConfig(vocab_size=task.vocab_size, d_model=32, num_layers=2, num_heads=2, max_seq_len=1024,
+                                   splash=blocks, attention="ring", ring_axis_name="context", ring_size=4,
+                                   remat=policy)
+        params, static = eqx.partition(Transformer(config, key=jax.random.key(0)), eqx.is_array)
+        batch = train.shard_batch(task.batch(np.random.default_rng(0), 2), mesh, config)
+        grad_fn = train.make_grad_fn(config, mesh)
+        hlo = jax.jit(lambda p, b, g=grad_fn, s=static: g(p, s, b)).lower(params, batch).compile().as_text()
+        counts[policy] = hlo.count("collective-permute(") + hlo.count("collective-permute-start(")
+    assert counts["full"] > counts["none"] == counts["save_attention"], counts
