@@ -58,11 +58,18 @@ class Config:
     num_filler: int = 16
     # curriculum: "episode_len:fraction_of_steps,..." (the rest of the steps at seq_len)
     curriculum: str = "16:0.2,32:0.1,64:0.1,128:0.1,256:0.1,512:0.1"
-    # model
+    # model (the "tiny" preset; --preset NAME takes another's shape, any field still overridable;
+    # the vocabulary is always the task's)
+    preset: str = "tiny"
     d_model: int = 64
     num_layers: int = 2
     num_heads: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 64  # 0: d_model // num_heads
     mlp_ratio: float = 2.0
+    mlp_multiple: int = 8
+    rope_theta: float = 10_000.0
+    remat: str = "none"  # none | full | save_attention | save_dots
     # attention
     attention: str = "ring"
     layout: str = "zigzag"
@@ -88,7 +95,9 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, description=__doc__)
+    from ringsplash.model.presets import PRESETS
+
+    return parse_config(Config, argv, description=__doc__, presets=PRESETS)
 
 
 def curriculum(config: Config) -> list[tuple[int, int]]:
@@ -129,7 +138,9 @@ def main(config: Config) -> dict:
     b = config.block
     model_config = TransformerConfig(
         vocab_size=task.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
-        num_heads=config.num_heads, mlp_ratio=config.mlp_ratio, max_seq_len=config.seq_len,
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim or None,
+        mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
+        remat=config.remat, max_seq_len=config.seq_len,
         attention=config.attention, ring_axis_name="context" if ring else None, ring_layout=config.layout,
         ring_size=config.context_parallel if ring else 1,
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),

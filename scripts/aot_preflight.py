@@ -7,7 +7,16 @@ per-device HBM use from ``compiled.memory_analysis()`` — arguments (params, op
 batch), outputs, temporaries — against the chip's capacity. Exits 1 when it does not fit.
 
     python scripts/aot_preflight.py --topology v5e:2x2 --seq-len 32768 --d-model 1024 --num-layers 8
-    python scripts/aot_preflight.py --topology v6e:2x4 --data-parallel 2 --context-parallel 4 --remat
+    python scripts/aot_preflight.py --topology v6e:2x4 --data-parallel 2 --context-parallel 4 --remat full
+    python scripts/aot_preflight.py --preset llama3-8b --topology v5p:4x4x4 --data-parallel 4 --seq-len 262144 \
+        --remat full --loss-chunk 4096
+    python scripts/aot_preflight.py --preset 1b --topology v5e:2x4 --remat full --loss-chunk 2048 --find-max-seq-len
+
+Parameters and AdamW state are sharded over data x context (``--no-fsdp``: replicated); the
+report splits the arguments into parameters / optimiser state / batch and names the biggest
+temporaries (analytic estimates next to the compiler's total). ``--find-max-seq-len`` doubles
+``--seq-len`` while the step fits in ``headroom`` x HBM, then bisects in multiples of the ring's
+block granularity, and prints the report at the longest length found.
 
 The mesh is (data x context) over the topology's devices; the ring runs over ``context``
 (``--context-parallel`` defaults to every device). Compilation uses the Mosaic Splash kernels
@@ -15,6 +24,7 @@ The mesh is (data x context) over the topology's devices; the ring runs over ``c
 """
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -30,12 +40,14 @@ GiB = 1024**3
 #: HBM per JAX device (bytes). One device per chip, except tpu7x (Ironwood): 192 GiB per chip
 #: shared by its 2 TensorCores, each a JAX device (``v5p`` / ``v4`` megacore is one device).
 HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB, "tpu7x": 96 * GiB}
-TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v5p:2x2x1", "v4:2x2x1", "tpu7x:2x2x1")
+TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v5p:2x2x1", "v5p:4x4x4", "v4:2x2x1",
+              "tpu7x:2x2x1")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     topology: str = "v5e:2x2"
+    preset: str = ""  # a ringsplash.model.presets name: its shape becomes the default of the model flags
     data_parallel: int = 1
     context_parallel: int = 0  # 0: all devices / data_parallel
     seq_len: int = 32768
@@ -47,18 +59,26 @@ class Config:
     num_kv_heads: int = 8
     head_dim: int = 128
     mlp_ratio: float = 8 / 3
+    mlp_multiple: int = 8
+    rope_theta: float = 10_000.0
     layout: str = "zigzag"
     backend: str = "mosaic_tpu"
     block: int = 512
-    remat: bool = False
+    remat: str = "none"  # none | full | save_attention | save_dots
+    fsdp: bool = True  # shard params + AdamW state over data x context
+    loss_chunk: int = 0  # tokens per cross-entropy chunk (0: all local tokens at once)
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     mask: str = "causal"
     headroom: float = 0.9  # usable fraction of HBM
+    find_max_seq_len: bool = False  # search the longest seq_len that fits (doubling from --seq-len, then bisecting)
+    max_search_len: int = 1 << 24  # the search stops doubling here
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, description=__doc__)
+    from ringsplash.model.presets import PRESETS
+
+    return parse_config(Config, argv, description=__doc__, presets=PRESETS)
 
 
 def chip_capacity(topology: str) -> int:
@@ -66,6 +86,25 @@ def chip_capacity(topology: str) -> int:
     if kind not in HBM:
         raise SystemExit(f"unknown chip {kind!r} in topology {topology!r}: known {sorted(HBM)}")
     return HBM[kind]
+
+
+def _mesh_shape(config: Config, num_devices: int) -> tuple[int, int]:
+    data = config.data_parallel
+    context = config.context_parallel or num_devices // data
+    if data * context != num_devices:
+        raise SystemExit(f"data_parallel={data} x context_parallel={context} must equal the {num_devices} devices "
+                         f"of {config.topology}")
+    return data, context
+
+
+def granularity(config: Config, context: int) -> int:
+    """Sequence lengths the step accepts are multiples of this: the ring's (2 x context for
+    zigzag, else context) x block, and context x loss_chunk so the chunk divides local tokens."""
+    parts = (2 * context if config.layout == "zigzag" else context) if context > 1 else 1
+    g = parts * config.block
+    if config.loss_chunk:
+        g = math.lcm(g, context * config.loss_chunk)
+    return g
 
 
 def compile_step(config: Config):
@@ -79,63 +118,105 @@ def compile_step(config: Config):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ringsplash import train
+    from ringsplash import partitioning, train
     from ringsplash.data import Batch
     from ringsplash.model import Transformer, TransformerConfig
     from ringsplash.splash import SplashConfig
 
     topo = topologies.get_topology_desc(config.topology, "tpu")
     devices = np.asarray(topo.devices).reshape(-1)
-    data = config.data_parallel
-    context = config.context_parallel or devices.size // data
-    if data * context != devices.size:
-        raise SystemExit(f"data_parallel={data} x context_parallel={context} must equal the {devices.size} devices "
-                         f"of {config.topology}")
+    data, context = _mesh_shape(config, devices.size)
     mesh = Mesh(devices.reshape(data, context), (train.DATA, train.CONTEXT))
     b = config.block
     ring = context > 1
     model_config = TransformerConfig(
         vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        mlp_ratio=config.mlp_ratio, max_seq_len=config.seq_len, mask=config.mask,
+        mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
+        max_seq_len=config.seq_len, mask=config.mask,
         attention="ring" if ring else "splash", ring_axis_name=train.CONTEXT if ring else None,
         ring_layout=config.layout, ring_size=context, remat=config.remat,
         param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
     )
     rows = config.batch_size or data
-    tc = train.TrainConfig(steps=1000, batch_size=rows, data_parallel=data, context_parallel=context, warmup_steps=10)
+    tc = train.TrainConfig(steps=1000, batch_size=rows, data_parallel=data, context_parallel=context, warmup_steps=10,
+                           fsdp=config.fsdp, loss_chunk=config.loss_chunk)
     optimizer = train.make_optimizer(tc)
+    plan = train.sharding_plan(model_config, mesh, tc.fsdp)
 
-    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     model_abs = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(0))
     params_abs, static = eqx.partition(model_abs, is_abstract)
     opt_abs = jax.eval_shape(optimizer.init, params_abs)
-    replicated = NamedSharding(mesh, P())
-    place = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree, is_leaf=is_abstract)
+    param_sh = partitioning.shardings(plan.specs, mesh)
+    opt_sh = partitioning.optimizer_shardings(optimizer, params_abs, param_sh, mesh)
+    place = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
     seq_sharding = NamedSharding(mesh, train.batch_spec(model_config))
     batch_abs = Batch(
         *(jax.ShapeDtypeStruct((rows, config.seq_len), dt, sharding=seq_sharding)
           for dt in (jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.int32))
     )
-    grad_fn = train.make_grad_fn(model_config, mesh)
+    grad_fn = train.make_grad_fn(model_config, mesh, plan=plan, loss_chunk=config.loss_chunk)
 
     def step(params, opt_state, batch):
         grads, metrics = grad_fn(params, static, batch, None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, metrics
+        params = optax.apply_updates(params, updates)
+        return (jax.lax.with_sharding_constraint(params, param_sh),
+                jax.lax.with_sharding_constraint(opt_state, opt_sh), metrics)
 
     t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(place(params_abs), place(opt_abs), batch_abs)
+    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(place(params_abs, param_sh), place(opt_abs, opt_sh),
+                                                          batch_abs)
     compiled = lowered.compile()
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params_abs, is_leaf=is_abstract))
+    mesh_shape = dict(mesh.shape)
+    opt_specs = jax.tree.map(lambda s: s.spec, opt_sh)
+    leaves = lambda t: jax.tree.leaves(t, is_leaf=is_abstract)
+    n_params = sum(int(np.prod(x.shape)) for x in leaves(params_abs))
+    nbytes = lambda t: sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves(t))
     info = {"devices": devices.size, "data": data, "context": context, "rows": rows, "params": n_params,
-            "compile_s": time.perf_counter() - t0, "device_kind": getattr(devices[0], "device_kind", "?")}
+            "compile_s": time.perf_counter() - t0, "device_kind": getattr(devices[0], "device_kind", "?"),
+            "plan": partitioning.describe(plan),
+            "param_bytes": partitioning.local_bytes(params_abs, plan.specs, mesh_shape),
+            "opt_bytes": partitioning.local_bytes(opt_abs, opt_specs, mesh_shape),
+            "replicated_state_bytes": nbytes(params_abs) + nbytes(opt_abs),
+            "batch_bytes": 5 * 4 * rows * config.seq_len // devices.size,
+            "estimates": _estimates(config, model_config, params_abs, data, context, rows, plan.sharded)}
     return compiled, info
 
 
-def report(config: Config, compiled, info) -> bool:
+def _estimates(config, model_config, params_abs, data, context, rows, sharded) -> dict:
+    """Analytic sizes (bytes per device) of the temporaries the compiler reports only as a total."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    c = model_config
+    cdt = jnp.dtype(c.compute_dtype).itemsize
+    tokens = max(rows // data, 1) * config.seq_len // context
+    layer = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(params_abs.layers))
+    hd = c.num_heads * c.head_dim
+    kv = 2 * c.num_kv_heads * c.head_dim
+    per_layer = {  # saved residuals per layer and token (elements), by remat policy
+        "full": c.d_model,
+        "save_attention": c.d_model + hd + c.num_heads * 4 / cdt,
+        "save_dots": c.d_model + 2 * hd + kv + c.d_model + 3 * c.mlp_hidden + c.num_heads * 4 / cdt,
+        "none": 4 * c.d_model + 3 * hd + kv + 4 * c.mlp_hidden + c.num_heads * 4 / cdt,
+    }[c.remat]
+    vocab_tokens = config.loss_chunk or tokens
+    est = {
+        "saved activations (layer inputs / named residuals x layers)": int(per_layer * cdt * tokens * c.num_layers),
+        "logits of one loss chunk (fwd + bwd, float32)": 3 * 4 * vocab_tokens * c.vocab_size,
+    }
+    if sharded:
+        est["gathered weights: 2 layers + their gradients (compute dtype)"] = 4 * layer * cdt
+        emb = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
+        est["gathered embedding + unembedding and gradients"] = 2 * emb * cdt
+    return est
+
+
+def report(config: Config, compiled, info, *, quiet: bool = False) -> tuple[bool, float]:
     mem = compiled.memory_analysis()
     capacity = chip_capacity(config.topology)
     args = mem.argument_size_in_bytes
@@ -145,34 +226,119 @@ def report(config: Config, compiled, info) -> bool:
     code = getattr(mem, "generated_code_size_in_bytes", 0)
     total = args + outs - alias + temp + code
     fits = total <= config.headroom * capacity
-    gib = lambda x: f"{x / GiB:8.3f} GiB"  # noqa: E731
+    if quiet:
+        return fits, total
+    gib = lambda x: f"{x / GiB:8.3f} GiB"
     print(f"topology {config.topology} ({info['device_kind']}, {info['devices']} devices): mesh data={info['data']} x "
           f"context={info['context']}; {info['params'] / 1e6:.1f} M params; batch {info['rows']} x {config.seq_len} "
-          f"tokens; compiled in {info['compile_s']:.1f} s")
+          f"tokens; remat={config.remat}; loss_chunk={config.loss_chunk or 'off'}; "
+          f"compiled in {info['compile_s']:.1f} s")
+    print(info["plan"])
     print("per-device HBM:")
     print(f"  arguments    {gib(args)}   (params, optimiser state, batch shard)")
+    print(f"    parameters        {gib(info['param_bytes'])}")
+    print(f"    optimiser state   {gib(info['opt_bytes'])}")
+    print(f"    batch shard       {gib(info['batch_bytes'])}")
+    per_device = info["replicated_state_bytes"] / info["devices"]
+    print(f"    params + optimiser state = {(info['param_bytes'] + info['opt_bytes']) / per_device:.3f} x "
+          f"(replicated bytes / devices = {per_device / GiB:.3f} GiB)")
     print(f"  outputs      {gib(outs)}   ({gib(alias).strip()} aliased to donated arguments)")
-    print(f"  temporaries  {gib(temp)}")
+    print(f"  temporaries  {gib(temp)}   biggest contributors (analytic estimates; the compiler reports a total):")
+    for name, value in sorted(info["estimates"].items(), key=lambda kv: -kv[1]):
+        print(f"    {name:62s} {gib(value)}")
+    print(f"    {'rest (attention work space, MLP intermediates, collectives buffers)':62s} "
+          f"{gib(temp - sum(info['estimates'].values()))}")
     print(f"  code         {gib(code)}")
     print(f"  total        {gib(total)}   of {gib(capacity).strip()} per device "
           f"({100 * total / capacity:.1f}%; limit {100 * config.headroom:.0f}%)")
-    print("FITS" if fits else "DOES NOT FIT: lower seq_len / batch, add --remat, or use more chips")
-    return fits
+    print("FITS" if fits else "DOES NOT FIT: lower seq_len / batch, use --remat full, --loss-chunk, or more chips")
+    return fits, total
+
+
+def _is_oom(message: str) -> bool:
+    return "Ran out of memory" in message or "RESOURCE_EXHAUSTED" in message
+
+
+def attempt(config: Config):
+    """(fits, total bytes or None, compiled, info, reason): one compile of ``config``."""
+    try:
+        compiled, info = compile_step(config)
+    except Exception as e:  # the TPU compiler refuses programs that exceed HBM (or SMEM)
+        reason = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+        if not _is_oom(str(e)) and "smem" not in str(e).lower() and "memory" not in str(e).lower():
+            raise
+        return False, None, None, None, reason
+    fits, total = report(config, compiled, info, quiet=True)
+    return fits, total, compiled, info, "" if fits else "over the HBM limit"
+
+
+def find_max_seq_len(config: Config) -> int:
+    """Double ``seq_len`` while the step fits, then bisect in multiples of the granularity."""
+    from jax.experimental import topologies
+
+    n = len(topologies.get_topology_desc(config.topology, "tpu").devices)
+    _, context = _mesh_shape(config, n)
+    g = granularity(config, context)
+    tried = {}
+
+    def fits(s: int) -> bool:
+        if s not in tried:
+            ok, total, compiled, info, reason = attempt(dataclasses.replace(config, seq_len=s))
+            tried[s] = (ok, compiled, info)
+            used = f"{total / GiB:.3f} GiB" if total is not None else "-"
+            print(f"  seq_len {s:>9d}: {'fits' if ok else 'does not fit'} ({used}{'; ' + reason if reason else ''})",
+                  flush=True)
+        return tried[s][0]
+
+    print(f"searching the longest sequence on {config.topology} (granularity {g} tokens):", flush=True)
+    s = max(g, config.seq_len // g * g)
+    lo = hi = None
+    if fits(s):
+        lo = s
+        while 2 * lo <= config.max_search_len and fits(2 * lo):
+            lo *= 2
+        hi = 2 * lo
+    else:
+        hi = s
+        while hi > g:
+            cand = max(g, hi // 2 // g * g)
+            if fits(cand):
+                lo = cand
+                break
+            hi = cand
+    if lo is None:
+        print(f"nothing fits, not even seq_len={g}")
+        return 0
+    while hi - lo > g and lo < config.max_search_len:
+        mid = (lo + hi) // 2 // g * g
+        if mid <= lo:
+            break
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    capped = " (the search stops at --max-search-len; longer may fit)" if lo >= config.max_search_len else ""
+    print(f"longest sequence that fits: {lo} tokens{capped}")
+    _, compiled, info = tried[lo]
+    report(dataclasses.replace(config, seq_len=lo), compiled, info)
+    return lo
 
 
 def main(config: Config) -> int:
+    if config.find_max_seq_len:
+        return 0 if find_max_seq_len(config) else 1
     try:
         compiled, info = compile_step(config)
     except Exception as e:  # the TPU compiler itself refuses programs that exceed HBM
         message = str(e)
-        if "Ran out of memory" not in message and "RESOURCE_EXHAUSTED" not in message:
+        if not _is_oom(message):
             raise
         print(f"topology {config.topology}: the compiler reports the step exceeds HBM "
               f"({chip_capacity(config.topology) / GiB:.3f} GiB per device):")
         print("  " + message.strip().splitlines()[-1][:500])
-        print("DOES NOT FIT: lower seq_len / batch, add --remat, or use more chips")
+        print("DOES NOT FIT: lower seq_len / batch, use --remat full, --loss-chunk, or more chips")
         return 1
-    return 0 if report(config, compiled, info) else 1
+    return 0 if report(config, compiled, info)[0] else 1
 
 
 if __name__ == "__main__":

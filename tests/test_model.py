@@ -80,7 +80,7 @@ def _with_config(model, config):
 
 
 def test_model_shapes_and_options(key):
-    config = _config(max_seq_len=256, num_kv_heads=1, remat=True, tie_embeddings=True)
+    config = _config(max_seq_len=256, num_kv_heads=1, remat="full", tie_embeddings=True)
     model = Transformer(config, key=key)
     tokens = jnp.arange(256) % config.vocab_size
     logits = model(tokens, jnp.arange(256))
@@ -90,9 +90,9 @@ def test_model_shapes_and_options(key):
 
 
 def test_model_remat_recomputes_without_changing_value_or_gradients(key):
-    config = _config(max_seq_len=128, remat=True)
+    config = _config(max_seq_len=128, remat="full")
     remat = Transformer(config, key=key)
-    plain = _with_config(remat, config.replace(remat=False))
+    plain = _with_config(remat, config.replace(remat="none"))
     tokens = jax.random.randint(key, (128,), 0, config.vocab_size)
     d_logits = jax.random.normal(jax.random.fold_in(key, 1), (128, config.vocab_size))
 

@@ -85,7 +85,7 @@ def test_config_rejects_unknown_mode_string(changes, field, value):
         dict(mask="chunked", chunk_size=64),
         dict(mask="prefix_lm", prefix_len=100),
         dict(mask="full"),
-        dict(num_kv_heads=1, sinks=True, logit_soft_cap=30.0, remat=True, param_dtype="bfloat16"),
+        dict(num_kv_heads=1, sinks=True, logit_soft_cap=30.0, remat="save_dots", param_dtype="bfloat16"),
         dict(attention="splash", d_model=512, num_heads=4, splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="mosaic_tpu")),
     ],
 )

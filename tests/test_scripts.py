@@ -36,10 +36,33 @@ def test_aot_preflight_compiles_tiny_config_for_v5e():
 
 @pytest.mark.tpu_compile
 def test_aot_preflight_exits_nonzero_when_it_does_not_fit():
+    # replicated parameters + AdamW state (1.6 B params x 12 bytes per device); FSDP would fit it
     result = _run(["scripts/aot_preflight.py", "--topology", "v5e:2x2", *TINY, "--d-model", "4096",
-                   "--num-heads", "32", "--num-kv-heads", "32", "--num-layers", "8"])
+                   "--num-heads", "32", "--num-kv-heads", "32", "--num-layers", "8", "--no-fsdp"])
     assert result.returncode == 1, result.stdout + result.stderr
     assert "DOES NOT FIT" in result.stdout
+
+
+@pytest.mark.tpu_compile
+def test_aot_preflight_small_preset_with_fsdp_for_v5e():
+    """The tiny preset (head_dim raised to the TPU kernels' 128) with sharded params + AdamW
+    state, a selective remat policy and a chunked loss compiles for v5e:2x2; the report splits
+    the arguments and shows FSDP's per-device share of the state."""
+    result = _run(["scripts/aot_preflight.py", "--topology", "v5e:2x2", "--preset", "tiny", "--head-dim", "128",
+                   "--seq-len", "2048", "--block", "256", "--fsdp", "--remat", "save_attention", "--loss-chunk", "256"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "remat=save_attention; loss_chunk=256" in out
+    assert "sharded (FSDP) over data x context = 4 devices" in out
+    assert "params + optimiser state = 1.000 x (replicated bytes / devices" in out  # every tiny dim divides 4
+    for line in ("parameters", "optimiser state", "batch shard", "logits of one loss chunk", "temporaries"):
+        assert line in out
+    assert out.strip().endswith("FITS")
+
+
+def test_aot_preflight_rejects_an_unknown_preset():
+    result = _run(["scripts/aot_preflight.py", "--preset", "7b"])
+    assert result.returncode == 2 and "choose one of ('tiny', '1b', 'llama3-8b')" in result.stderr
 
 
 def test_launch_dry_run_prints_the_commands():

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
@@ -270,8 +271,10 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         if sinks is not None:  # the sink joins each row's denominator once
             lse_tot = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
             o, lse = o * jnp.exp(lse - lse_tot)[..., None], lse_tot
-        out = o.astype(q.dtype)
-        return out, (q, k, v, out, lse)
+        # named for remat policies (model.attention.ATTENTION_OUT / ATTENTION_LSE): saving them
+        # lets the backward pass skip re-running this forward ring
+        out = checkpoint_name(o.astype(q.dtype), "attention_out")
+        return out, (q, k, v, out, checkpoint_name(lse, "attention_lse"))
 
     def backward(res, q_seg, kv_seg, sinks, d_out):
         q, k, v, out, lse = res

@@ -11,9 +11,17 @@ own (unnormalised) loss; the ring's custom VJP returns every device the gradient
 *total* loss through its local tokens, so a ``psum`` over both axes divided by the global
 number of scored tokens is the exact gradient of the mean loss.
 
-Checkpoints (``ringsplash.checkpoints``: orbax, sharded, atomic) hold model, optimiser state,
-step and the data stream's position; batches are a pure function of (seed, step), so a resumed
-run is bit-identical to an uninterrupted one.
+Parameters and AdamW state are sharded FSDP-style over ``("data", "context")`` when
+``TrainConfig.fsdp`` (``ringsplash.partitioning``): the step receives local shards, gathers the
+embedding / final norm / unembedding once and each layer's weights inside the scanned layer
+step; the gradient of a sharded parameter comes back reduce-scattered (the all-gather's
+transpose), already summed over the mesh. The loss projects hidden states to the vocabulary in
+chunks of ``TrainConfig.loss_chunk`` tokens under ``jax.checkpoint`` (``chunked_loss_sums``),
+so at most ``loss_chunk x vocab`` logits exist per device.
+
+Checkpoints (``ringsplash.checkpoints``: orbax, sharded, atomic) hold model, optimiser state, step and the data stream's
+position; batches are a pure function of (seed, step), so a resumed run is bit-identical to an
+uninterrupted one.
 """
 
 import dataclasses
@@ -32,10 +40,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import checkpoints, layouts
+from ringsplash import checkpoints, layouts, partitioning
 from ringsplash._checks import check_divides, check_int, check_positive_int
+from ringsplash._types import Array, Float, Int
 from ringsplash.data import Batch, DataStream
 from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model.config import dtype_of
 
 DATA, CONTEXT = "data", "context"
 
@@ -59,6 +69,8 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 0  # 0: only at the end
     progress: bool = True
+    fsdp: bool = True  # shard params + optimiser state over data x context (a no-op on one device)
+    loss_chunk: int = 0  # tokens per chunk of the cross-entropy (0: all local tokens at once)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every"):
@@ -66,6 +78,7 @@ class TrainConfig:
         check_divides("data_parallel", self.data_parallel, "batch_size", self.batch_size)
         if not 0 <= check_int("warmup_steps", self.warmup_steps) <= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
+        check_int("loss_chunk", self.loss_chunk, minimum=0)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -143,19 +156,77 @@ def replicate(tree, mesh: jax.sharding.Mesh):
     return jax.tree.map(lambda x: _global_array(x, sharding) if eqx.is_array(x) else x, tree)
 
 
+def place_state(model: Transformer, opt_state, mesh: jax.sharding.Mesh, plan: partitioning.ShardingPlan,
+                optimizer: optax.GradientTransformation):
+    """(model, opt_state) on the mesh laid out by ``plan`` (multi-host safe, from host copies)."""
+    params, static = eqx.partition(model, eqx.is_array)
+    param_sh = partitioning.shardings(plan.specs, mesh)
+    opt_sh = partitioning.optimizer_shardings(optimizer, params, param_sh, mesh)
+    place = lambda tree, sh: jax.tree.map(lambda x, s: _global_array(x, s), tree, sh)
+    return eqx.combine(place(params, param_sh), static), place(opt_state, opt_sh)
+
+
 # ----------------------------------------------------------------------------- loss and steps
 
 
-def _local_sums(model: Transformer, batch: Batch, key):
+def chunked_loss_sums(
+    hidden: Float[Array, "tokens d_model"],
+    unembedding: Float[Array, "d_model vocab"],
+    labels: Int[Array, " tokens"],
+    weights: Float[Array, " tokens"],
+    loss_chunk: int = 0,
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """(sum of weighted cross-entropy, sum of weighted correct predictions) over ``tokens``.
+
+    With ``loss_chunk`` the tokens are taken ``loss_chunk`` at a time by a ``lax.scan`` whose
+    body is ``jax.checkpoint``-ed: forward and backward each hold one chunk's ``[loss_chunk,
+    vocab]`` float32 logits, never all of them. ``loss_chunk=0``: one pass over all tokens.
+
+    Args:
+        hidden: final hidden states of the local tokens.
+        unembedding: the output projection (``Transformer.unembedding_matrix()``).
+        labels: next-token ids.
+        weights: loss weights (the loss mask).
+        loss_chunk: tokens per chunk; must divide the number of tokens.
+    """
+    n = hidden.shape[0]
+
+    def sums(h, y, w):
+        logits = (h @ unembedding).astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+        return jnp.sum(ce * w), jnp.sum(correct * w)
+
+    if not loss_chunk or loss_chunk == n:
+        return sums(hidden, labels, weights)
+    if n % loss_chunk:
+        raise ValueError(
+            f"loss_chunk={loss_chunk} must divide the number of local tokens per device ({n} = local rows x "
+            f"local sequence length): pick a divisor of {n}"
+        )
+    chunks = n // loss_chunk
+
+    @jax.checkpoint
+    def body(carry, xs):
+        s, c = sums(*xs)
+        return (carry[0] + s, carry[1] + c), None
+
+    xs = (hidden.reshape(chunks, loss_chunk, -1), labels.reshape(chunks, loss_chunk),
+          weights.reshape(chunks, loss_chunk))
+    (s, c), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)), xs)
+    return s, c
+
+
+def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, gather_layer=None):
     """Per-device (unnormalised) loss sum, scored weight, correct weight."""
     n = batch.tokens.shape[0]
     keys = None if key is None else jax.random.split(key, n)
-    call = lambda t, p, s, k: model(t, p, s, key=k)  # noqa: E731
-    logits = jax.vmap(call)(batch.tokens, batch.positions, batch.segment_ids, keys)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch.labels)
+    call = lambda t, p, s, k: model.hidden(t, p, s, key=k, gather_layer=gather_layer)  # noqa: E731
+    hidden = jax.vmap(call)(batch.tokens, batch.positions, batch.segment_ids, keys)
     w = batch.loss_mask.astype(jnp.float32)
-    correct = (jnp.argmax(logits, -1) == batch.labels).astype(jnp.float32)
-    return jnp.sum(ce * w), jnp.sum(w), jnp.sum(correct * w)
+    s, c = chunked_loss_sums(hidden.reshape(-1, hidden.shape[-1]), model.unembedding_matrix(),
+                             batch.labels.reshape(-1), w.reshape(-1), loss_chunk)
+    return s, jnp.sum(w), c
 
 
 def _device_key(key):
@@ -164,37 +235,86 @@ def _device_key(key):
     return jax.random.fold_in(jax.random.fold_in(key, jax.lax.axis_index(DATA)), jax.lax.axis_index(CONTEXT))
 
 
-def make_grad_fn(model_config: TransformerConfig, mesh):
+FSDP_AXES = (DATA, CONTEXT)
+
+
+def sharding_plan(model_config: TransformerConfig, mesh, fsdp: bool) -> partitioning.ShardingPlan:
+    """How the model's parameters (and so the optimiser state) are laid out on ``mesh``: FSDP over
+    ``("data", "context")`` (stacked layer axes kept whole) or replicated."""
+    model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(0))
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return partitioning.plan_sharding(params, dict(mesh.shape), fsdp=fsdp, axes=FSDP_AXES,
+                                      stacked=lambda path: path.startswith("layers."))
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None,
+                 loss_chunk: int = 0):
     """``grad_fn(params, static, batch, key) -> (grads, metrics)``: exact gradient of the mean
-    loss over the whole (sharded) batch, as a ``shard_map`` over the mesh (not jitted)."""
+    loss over the whole (sharded) batch, as a ``shard_map`` over the mesh (not jitted).
+
+    Args:
+        model_config: the model's config (checked against ``mesh``).
+        mesh: the ``(data, context)`` mesh.
+        plan: parameter layout (``sharding_plan``); ``None`` or unsharded: replicated
+            parameters. Sharded: ``params`` are sharded by ``plan.specs`` and so are the grads.
+        loss_chunk: tokens per chunk of the cross-entropy (0: unchunked).
+    """
     check_mesh(model_config, mesh)
     axes = (DATA, CONTEXT)
     dropout = model_config.attention_dropout > 0
     spec = batch_spec(model_config)
+    sharded = plan is not None and plan.sharded
+    cdt = dtype_of(model_config.compute_dtype)
+
+    def gathered(p):
+        """(params with non-layer leaves gathered, gather function for one layer)."""
+        if not sharded:
+            return p, None
+        outer = eqx.tree_at(lambda s: s.layers, plan.specs,
+                            replace_fn=lambda t: jax.tree.map(lambda _: P(), t, is_leaf=_is_spec))
+        layer_specs = partitioning.unstacked(plan.specs.layers)
+        gather_layer = lambda layer: partitioning.gather(layer, layer_specs, plan.axes, dtype=cdt)
+        return partitioning.gather(p, outer, plan.axes, dtype=cdt), gather_layer
 
     def local(params, static, batch, key):
         def loss(p):
-            s, w, c = _local_sums(eqx.combine(p, static), batch, _device_key(key) if dropout else None)
+            p, gather_layer = gathered(p)
+            s, w, c = _local_sums(eqx.combine(p, static), batch, _device_key(key) if dropout else None,
+                                  loss_chunk=loss_chunk, gather_layer=gather_layer)
             return s, (w, c)
 
         (s, (w, c)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         total = jnp.maximum(jax.lax.psum(w, axes), 1e-9)
-        grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / total, grads)
+        if sharded:  # sharded leaves arrive reduce-scattered (summed over the mesh) already
+            grads = jax.tree.map(lambda g, sp: (g if partitioning.is_sharded(sp) else jax.lax.psum(g, axes)) / total,
+                                 grads, plan.specs)
+        else:
+            grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / total, grads)
         metrics = {"loss": jax.lax.psum(s, axes) / total, "accuracy": jax.lax.psum(c, axes) / total}
         return grads, metrics
+
+    param_spec = plan.specs if sharded else P()
 
     def grad_fn(params, static, batch, key=None):
         return jax.shard_map(
             lambda p, b, k: local(p, static, b, k), mesh=mesh,
-            in_specs=(P(), Batch(*(spec,) * len(Batch._fields)), P()), out_specs=(P(), P()), check_vma=False,
+            in_specs=(param_spec, Batch(*(spec,) * len(Batch._fields)), P()), out_specs=(param_spec, P()),
+            check_vma=False,
         )(params, batch, key)
 
     return grad_fn
 
 
-def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTransformation, mesh):
-    """``step(model, opt_state, batch, key) -> (model, opt_state, metrics)`` (jitted)."""
-    grad_fn = make_grad_fn(model_config, mesh)
+def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTransformation, mesh, *,
+                    plan: partitioning.ShardingPlan | None = None, loss_chunk: int = 0):
+    """``step(model, opt_state, batch, key) -> (model, opt_state, metrics)`` (jitted). With a
+    sharded ``plan`` the new parameters and optimiser state keep the plan's shardings."""
+    grad_fn = make_grad_fn(model_config, mesh, plan=plan, loss_chunk=loss_chunk)
+    sharded = plan is not None and plan.sharded
 
     @eqx.filter_jit(donate="all-except-first")
     def step(model, opt_state, batch, key):
@@ -202,7 +322,13 @@ def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTr
         grads, metrics = grad_fn(params, static, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.tree.norm(grads)
-        return eqx.apply_updates(model, updates), opt_state, metrics
+        params = optax.apply_updates(params, updates)
+        if sharded:
+            param_sh = partitioning.shardings(plan.specs, mesh)
+            opt_sh = partitioning.optimizer_shardings(optimizer, params, param_sh, mesh)
+            params = jax.lax.with_sharding_constraint(params, param_sh)
+            opt_state = jax.lax.with_sharding_constraint(opt_state, opt_sh)
+        return eqx.combine(params, static), opt_state, metrics
 
     return step
 
@@ -442,7 +568,8 @@ def fit(
 
     mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel)
     optimizer = make_optimizer(tc)
-    step_fn = make_train_step(model_config, optimizer, mesh)
+    plan = sharding_plan(model_config, mesh, tc.fsdp)
+    step_fn = make_train_step(model_config, optimizer, mesh, plan=plan, loss_chunk=tc.loss_chunk)
     ckpt = os.path.join(run_dir, "checkpoints")
     log = MetricsLog(run_dir)
     # A resumed run must be the run that wrote the checkpoint (checked before loading it);
@@ -458,7 +585,7 @@ def fit(
         state = load_checkpoint(ckpt, state)
         if int(state.data_seed) != stream.seed:
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
-    model, opt_state = replicate((state.model, state.opt_state), mesh)
+    model, opt_state = place_state(state.model, state.opt_state, mesh, plan, optimizer)
     start = int(state.step)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     if jax.process_index() == 0:

@@ -1,11 +1,13 @@
 """Equinox transformer whose attention runs under a selectable strategy (reference / splash / ring)."""
 
 from ringsplash.model.attention import Attention, attend, rope
-from ringsplash.model.config import MASKS, STRATEGIES, TransformerConfig
-from ringsplash.model.transformer import Block, RMSNorm, SwiGLU, Transformer
+from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
+from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, remat_policy
 
 __all__ = [
+    "GATHERED",
     "MASKS",
+    "REMAT_POLICIES",
     "STRATEGIES",
     "Attention",
     "Block",
@@ -14,5 +16,6 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "attend",
+    "remat_policy",
     "rope",
 ]

@@ -8,11 +8,16 @@ the config's mask over original positions; packed documents add segment ids.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.config import TransformerConfig, dtype_of
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
+
+#: checkpoint names of the attention output and its log-sum-exp (the ring names its residuals
+#: with them, so a policy saving them never re-runs the ring forward in the backward pass)
+ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
 
 
 def rope(x: Float[Array, "heads seq d"], positions: Int[Array, "seq"], theta: float) -> Float[Array, "heads seq d"]:
@@ -110,5 +115,7 @@ class Attention(eqx.Module):
         k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
         v = heads(self.wv, c.num_kv_heads)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key)
+        if c.attention != "ring":  # the ring names its own residual (naming it twice would save it twice)
+            out = checkpoint_name(out, ATTENTION_OUT)
         out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.head_dim)
         return out @ self.wo.astype(cdt)

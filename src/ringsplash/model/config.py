@@ -20,6 +20,13 @@ DType = Literal["float32", "bfloat16", "float16"]
 STRATEGIES: tuple[str, ...] = literal_choices(Strategy)
 MASKS: tuple[str, ...] = literal_choices(MaskKind)
 DTYPES: tuple[str, ...] = literal_choices(DType)
+#: ``remat`` policies for the scanned layer step (see ``ringsplash.model.transformer.remat_policy``):
+#: ``"none"`` saves every residual, ``"full"`` saves only the layer input and recomputes the layer,
+#: ``"save_attention"`` saves the attention outputs (and their log-sum-exp) so the backward pass
+#: recomputes the projections and the MLP but never the attention, ``"save_dots"`` saves every
+#: matmul result without batch dimensions plus the attention outputs.
+RematPolicy = Literal["none", "full", "save_attention", "save_dots"]
+REMAT_POLICIES: tuple[str, ...] = literal_choices(RematPolicy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +74,7 @@ class TransformerConfig:
     logit_soft_cap: float | None = None
     sinks: bool = False
     attention_dropout: float = 0.0
-    remat: bool = False
+    remat: RematPolicy = "none"
     tie_embeddings: bool = False
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
@@ -98,6 +105,7 @@ class TransformerConfig:
         check_float("rope_theta", self.rope_theta, positive=True)
 
         check_choice("attention", self.attention, STRATEGIES)
+        check_choice("remat", self.remat, REMAT_POLICIES)
         self._check_mask()
         for name in ("param_dtype", "compute_dtype"):
             check_choice(name, getattr(self, name), DTYPES)
@@ -214,4 +222,4 @@ def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-__all__ = ["DTYPES", "MASKS", "STRATEGIES", "TransformerConfig", "dtype_of"]
+__all__ = ["DTYPES", "MASKS", "REMAT_POLICIES", "STRATEGIES", "RematPolicy", "TransformerConfig", "dtype_of"]

@@ -1,19 +1,49 @@
 """Decoder-only ``Transformer``: embedding → [RMSNorm → attention, RMSNorm → SwiGLU] × L → logits.
 
 Per example: ``model(tokens, positions, segment_ids=None) -> logits``; batch with ``jax.vmap``.
+The loss path calls ``model.hidden(...)`` (final-normed hidden states) and projects chunks of
+tokens with ``model.unembedding_matrix()`` itself, so full ``[seq, vocab]`` logits never exist.
 Layers are one stacked ``Block`` (built with ``eqx.filter_vmap``) run by ``lax.scan``, so the
-compile time does not grow with depth; ``config.remat`` wraps the scanned block in
-``jax.checkpoint``. Under ``attention="ring"`` call it inside ``shard_map`` on the local shard of
-layout-ordered tokens with their original positions.
+compile time does not grow with depth; ``config.remat`` names the ``jax.checkpoint`` policy of
+the scanned block (``remat_policy``). Under ``attention="ring"`` call it inside ``shard_map`` on
+the local shard of layout-ordered tokens with their original positions.
+
+``hidden(..., gather_layer=f)`` applies ``f`` to each layer's parameters inside the scanned step
+just before use (sharded-parameter training gathers that layer's weights there); its results
+are named ``GATHERED`` so no remat policy keeps them for the backward pass (they are gathered
+again), and only about two layers' gathered weights are alive at once.
 """
 
+from collections.abc import Callable
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
-import equinox as eqx
+from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
-from ringsplash.model.attention import Attention
-from ringsplash.model.config import TransformerConfig, dtype_of
+from ringsplash.model.attention import ATTENTION_LSE, ATTENTION_OUT, Attention
+from ringsplash.model.config import RematPolicy, TransformerConfig, dtype_of
+
+#: checkpoint name of a layer's weights after ``gather_layer``
+GATHERED = "gathered_weights"
+
+
+def remat_policy(name: RematPolicy, *, gathered: bool = False):
+    """``(wrap, policy)`` for the layer step: whether to wrap it in ``jax.checkpoint`` and with
+    which ``jax.checkpoint_policies`` policy. With ``gathered`` (weights gathered inside the
+    step) even ``"none"`` checkpoints, saving everything except the gathered weights."""
+    cp = jax.checkpoint_policies
+    attention = cp.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE)
+    if name == "none":
+        return (True, cp.save_anything_except_these_names(GATHERED)) if gathered else (False, None)
+    if name == "full":
+        return True, cp.nothing_saveable
+    if name == "save_attention":
+        return True, attention
+    if name == "save_dots":
+        return True, cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, attention)
+    raise ValueError(f"unknown remat policy {name!r}")  # TransformerConfig validates; unreachable
 
 
 class RMSNorm(eqx.Module):
@@ -109,6 +139,26 @@ class Transformer(eqx.Module):
         key: jax.Array | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Float32 logits for one example. ``key`` enables attention dropout (training only)."""
+        x = self.hidden(tokens, positions, segment_ids, key=key)
+        return (x @ self.unembedding_matrix()).astype(jnp.float32)
+
+    def hidden(
+        self,
+        tokens: Int[Array, "seq"],
+        positions: Int[Array, "seq"],
+        segment_ids: Int[Array, "seq"] | None = None,
+        *,
+        key: jax.Array | None = None,
+        gather_layer: Callable[[Block], Block] | None = None,
+    ) -> Float[Array, "seq d_model"]:
+        """Final-normed hidden states (compute dtype) for one example.
+
+        Args:
+            tokens, positions, segment_ids: one example (or its local shard under the ring).
+            key: enables attention dropout (training only).
+            gather_layer: applied to one layer's parameters (a ``Block`` of arrays without the
+                stacked axis) inside the scanned step, e.g. to all-gather sharded weights.
+        """
         c = self.config
         cdt = dtype_of(c.compute_dtype)
         x = self.embedding[tokens].astype(cdt)
@@ -116,16 +166,23 @@ class Transformer(eqx.Module):
 
         def step(h, xs):
             layer_params, layer_key = xs
+            if gather_layer is not None:
+                layer_params = jax.tree.map(lambda w: checkpoint_name(w, GATHERED), gather_layer(layer_params))
             layer = eqx.combine(layer_params, static)
             return layer(h, positions, segment_ids, key=layer_key), None
 
-        if c.remat:
-            step = jax.checkpoint(step)
+        wrap, policy = remat_policy(c.remat, gathered=gather_layer is not None)
+        if wrap:
+            step = jax.checkpoint(step, policy=policy)
         keys = None if key is None else jax.random.split(key, c.num_layers)
         x, _ = jax.lax.scan(step, x, (dynamic, keys))
-        x = self.final_norm(x)
+        return self.final_norm(x)
+
+    def unembedding_matrix(self) -> Float[Array, "d_model vocab"]:
+        """The output projection in the compute dtype (the scaled embedding when tied)."""
+        c = self.config
         w = self.embedding.T / c.d_model**0.5 if self.unembedding is None else self.unembedding
-        return (x @ w.astype(cdt)).astype(jnp.float32)
+        return w.astype(dtype_of(c.compute_dtype))
 
     def with_config(self, config: TransformerConfig) -> "Transformer":
         """These parameters under another config with the same parameter shapes (e.g. another

@@ -1,0 +1,125 @@
+"""FSDP (ZeRO-3) training on a data 2 x context 4 mesh of simulated devices with the zigzag
+ring: one step and a 20-step run equal the replicated-parameter run; parameters and AdamW
+state are really sharded; parameters that cannot be split evenly stay replicated and are
+reported."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from ringsplash import data, partitioning, train
+from ringsplash.model import TransformerConfig
+from ringsplash.splash import SplashConfig
+
+SEQ, ROWS, DATA, CONTEXT = 1024, 4, 2, 4
+BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
+TASK = data.RecallTask(seq_len=SEQ, num_pairs=8, num_queries=8, num_keys=16, num_values=8, num_filler=8)
+# float32 throughout; the FSDP and replicated steps sum gradients in different orders
+# (reduce-scatter vs all-reduce). Measured max |diff|: grads 0, params after a step 0,
+# loss after 20 steps 0 (XLA:CPU happens to sum in the same order); 1e-6 leaves headroom for
+# reordering, far below the ~1e-3 a wrong (e.g. un-summed or double-summed) gradient moves.
+ATOL = 1e-6
+
+
+def _config():
+    # sinks [layers, heads=2]: no dimension divisible by 8 devices -> replicated (mixed tree)
+    return TransformerConfig(vocab_size=TASK.vocab_size, d_model=16, num_layers=2, num_heads=2, max_seq_len=SEQ,
+                             splash=BLOCKS, sinks=True, attention="ring", ring_axis_name="context",
+                             ring_size=CONTEXT, remat="save_attention")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{fsdp: (plan, step, first-step outputs, grads, 20 losses)} for fsdp in (False, True)."""
+    config = _config()
+    tc = train.TrainConfig(steps=20, batch_size=ROWS, data_parallel=DATA, context_parallel=CONTEXT, warmup_steps=2,
+                           learning_rate=1e-2, progress=False)
+    mesh = train.make_mesh(DATA, CONTEXT)
+    optimizer = train.make_optimizer(tc)
+    state = train.init_state(config, tc)
+    stream = data.DataStream(make=lambda rng, n, step: TASK.batch(rng, n), batch_size=ROWS, seed=1)
+    out = {}
+    for fsdp in (False, True):
+        batches = [train.shard_batch(stream.batch(i), mesh, config) for i in range(tc.steps)]  # the step donates them
+        plan = train.sharding_plan(config, mesh, fsdp)
+        model, opt_state = train.place_state(state.model, state.opt_state, mesh, plan, optimizer)
+        params, static = eqx.partition(model, eqx.is_array)
+        grad_fn = train.make_grad_fn(config, mesh, plan=plan)
+        grads, _ = jax.jit(lambda p, b, grad_fn=grad_fn, static=static: grad_fn(p, static, b))(params, batches[0])
+        step = train.make_train_step(config, optimizer, mesh, plan=plan)
+        losses, first = [], None
+        for i, batch in enumerate(batches):
+            model, opt_state, metrics = step(model, opt_state, batch, jax.random.key(i))
+            losses.append(float(metrics["loss"]))
+            if first is None:
+                first = jax.device_get(eqx.filter(model, eqx.is_array))
+        out[fsdp] = dict(plan=plan, grads=jax.device_get(grads), first=first, losses=np.asarray(losses),
+                         final=(model, opt_state))
+    return out
+
+
+def _leaves(tree):
+    return jax.tree.leaves(tree)
+
+
+def test_fsdp_step_equals_replicated_step(runs):
+    rep, fsdp = runs[False], runs[True]
+    for g_rep, g_fsdp in zip(_leaves(rep["grads"]), _leaves(fsdp["grads"]), strict=True):
+        np.testing.assert_allclose(g_fsdp, g_rep, atol=ATOL, rtol=0)
+    for p_rep, p_fsdp in zip(_leaves(rep["first"]), _leaves(fsdp["first"]), strict=True):
+        np.testing.assert_allclose(p_fsdp, p_rep, atol=ATOL, rtol=0)
+    assert abs(rep["losses"][0] - fsdp["losses"][0]) <= ATOL
+    assert np.abs(np.concatenate([np.ravel(g) for g in _leaves(rep["grads"])])).max() > 1e-3  # not trivially zero
+
+
+def test_fsdp_run_follows_the_replicated_loss_curve(runs):
+    rep, fsdp = runs[False]["losses"], runs[True]["losses"]
+    assert rep[-1] < rep[0] - 0.3, rep  # it trains
+    np.testing.assert_allclose(fsdp, rep, atol=1e-5, rtol=0)  # 20 AdamW steps amplify reordering: 10x ATOL
+
+
+def test_fsdp_shards_params_and_optimizer_state(runs):
+    model, opt_state = runs[True]["final"]
+    n = DATA * CONTEXT
+    params = eqx.filter(model, eqx.is_array)
+    wq = model.layers.attention.wq  # [layers, d_model, heads x d] = [2, 16, 16]: split on a non-layer axis
+    assert wq.shape == (2, 16, 16) and wq.addressable_shards[0].data.shape == (2, 2, 16)
+    assert model.embedding.addressable_shards[0].data.shape == (TASK.vocab_size, 16 // n)
+    for leaf in _leaves(params):
+        local = leaf.addressable_shards[0].data.size
+        if leaf is model.layers.attention.sinks:  # [2, 2]: replicated, reported
+            assert local == leaf.size
+        else:
+            assert local * n == leaf.size, (leaf.shape, leaf.sharding)
+    sinks_shape = model.layers.attention.sinks.shape
+    moments = [x for x in _leaves(opt_state) if x.size > 1 and x.shape != sinks_shape]  # AdamW mu, nu
+    assert len(moments) == 2 * (len(_leaves(params)) - 1)
+    for m in moments:
+        assert m.addressable_shards[0].data.size * n == m.size, (m.shape, m.sharding)
+    # replicated run: full copies everywhere
+    rep_model, _ = runs[False]["final"]
+    assert rep_model.layers.attention.wq.addressable_shards[0].data.shape == (2, 16, 16)
+
+
+def test_fsdp_plan_reports_parameters_it_cannot_split():
+    plan = train.sharding_plan(_config(), train.make_mesh(DATA, CONTEXT), fsdp=True)
+    assert plan.sharded and plan.num_shards == 8
+    assert plan.replicated == ("layers.attention.sinks (2, 2)",)
+    assert "replicated (no dimension divisible by 8): layers.attention.sinks (2, 2)" in partitioning.describe(plan)
+    # an uneven width: d_model 12 and vocab 33 split over 8 nowhere -> the embedding is replicated
+    config = _config().replace(d_model=12, num_heads=2, head_dim=8, sinks=False)
+    plan = train.sharding_plan(config, train.make_mesh(DATA, CONTEXT), fsdp=True)
+    assert plan.specs.embedding == P() and f"embedding ({TASK.vocab_size}, 12)" in plan.replicated
+    assert "layers.attention_norm.weight (2, 12)" in plan.replicated and plan.specs.unembedding == P()
+    assert plan.specs.layers.attention.wq == P(None, None, ("data", "context"))  # [2, 12, 2 heads x 8]
+    assert plan.specs.layers.mlp.w_gate == P(None, None, ("data", "context"))  # [2, 12, 32]
+    assert train.sharding_plan(config, train.make_mesh(DATA, CONTEXT), fsdp=False).specs.layers.mlp.w_gate == P()
+
+
+def test_fsdp_dim_never_splits_the_stacked_axis():
+    assert partitioning.fsdp_dim((8, 3, 5), 8, skip_leading=1) is None
+    assert partitioning.fsdp_dim((8, 3, 5), 8) == 0
+    assert partitioning.fsdp_dim((4, 16, 32), 8, skip_leading=1) == 2
+    assert partitioning.fsdp_dim((16, 16), 8) == 0  # ties: the first
