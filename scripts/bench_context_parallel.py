@@ -9,8 +9,10 @@ strategy (USP: the (ulysses, ring) factorisation with the smallest modelled time
 * per-device bytes communicated per attention call, forward and backward, computed
   analytically from the algorithm, and counted from the collectives of the program compiled
   for the TPU topology with libtpu (loops multiplied by their known trip counts; all-gather /
-  all-to-all / reduce-scatter count the (g - 1) / g of the data that crosses devices, a
-  collective permute its whole buffer); the two must agree within 10%;
+  all-to-all / reduce-scatter count the (g - 1) / g of the data that crosses devices, an
+  all-reduce 2 (g - 1) / g, a collective permute its whole buffer); the two must agree within
+  10%. The all-gather backward's reduce-scatter of dK/dV is lowered by libtpu as an
+  all-reduce + slice (twice the bytes), and the analytic model counts it that way;
 * per-device compiled temp memory of forward + backward;
 * critical-path active-block work: the busiest device's non-empty 512 x 512 blocks summed
   over heads (and over ring steps, taking the busiest device at each step);
@@ -46,6 +48,8 @@ K = 1024
 HEADS, KV_HEADS, D, BLOCK, BYTES = 32, 8, 128, 512, 2  # bf16
 TOPOLOGY = {8: "v5p:2x2x2", 16: "v5p:2x2x4", 64: "v5p:4x4x4"}
 STRATEGIES = ("ring", "allgather", "ulysses", "usp")
+#: libtpu lowers the dK/dV reduce-scatter as an all-reduce + slice (v5p), moving twice the bytes
+RS_AS_ALL_REDUCE = 2
 BWD_FLOP_RATIO = 3.5  # dq kernel 3 matmuls + dK/dV kernel 4 matmuls vs the forward's 2
 
 
@@ -80,7 +84,7 @@ def analytic(strategy: str, s: int, n: int, a: int = 1):
         return fwd, bwd, HEADS * ring_critical(pair_work(s, n)), fwd + bwd
     if strategy == "allgather":
         kv = 2 * KV_HEADS * s * D * BYTES * (n - 1) // n  # gather K, V; reduce-scatter dK, dV (bf16)
-        return kv, kv, HEADS * int(pair_work(s, n).sum(1).max()), 0
+        return kv, kv * RS_AS_ALL_REDUCE, HEADS * int(pair_work(s, n).sum(1).max()), 0
     b = n // a
     per = (2 * HEADS + 2 * KV_HEADS * kv_repeat(a)) * local * D * BYTES * (a - 1) // a  # q, k, v, out / grads
     if strategy == "ulysses":
@@ -110,7 +114,8 @@ _CALLEE = re.compile(r"\b(body|calls|to_apply|branch_computations|true_computati
 
 
 def _arrays(text: str) -> list[int]:
-    return [_SIZES[t] * int(np.prod([int(x) for x in dims.split(",") if x] or [1])) for t, dims in _SHAPE.findall(text)]
+    """Bytes of every non-scalar array shape in ``text``."""
+    return [_SIZES[t] * int(np.prod([int(x) for x in dims.split(",")])) for t, dims in _SHAPE.findall(text) if dims]
 
 
 def _group_size(line: str, n: int) -> int:
@@ -139,13 +144,13 @@ def collective_bytes(text: str, n: int) -> float:
         base = op.removesuffix("-start")
         if base not in _OPS or op.endswith("-done"):
             return 0.0
-        arrays = [x for x in _arrays(result)]
-        if op.endswith("-start"):  # (operands..., results..., [contexts]): the buffers, once
-            big = [x for x in arrays if x > 16]
-            size = sum(big) / 2 if base != "all-gather" else max(big)
-        else:
-            size = sum(arrays) if base != "all-gather" else max(arrays)
+        arrays = _arrays(result)
         g = _group_size(line, n)
+        size = sum(arrays)
+        if op == "all-gather-start":  # (operands, outputs): outputs are g x operands
+            size = size * g / (g + 1)
+        elif op == "collective-permute-start":  # (operands, outputs, contexts)
+            size = size / 2
         if base == "collective-permute":
             return size
         if base == "reduce-scatter":
@@ -163,10 +168,15 @@ def collective_bytes(text: str, n: int) -> float:
         acc = 0.0
         for line in comps.get(comp, []):
             acc += own(line)
+            if re.search(r" (async-done|async-update)\(", line):  # the async-start already counted it
+                continue
             trips = 1
-            if " while(" in line:
+            if " while(" in line:  # trip count: known_trip_count, else the condition's `< constant`
                 m = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trips = int(m.group(1)) if m else 1
+                cond = re.search(r"condition=%([\w.\-]+)", line)
+                consts = [int(c) for ln in comps.get(cond.group(1) if cond else "", [])
+                          for c in re.findall(r"constant\((\d+)\)", ln)]
+                trips = int(m.group(1)) if m else (max(consts) if consts else 1)
             for kind, group in _CALLEE.findall(line):
                 callees = [c.strip().lstrip("%") for c in group.split(",")]
                 if kind == "to_apply":
@@ -209,6 +219,10 @@ def compile_child(strategy: str, s: int, n: int, a: int) -> None:
     t0 = time.perf_counter()
     fwd = jax.jit(fn).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS)).compile()
     both = jax.jit(fwd_bwd).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), spec(HEADS)).compile()
+    if dump := os.environ.get("BENCH_CP_DUMP"):  # keep the HLO for inspection
+        for tag, c in (("fwd", fwd), ("fwd_bwd", both)):
+            with open(os.path.join(dump, f"{strategy}_{s}_{n}_{a}_{tag}.hlo"), "w") as f:
+                f.write(c.as_text())
     fwd_bytes, total = collective_bytes(fwd.as_text(), n), collective_bytes(both.as_text(), n)
     print(json.dumps({"fwd": fwd_bytes, "bwd": total - fwd_bytes, "temp": both.memory_analysis().temp_size_in_bytes,
                       "compile_s": time.perf_counter() - t0}))

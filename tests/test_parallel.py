@@ -183,7 +183,6 @@ def test_usp_mask_matches_reference(key, kind):
     "name, degrees, layout, heads, kv_heads",
     [
         ("allgather", None, "zigzag", 8, 2),
-        ("ulysses", None, "zigzag", 8, 1),  # MQA: the one kv head to all 8
         ("usp", (4, 2), "striped", 8, 2),
     ],
 )
@@ -199,9 +198,9 @@ def test_strategy_eight_devices_all_features(key, name, degrees, layout, heads, 
 
 @pytest.mark.parametrize("name, degrees", [("allgather", None), ("ulysses", None), ("usp", (2, 2))])
 def test_strategy_interpret_backend_matches_reference(key, name, degrees):
-    got, want = run_both(key, name, make_mask("causal", 512, 2, 1), layout="zigzag", n=2, degrees=degrees,
-                         heads=2 if name != "usp" else 4, kv_heads=1, s=512 if name != "usp" else 1024, d=128,
-                         segments=True, sinks=True, config=INTERPRET)
+    s = 256 if name != "usp" else 512  # one 128-block per shard (per ring shard for USP 2 x 2)
+    got, want = run_both(key, name, make_mask("causal", s, 4, 1), layout="contiguous", n=2, degrees=degrees,
+                         heads=4, kv_heads=2, s=s, d=128, segments=True, sinks=True, config=INTERPRET)
     assert_close(got, want)
 
 

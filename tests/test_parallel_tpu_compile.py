@@ -70,7 +70,8 @@ LOCAL_Q = HEADS * (S // N) * D * 2  # bf16 bytes of one device's q shard
 def test_allgather_tpu_compile_gathers_kv_and_reduce_scatters_grads():
     text, mem = compiled("allgather")
     counts = ops(text)
-    assert counts["all-gather"] >= 1 and counts["reduce-scatter"] >= 1, counts
+    # dK/dV: JAX emits a reduce-scatter, which libtpu lowers as an all-reduce + slice on v5p
+    assert counts["all-gather"] >= 2 and counts["reduce-scatter"] + counts["all-reduce"] >= 1, counts
     assert counts["all-to-all"] == 0 and counts["collective-permute"] == 0, counts
     assert kernels(text) == {"splash_forward": 1, "splash_dq": 1, "splash_dkv": 1}, kernels(text)
     # the gathered K, V (kv_heads x S x d each, = the local q size here) and float32 dK, dV of S

@@ -248,6 +248,19 @@ def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks):
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq, check_vma=False)(*args)
 
 
-__all__ = ["LocalPlan", "UlyssesHeads", "axis_size", "check_blocks", "check_global_inputs", "check_local_inputs",
-           "check_mesh_axis", "local_head_mask", "run_sharded", "splash_local", "ulysses_heads", "usp_factorisations",
-           "valid_ulysses_degrees", "vma"]
+__all__ = [
+    "LocalPlan",
+    "UlyssesHeads",
+    "axis_size",
+    "check_blocks",
+    "check_global_inputs",
+    "check_local_inputs",
+    "check_mesh_axis",
+    "local_head_mask",
+    "run_sharded",
+    "splash_local",
+    "ulysses_heads",
+    "usp_factorisations",
+    "valid_ulysses_degrees",
+    "vma",
+]
