@@ -270,7 +270,8 @@ def test_usp_rejects_ulysses_degree_the_heads_do_not_allow():
 
 def test_usp_mesh_rejects_factorisation_not_matching_devices():
     with pytest.raises(ValueError, match=r"ulysses x ring = 4 x 4 = 16 must equal the number of devices N=8; "
-                                         r"\(ulysses, ring\) factorisations that work: \[\(1, 8\), \(2, 4\), \(4, 2\)\]"):
+                                         r"\(ulysses, ring\) factorisations that work: "
+                                         r"\[\(1, 8\), \(2, 4\), \(4, 2\)\]"):
         usp_mesh(4, 4, devices=jax.devices()[:8], heads=12, kv_heads=2)
 
 

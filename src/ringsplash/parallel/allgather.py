@@ -11,8 +11,8 @@ Backward: the custom VJP is around the local Splash call only; JAX transposes th
 into a reduce-scatter (``psum_scatter``) of dK / dV, the optimal collective here, in the dtype
 of k / v. (libtpu lowers that reduce-scatter on v5p as an all-reduce + slice, checked on the
 compiled HLO in tests/test_parallel_tpu_compile.py; a custom-VJP ``psum_scatter`` compiles the
-same way, so there is nothing to gain from one.) The gathered K / V are residuals of the local call (``kv_heads x S x d``
-each per device), which saves re-gathering them in the backward.
+same way, so there is nothing to gain from one.) The gathered K / V are residuals of the
+local call (``kv_heads x S x d`` each per device), which saves re-gathering them in the backward.
 """
 
 import jax
