@@ -20,8 +20,16 @@ __all__ = [
     "reference_attention",
 ]
 
-from ringsplash.ring import ring_attention, ring_attention_sharded
 from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
+from ringsplash.ring import ring_attention, ring_attention_sharded
+from ringsplash.parallel import (
+    allgather_attention,
+    allgather_attention_sharded,
+    ulysses_attention,
+    ulysses_attention_sharded,
+    usp_attention,
+    usp_attention_sharded,
+)
 
 __all__ += [
     "SplashConfig",
@@ -31,15 +39,6 @@ __all__ += [
     "splash_backward",
     "splash_forward",
 ]
-
-from ringsplash.parallel import (
-    allgather_attention,
-    allgather_attention_sharded,
-    ulysses_attention,
-    ulysses_attention_sharded,
-    usp_attention,
-    usp_attention_sharded,
-)
 
 __all__ += [
     "allgather_attention",
