@@ -22,6 +22,14 @@ __all__ = [
 
 from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
 from ringsplash.ring import ring_attention, ring_attention_sharded
+from ringsplash.parallel import (
+    allgather_attention,
+    allgather_attention_sharded,
+    ulysses_attention,
+    ulysses_attention_sharded,
+    usp_attention,
+    usp_attention_sharded,
+)
 
 __all__ += [
     "SplashConfig",
@@ -30,4 +38,13 @@ __all__ += [
     "splash_attention",
     "splash_backward",
     "splash_forward",
+]
+
+__all__ += [
+    "allgather_attention",
+    "allgather_attention_sharded",
+    "ulysses_attention",
+    "ulysses_attention_sharded",
+    "usp_attention",
+    "usp_attention_sharded",
 ]

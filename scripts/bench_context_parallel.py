@@ -1,0 +1,319 @@
+"""Context-parallel strategy table: ring, all-gather, Ulysses and USP on the same Splash kernels.
+
+    python scripts/bench_context_parallel.py [--seq 128K,1M] [--devices 8,16,64] [--no-compile]
+        [--timeout 600] [--peak-tflops 459] [--link-gbs 90]
+
+For each (S, N), 32 q heads / 8 kv heads, d = 128, causal, zigzag, bf16, blocks 512, per
+strategy (USP: the (ulysses, ring) factorisation with the smallest modelled time):
+
+* per-device bytes communicated per attention call, forward and backward, computed
+  analytically from the algorithm, and counted from the collectives of the program compiled
+  for the TPU topology with libtpu (loops multiplied by their known trip counts; all-gather /
+  all-to-all / reduce-scatter count the (g - 1) / g of the data that crosses devices, an
+  all-reduce 2 (g - 1) / g, a collective permute its whole buffer); the two must agree within
+  10%. The all-gather backward's reduce-scatter of dK/dV is lowered by libtpu as an
+  all-reduce + slice (twice the bytes), and the analytic model counts it that way;
+* per-device compiled temp memory of forward + backward;
+* critical-path active-block work: the busiest device's non-empty 512 x 512 blocks summed
+  over heads (and over ring steps, taking the busiest device at each step);
+* a modelled step time (forward + backward): compute = critical work x 4 x 512^2 x d FLOPs
+  (backward 3.5x: the dq and dK/dV kernels recompute the scores) / peak FLOP/s;
+  communication = bytes / link bandwidth; ring transfers overlap the kernels (max), the
+  all-gather / all-to-all collectives do not (sum). A model, not a measurement.
+
+Topologies: v5p:2x2x2 (8 chips), v5p:2x2x4 (16), v5p:4x4x4 (64). Every compile runs in a
+fresh subprocess with a timeout; a row that does not compile prints the reason.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import numpy as np  # noqa: E402
+
+from ringsplash import build_mask_info, layouts, masks  # noqa: E402
+from ringsplash.parallel._common import valid_ulysses_degrees  # noqa: E402
+
+K = 1024
+HEADS, KV_HEADS, D, BLOCK, BYTES = 32, 8, 128, 512, 2  # bf16
+TOPOLOGY = {8: "v5p:2x2x2", 16: "v5p:2x2x4", 64: "v5p:4x4x4"}
+STRATEGIES = ("ring", "allgather", "ulysses", "usp")
+#: libtpu lowers the dK/dV reduce-scatter as an all-reduce + slice (v5p), moving twice the bytes
+RS_AS_ALL_REDUCE = 2
+BWD_FLOP_RATIO = 3.5  # dq kernel 3 matmuls + dK/dV kernel 4 matmuls vs the forward's 2
+
+
+# ----------------------------------------------------------------------------------------
+# analytic model
+
+
+def pair_work(s: int, n: int) -> np.ndarray:
+    """Non-empty blocks of each (q shard, kv shard) pair, causal, zigzag over n, one head."""
+    perm = layouts.permutation("zigzag", s, n)
+    info = build_mask_info(masks.CausalMask((s, s)), (BLOCK, BLOCK), q_shards=n, kv_shards=n, q_positions=perm,
+                           kv_positions=perm)
+    return np.asarray(info.num_active, np.int64).sum(0)
+
+
+def ring_critical(work: np.ndarray) -> int:
+    n = work.shape[0]
+    a = np.arange(n)
+    return int(sum(work[a, (a - t) % n].max() for t in range(n)))
+
+
+def kv_repeat(a: int) -> int:
+    return 1 if KV_HEADS % a == 0 else a // KV_HEADS
+
+
+def analytic(strategy: str, s: int, n: int, a: int = 1):
+    """(fwd bytes, bwd bytes, critical-path blocks, overlapped comm bytes) per device."""
+    local = s // n
+    if strategy == "ring":
+        kv = 2 * KV_HEADS * local * D
+        fwd, bwd = kv * BYTES * (n - 1), kv * BYTES * (n - 1) + kv * 4 * n  # K, V hops; float32 dK, dV hops
+        return fwd, bwd, HEADS * ring_critical(pair_work(s, n)), fwd + bwd
+    if strategy == "allgather":
+        kv = 2 * KV_HEADS * s * D * BYTES * (n - 1) // n  # gather K, V; reduce-scatter dK, dV (bf16)
+        return kv, kv * RS_AS_ALL_REDUCE, HEADS * int(pair_work(s, n).sum(1).max()), 0
+    b = n // a
+    per = (2 * HEADS + 2 * KV_HEADS * kv_repeat(a)) * local * D * BYTES * (a - 1) // a  # q, k, v, out / grads
+    if strategy == "ulysses":
+        return per, per, HEADS // a * int(pair_work(s, 1).sum()), 0
+    ring_kv = 2 * (KV_HEADS * kv_repeat(a) // a) * (s // b) * D  # the inner ring's K, V per member
+    rfwd, rbwd = ring_kv * BYTES * (b - 1), ring_kv * BYTES * (b - 1) + ring_kv * 4 * b
+    return per + rfwd, per + rbwd, HEADS // a * ring_critical(pair_work(s, b)), rfwd + rbwd
+
+
+def model_time(strategy, fwd, bwd, blocks, overlapped, peak, link):
+    compute = blocks * 4 * BLOCK * BLOCK * D * (1 + BWD_FLOP_RATIO) / peak
+    exposed = (fwd + bwd - overlapped) / link
+    return exposed + max(compute, overlapped / link)
+
+
+# ----------------------------------------------------------------------------------------
+# compiled program: collectives counted from the scheduled HLO
+
+
+_COMP = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|bf16|f16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
+_SIZES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+          "s64": 8, "u64": 8, "f64": 8}
+_OPS = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce")
+_CALLEE = re.compile(r"\b(body|calls|to_apply|branch_computations|true_computation|false_computation)="
+                     r"\{?([%\w.\-, ]+)\}?")
+
+
+def _arrays(text: str) -> list[int]:
+    """Bytes of every non-scalar array shape in ``text``."""
+    return [_SIZES[t] * int(np.prod([int(x) for x in dims.split(",")])) for t, dims in _SHAPE.findall(text) if dims]
+
+
+def _group_size(line: str, n: int) -> int:
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]", line):
+        return int(m.group(2))
+    if m := re.search(r"replica_groups=\{\{([\d,]+)\}", line):
+        return len(m.group(1).split(","))
+    return n
+
+
+def collective_bytes(text: str, n: int) -> float:
+    """Per-device bytes crossing devices in one run of the compiled program."""
+    comps, current = {}, None
+    for line in text.splitlines():
+        if m := _COMP.match(line):
+            current = comps.setdefault(m.group(1), [])
+        elif current is not None and " = " in line:
+            current.append(line)
+    entry = next(m.group(1) for line in text.splitlines() if (m := re.match(r"^ENTRY %([\w.\-]+)", line)))
+
+    def own(line: str) -> float:
+        m = re.search(r" = (.*?) ([a-z][\w\-]*)\(", line)
+        if not m:
+            return 0.0
+        result, op = m.group(1), m.group(2)
+        base = op.removesuffix("-start")
+        if base not in _OPS or op.endswith("-done"):
+            return 0.0
+        arrays = _arrays(result)
+        g = _group_size(line, n)
+        size = sum(arrays)
+        if op == "all-gather-start":  # (operands, outputs): outputs are g x operands
+            size = size * g / (g + 1)
+        elif op == "collective-permute-start":  # (operands, outputs, contexts)
+            size = size / 2
+        if base == "collective-permute":
+            return size
+        if base == "reduce-scatter":
+            return size * (g - 1)
+        if base == "all-reduce":
+            return 2 * size * (g - 1) / g
+        return size * (g - 1) / g  # all-gather (of the output), all-to-all
+
+    memo = {}
+
+    def total(comp: str) -> float:
+        if comp in memo:
+            return memo[comp]
+        memo[comp] = 0.0
+        acc = 0.0
+        for line in comps.get(comp, []):
+            acc += own(line)
+            if re.search(r" (async-done|async-update)\(", line):  # the async-start already counted it
+                continue
+            trips = 1
+            if " while(" in line:  # trip count: known_trip_count, else the condition's `< constant`
+                m = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                cond = re.search(r"condition=%([\w.\-]+)", line)
+                consts = [int(c) for ln in comps.get(cond.group(1) if cond else "", [])
+                          for c in re.findall(r"constant\((\d+)\)", ln)]
+                trips = int(m.group(1)) if m else (max(consts) if consts else 1)
+            for kind, group in _CALLEE.findall(line):
+                callees = [c.strip().lstrip("%") for c in group.split(",")]
+                if kind == "to_apply":
+                    continue
+                vals = [total(c) for c in callees if c in comps]
+                if not vals:
+                    continue
+                acc += (trips if kind == "body" else 1) * (max(vals) if kind == "branch_computations" else sum(vals))
+        memo[comp] = acc
+        return acc
+
+    return total(entry)
+
+
+def compile_child(strategy: str, s: int, n: int, a: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import ringsplash as rs
+    from ringsplash.splash.config import SplashConfig
+
+    devices = np.asarray(topologies.get_topology_desc(TOPOLOGY[n], "tpu").devices).reshape(-1)
+    mask, config = masks.CausalMask((s, s)), SplashConfig(backend="mosaic_tpu")
+    if strategy == "usp":
+        mesh, seq = Mesh(devices.reshape(n // a, a), ("ring", "ulysses")), P(None, ("ring", "ulysses"))
+        kw = dict(mesh=mesh, ulysses_axis="ulysses", ring_axis="ring")
+    else:
+        mesh, seq = Mesh(devices, ("ctx",)), P(None, "ctx")
+        kw = dict(mesh=mesh, axis_name="ctx")
+    sharded = getattr(rs, f"{strategy}_attention_sharded")
+    fn = lambda q, k, v: sharded(q, k, v, mask, layout="zigzag", config=config, **kw)
+
+    def fwd_bwd(q, k, v, d_out):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+
+    spec = lambda h: jax.ShapeDtypeStruct((h, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, seq))
+    t0 = time.perf_counter()
+    fwd = jax.jit(fn).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS)).compile()
+    both = jax.jit(fwd_bwd).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), spec(HEADS)).compile()
+    if dump := os.environ.get("BENCH_CP_DUMP"):  # keep the HLO for inspection
+        for tag, c in (("fwd", fwd), ("fwd_bwd", both)):
+            with open(os.path.join(dump, f"{strategy}_{s}_{n}_{a}_{tag}.hlo"), "w") as f:
+                f.write(c.as_text())
+    fwd_bytes, total = collective_bytes(fwd.as_text(), n), collective_bytes(both.as_text(), n)
+    print(json.dumps({"fwd": fwd_bytes, "bwd": total - fwd_bytes, "temp": both.memory_analysis().temp_size_in_bytes,
+                      "compile_s": time.perf_counter() - t0}))
+
+
+def compile_row(strategy, s, n, a, timeout):
+    cmd = [sys.executable, __file__, "--child", strategy, str(s), str(n), str(a)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"compile timed out after {timeout} s on this CPU host"
+    if r.returncode:
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "?")
+        return f"compile failed: {err.strip()[:160]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def fmt_size(x: int) -> str:
+    return f"{x // (K * K)}M" if x >= K * K else f"{x // K}K"
+
+
+def rows(s: int, n: int, peak: float, link: float):
+    """[(strategy label, a, analytic tuple, modelled time) or (label, reason)] for one (S, N)."""
+    out = []
+    for strategy in STRATEGIES:
+        if strategy == "ulysses":
+            if n not in valid_ulysses_degrees(HEADS, KV_HEADS):
+                out.append(("ulysses", 0, f"n/a: heads={HEADS} / kv_heads={KV_HEADS} cannot split over N={n}"))
+                continue
+            cands = [n]
+        elif strategy == "usp":
+            cands = [a for a in valid_ulysses_degrees(HEADS, KV_HEADS) if n % a == 0 and 1 < a < n]
+        else:
+            cands = [1]
+        best = None
+        for a in cands:
+            an = analytic(strategy, s, n, a)
+            t = model_time(strategy, *an, peak, link)
+            if best is None or t < best[3]:
+                best = (strategy if strategy != "usp" else f"usp {a}x{n // a}", a, an, t)
+        out.append(best)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", default="128K,1M")
+    p.add_argument("--devices", default="8,16,64")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per compile subprocess")
+    p.add_argument("--peak-tflops", type=float, default=459.0, help="chip peak bf16 TFLOP/s (v5p: 459)")
+    p.add_argument("--link-gbs", type=float, default=90.0, help="per-device interconnect GB/s used by the model")
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        strategy, s, n, a = args.child
+        return compile_child(strategy, int(s), int(n), int(a))
+    peak, link = args.peak_tflops * 1e12, args.link_gbs * 1e9
+    seqs = [int(x[:-1]) * (K * K if x.endswith("M") else K) for x in args.seq.split(",")]
+    print(f"\n### Context-parallel strategies: {HEADS} q / {KV_HEADS} kv heads, d = {D}, causal, zigzag, bf16, "
+          f"blocks {BLOCK}; model: peak {args.peak_tflops:.0f} TFLOP/s, link {args.link_gbs:.0f} GB/s per device "
+          f"(a model from compiled programs, not a TPU measurement; compiled on a shared 2-core CPU host)\n")
+    print("| S | N (topology) | strategy | fwd MiB/dev (analytic / compiled) | bwd MiB/dev (analytic / compiled) "
+          "| temp MiB/dev | critical blocks | model ms | pick |")
+    print("|---|---|---|---|---|---:|---:|---:|---|")
+    for s in seqs:
+        for n in [int(x) for x in args.devices.split(",")]:
+            table = rows(s, n, peak, link)
+            valid = [r for r in table if len(r) == 4]
+            pick = min(valid, key=lambda r: r[3])[0] if valid else "-"
+            for r in table:
+                head = f"| {fmt_size(s)} | {n} ({TOPOLOGY[n]}) | {r[0]} |"
+                if len(r) == 3:
+                    print(f"{head} {r[2]} | | | | | |", flush=True)
+                    continue
+                label, a, (fwd, bwd, blocks, _), t = r
+                comp = "not compiled" if args.no_compile else compile_row(label.split()[0], s, n, a, args.timeout)
+                mib = lambda x: f"{x / 2**20:.0f}"
+                if isinstance(comp, dict):
+                    agree = all(abs(c - x) <= 0.1 * max(x, 1) for c, x in ((comp["fwd"], fwd), (comp["bwd"], bwd)))
+                    cf, cb = mib(comp["fwd"]), mib(comp["bwd"]) + ("" if agree else " (DISAGREE >10%)")
+                    temp = mib(comp["temp"])
+                else:
+                    cf, cb, temp = comp, "", ""
+                print(f"{head} {mib(fwd)} / {cf} | {mib(bwd)} / {cb} | {temp} | {blocks} | {t * 1e3:.1f} | "
+                      f"{'**pick**' if label == pick else ''} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""What the context-parallel strategies share: mesh-axis checks, the global-mask and block
+checks, head splitting for Ulysses, one custom-VJP call of the Splash layer on a local slice,
+and the ``shard_map`` wrapper behind every ``*_attention_sharded``.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ringsplash import masks as masks_lib
+from ringsplash._checks import check_attention_inputs, check_divides, check_segment_ids
+from ringsplash.mask_info import MaskInfo
+from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.attention import splash_backward, splash_forward
+from ringsplash.splash.config import SplashConfig
+
+# ----------------------------------------------------------------------------------------
+# mesh axes
+
+
+def axis_size(axis_name, fn_name: str) -> int:
+    """Size of a bound mesh axis; a clear error when called outside ``shard_map``."""
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise ValueError(
+            f"{fn_name} needs the mesh axis {axis_name!r} bound: call it inside jax.shard_map over a mesh "
+            f"with that axis, or use {fn_name}_sharded(..., mesh=mesh) on global arrays"
+        ) from e
+
+
+def check_mesh_axis(mesh: jax.sharding.Mesh, arg: str, axis_name) -> int:
+    """Size of ``axis_name`` in ``mesh``; the error names the argument and the mesh's axes."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(
+            f"mesh has axes {dict(mesh.shape)}, no {arg}={axis_name!r}; pass one of {tuple(mesh.axis_names)} "
+            f"or build the mesh with that axis"
+        )
+    return int(mesh.shape[axis_name])
+
+
+def vma(x) -> frozenset:
+    """The mesh axes ``x`` varies over (empty when ``shard_map`` runs with ``check_vma=False``)."""
+    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
+
+
+# ----------------------------------------------------------------------------------------
+# input checks shared by the in-shard_map functions
+
+
+def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int, what: str):
+    """Validate local shards (``S = shards * local_len``) against the global ``(S, S)`` mask;
+    returns ``(heads, kv_heads, local_len, head_dim)``."""
+    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, None, None, sinks)
+    seq_len = q_len * shards
+    if q_len != kv_len:
+        raise ValueError(f"{what} needs equal local q and kv lengths, got {q_len=}, {kv_len=}")
+    if not isinstance(config, SplashConfig):
+        raise TypeError(f"config must be a SplashConfig, got {type(config).__name__}")
+    if not isinstance(mask, (masks_lib.Mask, masks_lib.MultiHeadMask)):
+        raise TypeError(f"mask must be a ringsplash.masks.Mask or MultiHeadMask, got {type(mask).__name__}")
+    mshape = mask.shape[1:] if isinstance(mask, masks_lib.MultiHeadMask) else mask.shape
+    if tuple(mshape) != (seq_len, seq_len):
+        raise ValueError(f"mask shape {tuple(mshape)} must be the global (S, S) = {(seq_len, seq_len)} "
+                         f"(local length {q_len} x {shards} shards, {what})")
+    if isinstance(mask, masks_lib.MultiHeadMask) and mask.shape[0] != heads:
+        raise ValueError(f"MultiHeadMask has {mask.shape[0]} heads, q has {heads=}")
+    if segment_ids is not None:
+        try:
+            check_segment_ids(segment_ids, q_len, kv_len)
+        except ValueError as e:
+            raise ValueError(f"{e} (segment ids are per shard: local length = {q_len})") from None
+    return heads, kv_heads, q_len, d
+
+
+def check_blocks(config: SplashConfig, *, q_len: int, kv_len: int, what: str) -> None:
+    """Every block size must tile the (local) q and kv lengths the kernels see."""
+    for name, length, lname in (("block_q", q_len, "q_len"), ("block_q_dkv", q_len, "q_len"),
+                                ("block_kv", kv_len, "kv_len"), ("block_kv_dkv", kv_len, "kv_len")):
+        check_divides(f"config.{name}", getattr(config, name), f"{what} {lname}", length,
+                      hint="pick smaller blocks or a longer sequence")
+
+
+# ----------------------------------------------------------------------------------------
+# Ulysses head split
+
+
+@dataclasses.dataclass(frozen=True)
+class UlyssesHeads:
+    """How ``heads`` / ``kv_heads`` split over a Ulysses degree: each device gets
+    ``heads // degree`` q heads and ``kv_local`` kv heads, after repeating every kv head
+    ``kv_repeat`` times (1 when ``degree`` divides ``kv_heads``)."""
+
+    degree: int
+    heads: int
+    kv_heads: int
+    kv_repeat: int
+
+    @property
+    def q_local(self) -> int:
+        return self.heads // self.degree
+
+    @property
+    def kv_local(self) -> int:
+        return self.kv_heads * self.kv_repeat // self.degree
+
+
+def valid_ulysses_degrees(heads: int, kv_heads: int) -> list[int]:
+    return [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+
+
+def ulysses_heads(heads: int, kv_heads: int, degree: int, axis_name) -> UlyssesHeads:
+    """Check that ``degree`` devices can split the heads; the error lists the degrees that can.
+
+    q heads must split evenly; kv heads either split evenly too, or (``degree`` a multiple of
+    ``kv_heads``) each kv head goes to exactly the ``degree / kv_heads`` devices holding its
+    q heads. Any other ratio would send some device a kv head it does not use.
+    """
+    ok = valid_ulysses_degrees(heads, kv_heads)
+    if degree not in ok:
+        why = (f"heads={heads} is not divisible by the Ulysses degree {degree}" if heads % degree
+               else f"kv_heads={kv_heads} neither divides nor is divisible by the Ulysses degree {degree}")
+        raise ValueError(
+            f"{why} (mesh axis {axis_name!r} has {degree} devices); Ulysses degrees that work for "
+            f"heads={heads}, kv_heads={kv_heads}: {ok} (use a smaller Ulysses axis, usp_attention with "
+            f"the rest on a ring axis, or ring_attention / allgather_attention)"
+        )
+    return UlyssesHeads(degree, heads, kv_heads, 1 if kv_heads % degree == 0 else degree // kv_heads)
+
+
+def local_head_mask(mask: masks_lib.AnyMask, split: UlyssesHeads) -> masks_lib.AnyMask:
+    """The mask of one device's ``heads / degree`` heads, the same on every device.
+
+    A MultiHeadMask must repeat with period ``heads / degree`` (every head group the same):
+    the kernels' MaskInfo is static, and one per group would put collectives in branches.
+    """
+    if not isinstance(mask, masks_lib.MultiHeadMask):
+        return mask
+    n = split.q_local
+    groups = [mask.masks[i * n:(i + 1) * n] for i in range(split.degree)]
+    if any(g != groups[0] for g in groups):
+        raise ValueError(
+            f"a MultiHeadMask under Ulysses must give every device's head group (heads / degree = "
+            f"{split.heads} / {split.degree} = {n} heads) the same masks; repeat the per-head masks with "
+            f"period {n}, or use ring_attention / allgather_attention for arbitrary per-head masks"
+        )
+    return masks_lib.MultiHeadMask(groups[0])
+
+
+def usp_factorisations(devices: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
+    """Every (ulysses, ring) with ``ulysses * ring == devices`` that the heads allow."""
+    return [(a, devices // a) for a in valid_ulysses_degrees(heads, kv_heads) if devices % a == 0]
+
+
+# ----------------------------------------------------------------------------------------
+# one custom-VJP Splash call on a local slice (sinks included)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalPlan:
+    """Static part of a local Splash call: the MaskInfos (``info_dkv`` None for the xla
+    backend), scale, soft-cap, config, and the varying axes of the sinks."""
+
+    info: MaskInfo
+    info_dkv: MaskInfo | None
+    scale: float
+    cap: float | None
+    config: SplashConfig
+    sinks_vma: frozenset = frozenset()
+
+
+def splash_local(plan: LocalPlan, q, k, v, q_seg, kv_seg, sinks, q_shard=0):
+    """Attention of the local q rows (shard ``q_shard`` of ``plan.info``, may be traced)
+    against all kv columns of the MaskInfo (one kv shard). Differentiable in q, k, v, sinks;
+    ``d_sinks`` covers the local rows (the caller's ``shard_map`` sums it over devices)."""
+    return _splash_local(plan, q, k, v, q_seg, kv_seg, sinks, jnp.asarray(q_shard, jnp.int32))
+
+
+def _segments(q_seg, kv_seg):
+    return None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _splash_local(plan, q, k, v, q_seg, kv_seg, sinks, q_shard):
+    return _splash_local_fwd(plan, q, k, v, q_seg, kv_seg, sinks, q_shard)[0]
+
+
+def _splash_local_fwd(plan, q, k, v, q_seg, kv_seg, sinks, q_shard):
+    o, lse = splash_forward(q, k, v, plan.info, q_shard=q_shard, kv_shard=0, segment_ids=_segments(q_seg, kv_seg),
+                            scale=plan.scale, logit_soft_cap=plan.cap, config=plan.config, out_dtype=jnp.float32)
+    if sinks is not None:  # the sink joins each row's denominator once
+        lse_tot = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
+        o, lse = o * jnp.exp(lse - lse_tot)[..., None], lse_tot
+    out = o.astype(q.dtype)
+    return out, (q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse)
+
+
+def _splash_local_bwd(plan, res, d_out):
+    q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse = res
+    d_out = d_out.astype(q.dtype)
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq, dk, dv = splash_backward(q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=q_shard, kv_shard=0,
+                                 segment_ids=_segments(q_seg, kv_seg), scale=plan.scale, logit_soft_cap=plan.cap,
+                                 config=plan.config)
+    d_sinks = None
+    if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i over the local rows
+        local = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * delta, axis=-1)
+        # with vma checking a replicated sink needs a replicated cotangent: sum it here; without
+        # it (vma empty everywhere) shard_map's transpose sums it
+        extra = tuple(sorted(vma(local) - plan.sinks_vma, key=str))
+        if extra:
+            local = lax.psum(local, extra)
+        d_sinks = local.astype(sinks.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks, None
+
+
+_splash_local.defvjp(_splash_local_fwd, _splash_local_bwd)
+
+
+# ----------------------------------------------------------------------------------------
+# the shard_map wrapper of every *_attention_sharded
+
+
+def check_global_inputs(q, k, v, mask, segment_ids, sinks, what: str) -> tuple[int, int, int, int]:
+    """Validate global arrays; returns ``(heads, kv_heads, seq_len, head_dim)``."""
+    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks)
+    if q_len != kv_len:
+        raise ValueError(f"{what} needs q_len == kv_len, got {q_len=}, {kv_len=}")
+    return heads, kv_heads, q_len, d
+
+
+def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks):
+    """``shard_map(local)(q, k, v, segment_ids, sinks)``, the sequence sharded over ``seq_axes``
+    (one mesh axis, or a tuple: major to minor), sinks replicated; output like ``q``."""
+    seq = P(None, seq_axes)
+    seg_spec = None if segment_ids is None else SegmentIds(P(seq_axes), P(seq_axes))
+    in_specs = (seq, seq, seq, seg_spec, None if sinks is None else P())
+    args = (q, k, v, segment_ids, sinks)
+    explicit = jax.sharding.AxisType.Explicit
+    if any(t == explicit for t in getattr(mesh, "axis_types", ())):  # explicit meshes do not reshard implicitly
+        args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)), args, in_specs)
+    # check_vma=False as in the ring: inside a custom_vjp backward the residuals' varying-axis
+    # types are not visible (jax 0.10.2), so replicated sinks' cotangents cannot be typed.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq, check_vma=False)(*args)
+
+
+__all__ = [
+    "LocalPlan",
+    "UlyssesHeads",
+    "axis_size",
+    "check_blocks",
+    "check_global_inputs",
+    "check_local_inputs",
+    "check_mesh_axis",
+    "local_head_mask",
+    "run_sharded",
+    "splash_local",
+    "ulysses_heads",
+    "usp_factorisations",
+    "valid_ulysses_degrees",
+    "vma",
+]

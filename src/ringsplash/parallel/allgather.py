@@ -1,0 +1,115 @@
+"""All-gather context parallelism (the Llama-3 method) on the Splash kernels.
+
+Queries stay sharded along the sequence on ``axis_name`` (N devices, token ``layout``); K, V
+and the kv segment ids are all-gathered over the axis, and each device runs the Splash layer
+on (its q positions, all kv positions) of the layout: one MaskInfo built on the host with
+``q_shards=N, kv_shards=1`` and the layout's permutation for both sides, so a causal mask with
+``layout="zigzag"`` or ``"striped"`` gives every device the same active-block work, as in the
+ring.
+
+Backward: the custom VJP is around the local Splash call only; JAX transposes the all-gather
+into a reduce-scatter (``psum_scatter``) of dK / dV, the optimal collective here, in the dtype
+of k / v. (libtpu lowers that reduce-scatter on v5p as an all-reduce + slice, checked on the
+compiled HLO in tests/test_parallel_tpu_compile.py; a custom-VJP ``psum_scatter`` compiles the
+same way, so there is nothing to gain from one.) The gathered K / V are residuals of the
+local call (``kv_heads x S x d`` each per device), which saves re-gathering them in the backward.
+"""
+
+import jax
+from jax import lax
+
+from ringsplash import layouts
+from ringsplash import masks as masks_lib
+from ringsplash._checks import default_scale
+from ringsplash._types import Array, Float
+from ringsplash.mask_info import build_mask_info
+from ringsplash.parallel._common import (
+    LocalPlan,
+    axis_size,
+    check_blocks,
+    check_global_inputs,
+    check_local_inputs,
+    check_mesh_axis,
+    run_sharded,
+    splash_local,
+    vma,
+)
+from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.config import SplashConfig
+
+__all__ = ["allgather_attention", "allgather_attention_sharded"]
+
+
+def allgather_attention(
+    q: Float[Array, "heads q_shard d"],
+    k: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard d"],
+    mask: masks_lib.AnyMask,
+    *,
+    axis_name,
+    segment_ids: SegmentIds | None = None,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    config: SplashConfig = SplashConfig(),
+) -> Float[Array, "heads q_shard d"]:
+    """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
+
+    Args:
+        q, k, v: this device's shard, in ``layout`` order (``S = N * q_shard``).
+        mask: the global ``(S, S)`` mask on original token positions.
+        axis_name: the mesh axis the sequence is sharded over (N devices).
+        segment_ids: this shard's segment ids (``q`` and ``kv``, length ``q_shard``) or None.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see ``ringsplash.layouts``).
+        scale: logit scale, None = ``1/sqrt(d)``.
+        logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
+        sinks: float ``[heads]`` per-head sink logits (replicated), or None.
+        config: Splash block sizes and backend; blocks must tile ``q_shard`` and ``S``.
+    """
+    n = axis_size(axis_name, "allgather_attention")
+    _, _, q_len, d = check_local_inputs(q, k, v, mask, segment_ids, sinks, config, shards=n,
+                                                   what=f"axis {axis_name!r}")
+    seq_len = q_len * n
+    perm = layouts.permutation(layout, seq_len, n)
+    check_blocks(config, q_len=q_len, kv_len=seq_len, what="allgather_attention")
+    common = {"q_shards": n, "kv_shards": 1, "q_positions": perm, "kv_positions": perm}
+    info = build_mask_info(mask, config.block_shape, **common)
+    info_dkv = None if config.backend == "xla" else build_mask_info(mask, config.block_shape_dkv, transpose=True,
+                                                                   **common)
+    plan = LocalPlan(info, info_dkv, default_scale(scale, d), logit_soft_cap, config,
+                     frozenset() if sinks is None else vma(sinks))
+    gather = lambda x, axis: lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, gather(segment_ids.kv, 0))
+    return splash_local(plan, q, gather(k, 1), gather(v, 1), q_seg, kv_seg, sinks, lax.axis_index(axis_name))
+
+
+def allgather_attention_sharded(
+    q: Float[Array, "heads seq d"],
+    k: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq d"],
+    mask: masks_lib.AnyMask,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name,
+    segment_ids: SegmentIds | None = None,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    config: SplashConfig = SplashConfig(),
+) -> Float[Array, "heads seq d"]:
+    """:func:`allgather_attention` on global arrays already in ``layout`` order over
+    ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
+    sharded along the sequence over ``axis_name``. The mask is on original positions; the
+    output is in ``layout`` order. Other arguments as in :func:`allgather_attention`."""
+    n = check_mesh_axis(mesh, "axis_name", axis_name)
+    _, _, seq_len, _ = check_global_inputs(q, k, v, mask, segment_ids, sinks, "allgather_attention")
+    layouts.check_layout(layout, seq_len, n)
+    check_blocks(config, q_len=seq_len // n, kv_len=seq_len, what="allgather_attention")
+
+    def local(q, k, v, segment_ids, sinks):
+        return allgather_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
+                                   scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config)
+
+    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks)

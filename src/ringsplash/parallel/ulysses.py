@@ -1,0 +1,147 @@
+"""DeepSpeed-Ulysses context parallelism on the Splash kernels.
+
+The sequence arrives sharded on ``axis_name`` (N devices, token ``layout``). One all-to-all
+turns sequence-sharded q, k, v into head-sharded ones (``heads / N`` heads, the whole
+sequence, still in ``layout`` order), the Splash layer runs on the whole sequence with a
+MaskInfo whose positions are the layout's permutation (the mask stays on original positions),
+and one all-to-all turns the output back. Segment ids are all-gathered.
+
+GQA: when N divides ``kv_heads`` the kv heads split like the q heads. When ``kv_heads``
+divides N, every kv head is repeated ``N / kv_heads`` times before the all-to-all, so each
+device receives exactly the one kv head its q heads use (from every sequence shard) and
+nothing else. Other ratios are rejected (they would send unused heads).
+
+Backward: the custom VJP is around the local Splash call; JAX transposes each all-to-all
+into the inverse all-to-all (the optimal collective) and the kv-head repeat into a sum.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ringsplash import layouts
+from ringsplash import masks as masks_lib
+from ringsplash._checks import default_scale
+from ringsplash._types import Array, Float
+from ringsplash.mask_info import build_mask_info
+from ringsplash.parallel._common import (
+    LocalPlan,
+    UlyssesHeads,
+    axis_size,
+    check_blocks,
+    check_global_inputs,
+    check_local_inputs,
+    check_mesh_axis,
+    local_head_mask,
+    run_sharded,
+    splash_local,
+    ulysses_heads,
+    vma,
+)
+from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.config import SplashConfig
+
+__all__ = ["heads_to_sequence", "sequence_to_heads", "ulysses_attention", "ulysses_attention_sharded"]
+
+
+def sequence_to_heads(q, k, v, segment_ids, sinks, split: UlyssesHeads, axis_name):
+    """All-to-all from sequence-sharded ``[heads, L, d]`` to head-sharded ``[heads / N, N L, d]``
+    (kv heads repeated first where ``split`` says so); segment ids all-gathered, sinks sliced
+    to the local heads."""
+    to_heads = lambda x: lax.all_to_all(x, axis_name, 0, 1, tiled=True)
+    if split.kv_repeat > 1:
+        k, v = jnp.repeat(k, split.kv_repeat, axis=0), jnp.repeat(v, split.kv_repeat, axis=0)
+    if segment_ids is not None:
+        gather = lambda x: lax.all_gather(x, axis_name, axis=0, tiled=True)
+        segment_ids = SegmentIds(q=gather(segment_ids.q), kv=gather(segment_ids.kv))
+    if sinks is not None:
+        sinks = lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis_name) * split.q_local, split.q_local)
+    return to_heads(q), to_heads(k), to_heads(v), segment_ids, sinks
+
+
+def heads_to_sequence(out, axis_name):
+    """Inverse all-to-all of :func:`sequence_to_heads` for the output."""
+    return lax.all_to_all(out, axis_name, 1, 0, tiled=True)
+
+
+def ulysses_attention(
+    q: Float[Array, "heads q_shard d"],
+    k: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard d"],
+    mask: masks_lib.AnyMask,
+    *,
+    axis_name,
+    segment_ids: SegmentIds | None = None,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    config: SplashConfig = SplashConfig(),
+) -> Float[Array, "heads q_shard d"]:
+    """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
+
+    Args:
+        q, k, v: this device's shard, in ``layout`` order (``S = N * q_shard``); N must divide
+            ``heads``, and divide or be a multiple of ``kv_heads``.
+        mask: the global ``(S, S)`` mask on original token positions; a MultiHeadMask must give
+            every device's ``heads / N`` heads the same masks.
+        axis_name: the mesh axis the sequence is sharded over (N devices).
+        segment_ids: this shard's segment ids (``q`` and ``kv``, length ``q_shard``) or None.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"`` (see ``ringsplash.layouts``);
+            every device sees the whole sequence, so the layout does not change the balance.
+        scale: logit scale, None = ``1/sqrt(d)``.
+        logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
+        sinks: float ``[heads]`` per-head sink logits (replicated), or None.
+        config: Splash block sizes and backend; blocks must tile ``S``.
+    """
+    n = axis_size(axis_name, "ulysses_attention")
+    heads, kv_heads, q_len, d = check_local_inputs(q, k, v, mask, segment_ids, sinks, config, shards=n,
+                                                   what=f"axis {axis_name!r}")
+    split = ulysses_heads(heads, kv_heads, n, axis_name)
+    seq_len = q_len * n
+    perm = layouts.permutation(layout, seq_len, n)
+    check_blocks(config, q_len=seq_len, kv_len=seq_len, what="ulysses_attention")
+    local_mask = local_head_mask(mask, split)
+    q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, axis_name)
+    common = {"q_positions": perm, "kv_positions": perm}
+    info = build_mask_info(local_mask, config.block_shape, **common)
+    info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, config.block_shape_dkv,
+                                                                   transpose=True, **common)
+    plan = LocalPlan(info, info_dkv, default_scale(scale, d), logit_soft_cap, config,
+                     frozenset() if sinks is None else vma(sinks))
+    q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
+    out = splash_local(plan, q, k, v, q_seg, kv_seg, sinks)
+    return heads_to_sequence(out, axis_name)
+
+
+def ulysses_attention_sharded(
+    q: Float[Array, "heads seq d"],
+    k: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq d"],
+    mask: masks_lib.AnyMask,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name,
+    segment_ids: SegmentIds | None = None,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    logit_soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    config: SplashConfig = SplashConfig(),
+) -> Float[Array, "heads seq d"]:
+    """:func:`ulysses_attention` on global arrays already in ``layout`` order over
+    ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
+    sharded along the sequence over ``axis_name``. The mask is on original positions; the
+    output is in ``layout`` order. Other arguments as in :func:`ulysses_attention`."""
+    n = check_mesh_axis(mesh, "axis_name", axis_name)
+    heads, kv_heads, seq_len, _ = check_global_inputs(q, k, v, mask, segment_ids, sinks, "ulysses_attention")
+    split = ulysses_heads(heads, kv_heads, n, axis_name)
+    local_head_mask(mask, split)
+    layouts.check_layout(layout, seq_len, n)
+    check_blocks(config, q_len=seq_len, kv_len=seq_len, what="ulysses_attention")
+
+    def local(q, k, v, segment_ids, sinks):
+        return ulysses_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
+                                 scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config)
+
+    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks)

@@ -1,0 +1,115 @@
+"""All-gather, Ulysses and USP compiled for a real TPU topology from a CPU host (libtpu).
+
+Forward + backward of each ``*_attention_sharded`` with the Mosaic Splash kernels, bf16,
+8 heads / 2 kv heads, d = 128, S = 32768, causal, zigzag, on ``v5p:2x2x2`` (8 chips; USP as
+Ulysses 2 x ring 4). From the compiled, scheduled HLO: each strategy's collectives are the
+ones it is built on (all-gather + reduce-scatter; all-to-all; all-to-all + collective
+permutes), the Splash kernels are there, and for USP every ring transfer
+(``collective-permute-start``) has a Splash kernel scheduled before its ``-done``, as for the
+ring itself (except the final dK/dV hop, which overlaps the Ulysses all-to-all of dq).
+Per-device temp memory stays O(S/N) for Ulysses and USP (O(S) kv for all-gather).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ringsplash as rs
+from ringsplash import masks
+from ringsplash.splash.config import SplashConfig
+from test_ring_tpu_compile import parse_hlo, permute_windows
+
+pytestmark = pytest.mark.tpu_compile
+
+S, HEADS, KV_HEADS, D = 32768, 8, 2, 128
+TOPOLOGY, N = "v5p:2x2x2", 8
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(name: str):
+    devices = np.asarray(topologies.get_topology_desc(TOPOLOGY, "tpu").devices).reshape(-1)
+    mask = masks.CausalMask((S, S))
+    config = SplashConfig(backend="mosaic_tpu")
+    if name == "usp":
+        mesh = Mesh(devices.reshape(4, 2), ("ring", "ulysses"))
+        seq = P(None, ("ring", "ulysses"))
+        fn = functools.partial(rs.usp_attention_sharded, mask=mask, mesh=mesh, ulysses_axis="ulysses",
+                               ring_axis="ring", layout="zigzag", config=config)
+    else:
+        mesh, seq = Mesh(devices, ("ctx",)), P(None, "ctx")
+        sharded = {"allgather": rs.allgather_attention_sharded, "ulysses": rs.ulysses_attention_sharded}[name]
+        fn = functools.partial(sharded, mask=mask, mesh=mesh, axis_name="ctx", layout="zigzag", config=config)
+
+    def fwd_bwd(q, k, v, d_out):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+
+    spec = lambda h: jax.ShapeDtypeStruct((h, S, D), jnp.bfloat16, sharding=NamedSharding(mesh, seq))
+    c = jax.jit(fwd_bwd).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), spec(HEADS)).compile()
+    return c.as_text(), c.memory_analysis()
+
+
+def ops(text: str) -> dict[str, int]:
+    names = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute", "all-reduce")
+    return {op: len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text)) for op in names}
+
+
+def kernels(text: str) -> dict[str, int]:
+    return {k: len(re.findall(rf"%{k}[.\d]* = .*custom-call", text)) for k in ("splash_forward", "splash_dq",
+                                                                                 "splash_dkv")}
+
+
+LOCAL_Q = HEADS * (S // N) * D * 2  # bf16 bytes of one device's q shard
+
+
+def test_allgather_tpu_compile_gathers_kv_and_reduce_scatters_grads():
+    text, mem = compiled("allgather")
+    counts = ops(text)
+    # dK/dV: JAX emits a reduce-scatter, which libtpu lowers as an all-reduce + slice on v5p
+    assert counts["all-gather"] >= 2 and counts["reduce-scatter"] + counts["all-reduce"] >= 1, counts
+    assert counts["all-to-all"] == 0 and counts["collective-permute"] == 0, counts
+    assert kernels(text) == {"splash_forward": 1, "splash_dq": 1, "splash_dkv": 1}, kernels(text)
+    # the gathered K, V (kv_heads x S x d each, = the local q size here) and float32 dK, dV of S
+    print(f"allgather temp {mem.temp_size_in_bytes / 2**20:.0f} MiB = {mem.temp_size_in_bytes / LOCAL_Q:.1f} x local q")
+    assert mem.temp_size_in_bytes <= 16 * LOCAL_Q
+
+
+def test_ulysses_tpu_compile_uses_all_to_all():
+    text, mem = compiled("ulysses")
+    counts = ops(text)
+    assert counts["all-to-all"] >= 4, counts  # q, k, v, out forward; their transposes backward
+    assert counts["collective-permute"] == 0 and counts["reduce-scatter"] == 0, counts
+    assert kernels(text) == {"splash_forward": 1, "splash_dq": 1, "splash_dkv": 1}, kernels(text)
+    print(f"ulysses temp {mem.temp_size_in_bytes / 2**20:.0f} MiB = {mem.temp_size_in_bytes / LOCAL_Q:.1f} x local q")
+    assert mem.temp_size_in_bytes <= 24 * LOCAL_Q
+
+
+def test_usp_tpu_compile_overlaps_every_ring_transfer_with_a_kernel():
+    text, mem = compiled("usp")
+    counts = ops(text)
+    assert counts["all-to-all"] >= 4 and counts["collective-permute"] >= 1, counts
+    windows = permute_windows(text)
+    assert len(windows) >= 4, f"expected the ring's collective permutes, found {windows}"
+    bare = [(c, s, d) for c, s, d, ks in windows if not ks]
+    # Every K/V hop overlaps a kernel. The ring's final dK/dV hop (its N-th, after the last
+    # kernel) is hidden behind the last dq kernel in the plain ring; under USP XLA schedules it
+    # behind the Ulysses all-to-all of dq instead (overlapping communication, not compute):
+    # at most those two (dK, dV) may lack a kernel, and they must overlap an all-to-all.
+    comps = parse_hlo(text)
+
+    def ops_between(comp, start, done):
+        names = [n for n, _, _ in comps[comp]]
+        return [op for _, op, _ in comps[comp][names.index(start) + 1 : names.index(done)]]
+
+    assert len(bare) <= 2, f"collective permutes with no Splash kernel scheduled between start and done: {bare}"
+    assert all("all-to-all" in ops_between(*b) for b in bare), bare
+    # the inner ring of 4: forward (loop, last), dq and dK/dV (first, loop, last)
+    assert kernels(text) == {"splash_forward": 2, "splash_dq": 3, "splash_dkv": 3}, kernels(text)
+    print(f"usp temp {mem.temp_size_in_bytes / 2**20:.0f} MiB = {mem.temp_size_in_bytes / LOCAL_Q:.1f} x local q")
+    assert mem.temp_size_in_bytes <= 24 * LOCAL_Q
