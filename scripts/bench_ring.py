@@ -83,7 +83,7 @@ def _metadata_child(s: int, n: int, runs: int) -> None:
     import resource
     import tracemalloc
 
-    from ringsplash.ring import _ring_plan, ring_plan
+    from ringsplash.parallel.ring import _ring_plan, ring_plan
 
     config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="auto")
     mask = masks.CausalMask((s, s))
@@ -136,7 +136,7 @@ def table_tpu_memory(cases):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ringsplash.ring import ring_attention_sharded
+    from ringsplash.parallel.ring import ring_attention_sharded
 
     heads, d = 8, 128
     print("\n### Compiled per-device TPU memory, forward + backward (libtpu AOT from CPU; bf16, 8 heads, d = 128, "

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_inputs import inputs, max_err
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
+from attention_inputs import inputs, max_err
 from ringsplash import masks
 from ringsplash.splash.config import SplashConfig
 
@@ -80,6 +80,43 @@ def _ring_sharded(q, k, v, mask=CAUSAL, config=XLA, **kw):
     return _unchecked(rs.ring_attention_sharded)(q, k, v, mask, mesh=_mesh(N), axis_name="ctx", config=config, **kw)
 
 
+def _in_shard_map(fn, mesh, seq_axes, q, k, v, segment_ids, sinks, **axis_kw):
+    def local(q, k, v, segment_ids, sinks):
+        return fn(q, k, v, segment_ids=segment_ids, sinks=sinks, **axis_kw)
+
+    seq = P(None, seq_axes)
+    seg_spec = jax.tree.map(lambda _: P(seq_axes), segment_ids)
+    specs = (seq, seq, seq, seg_spec, None if sinks is None else P())
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=seq, check_vma=False)(
+        q, k, v, segment_ids, sinks)
+
+
+def _strategy(name):
+    """The in-shard_map entry point ``rs.<name>`` on a 2-device axis (USP: 2 x 1)."""
+
+    def call(q, k, v, mask=CAUSAL, config=XLA, segment_ids=None, sinks=None, **kw):
+        fn = _unchecked(getattr(rs, name))
+        if name == "usp_attention":
+            mesh = jax.make_mesh((N, 1), ("u", "r"), devices=jax.devices()[:N], axis_types=(AxisType.Auto,) * 2)
+            return _in_shard_map(lambda *a, **b: fn(*a, mask, config=config, **kw, **b), mesh, ("r", "u"),
+                                 q, k, v, segment_ids, sinks, ulysses_axis="u", ring_axis="r")
+        return _in_shard_map(lambda *a, **b: fn(*a, mask, config=config, **kw, **b), _mesh(N), "ctx",
+                             q, k, v, segment_ids, sinks, axis_name="ctx")
+
+    return call
+
+
+def _strategy_sharded(name):
+    def call(q, k, v, mask=CAUSAL, config=XLA, **kw):
+        fn = _unchecked(getattr(rs, name))
+        if name == "usp_attention_sharded":
+            mesh = jax.make_mesh((N, 1), ("u", "r"), devices=jax.devices()[:N], axis_types=(AxisType.Auto,) * 2)
+            return fn(q, k, v, mask, mesh=mesh, ulysses_axis="u", ring_axis="r", config=config, **kw)
+        return fn(q, k, v, mask, mesh=_mesh(N), axis_name="ctx", config=config, **kw)
+
+    return call
+
+
 class Entry(NamedTuple):
     fn: object
     features: frozenset  # optional inputs it takes besides q, k, v
@@ -93,6 +130,9 @@ ENTRY_POINTS = {
     "splash_backward": Entry(_splash_backward, ALL - {"mask", "sinks"}),
     "ring_attention": Entry(_ring, ALL),
     "ring_attention_sharded": Entry(_ring_sharded, ALL),
+    **{name: Entry(_strategy(name), ALL) for name in ("allgather_attention", "ulysses_attention", "usp_attention")},
+    **{f"{name}_sharded": Entry(_strategy_sharded(f"{name}_sharded"), ALL)
+       for name in ("allgather_attention", "ulysses_attention", "usp_attention")},
 }
 
 
@@ -207,6 +247,8 @@ SEGMENT_ENTRY_POINTS = {
     "splash_forward": lambda q, k, v, seg: rs.splash_forward(q, k, v, rs.build_mask_info(FULL, (128, 128)),
                                                              segment_ids=seg, config=XLA)[0],
     "ring_attention_sharded": lambda q, k, v, seg: _ring_sharded(q, k, v, FULL, segment_ids=seg),
+    **{name: (lambda name: lambda q, k, v, seg: _strategy_sharded(name)(q, k, v, FULL, segment_ids=seg))(name)
+       for name in ("allgather_attention_sharded", "ulysses_attention_sharded", "usp_attention_sharded")},
 }
 
 
@@ -276,7 +318,7 @@ def test_ring_default_config_fits_short_shards():
 
 
 def test_fit_ring_blocks_shrinks_like_splash():
-    from ringsplash.ring import fit_ring_blocks
+    from ringsplash.parallel.ring import fit_ring_blocks
 
     assert fit_ring_blocks(2048, 8, "zigzag", SplashConfig()).block_shape == (128, 128)
     assert fit_ring_blocks(2048, 8, "contiguous", SplashConfig()).block_shape == (256, 256)
@@ -289,7 +331,7 @@ def test_fit_ring_blocks_shrinks_like_splash():
 
 
 def test_ring_impossible_shape_names_a_config_that_works():
-    from ringsplash.ring import fit_ring_blocks
+    from ringsplash.parallel.ring import fit_ring_blocks
 
     s, n = 8 * 600, 8  # shards of 600 tokens: no multiple of 128 <= 512 tiles them
     q = jnp.ones((2, s, 16))

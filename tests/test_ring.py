@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import layouts, masks
-from ringsplash.ring import ring_attention, ring_attention_sharded, ring_plan
+from ringsplash.parallel.ring import ring_attention, ring_attention_sharded, ring_plan
 from ringsplash.splash.config import SplashConfig
 
 # Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import masks
-from ringsplash.ring import ring_attention_sharded
+from ringsplash.parallel.ring import ring_attention_sharded
 from ringsplash.splash.config import SplashConfig
 
 pytestmark = pytest.mark.tpu_compile

@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
-from ringsplash.ring import ring_attention, ring_attention_sharded
+from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
 from ringsplash.parallel import (
     allgather_attention,
     allgather_attention_sharded,

@@ -63,7 +63,7 @@ def attend(
         from ringsplash.splash import splash_attention  # import at call: kernels are a lower layer
 
         return splash_attention(q, k, v, mask, config=config.splash, **common)
-    from ringsplash.ring import ring_attention
+    from ringsplash.parallel.ring import ring_attention
 
     return ring_attention(
         q, k, v, mask, axis_name=config.ring_axis_name, layout=config.ring_layout, config=config.splash, **common

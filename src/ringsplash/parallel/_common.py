@@ -12,7 +12,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_inputs, check_divides, check_segment_ids
+from ringsplash._checks import check_attention_call, check_divides
 from ringsplash.mask_info import MaskInfo
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
@@ -52,29 +52,20 @@ def vma(x) -> frozenset:
 # input checks shared by the in-shard_map functions
 
 
-def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int, what: str):
-    """Validate local shards (``S = shards * local_len``) against the global ``(S, S)`` mask;
-    returns ``(heads, kv_heads, local_len, head_dim)``."""
-    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, None, None, sinks)
-    seq_len = q_len * shards
-    if q_len != kv_len:
-        raise ValueError(f"{what} needs equal local q and kv lengths, got {q_len=}, {kv_len=}")
-    if not isinstance(config, SplashConfig):
-        raise TypeError(f"config must be a SplashConfig, got {type(config).__name__}")
-    if not isinstance(mask, (masks_lib.Mask, masks_lib.MultiHeadMask)):
-        raise TypeError(f"mask must be a ringsplash.masks.Mask or MultiHeadMask, got {type(mask).__name__}")
-    mshape = mask.shape[1:] if isinstance(mask, masks_lib.MultiHeadMask) else mask.shape
-    if tuple(mshape) != (seq_len, seq_len):
-        raise ValueError(f"mask shape {tuple(mshape)} must be the global (S, S) = {(seq_len, seq_len)} "
-                         f"(local length {q_len} x {shards} shards, {what})")
-    if isinstance(mask, masks_lib.MultiHeadMask) and mask.shape[0] != heads:
-        raise ValueError(f"MultiHeadMask has {mask.shape[0]} heads, q has {heads=}")
-    if segment_ids is not None:
-        try:
-            check_segment_ids(segment_ids, q_len, kv_len)
-        except ValueError as e:
-            raise ValueError(f"{e} (segment ids are per shard: local length = {q_len})") from None
-    return heads, kv_heads, q_len, d
+def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int, what: str, scale=None,
+                       logit_soft_cap=None):
+    """Validate local shards (``S = shards * local_len``) against the global ``(S, S)`` mask through
+    the one validation path (``_checks.check_attention_call``); returns
+    ``(heads, kv_heads, local_len, head_dim, segment_ids)`` with the ids normalised to int32."""
+    shard_len = q.shape[1] if getattr(q, "ndim", None) == 3 else 0
+    call = check_attention_call(
+        q, k, v, mask=mask, mask_required=True, mask_shape=(shard_len * shards,) * 2,
+        mask_hint=f"the global (S, S): local length {shard_len} x {shards} shards, {what}",
+        segment_ids=segment_ids, segment_hint=f"segment ids are per shard: local length = {shard_len}",
+        scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
+        same_dtype=True, equal_lengths=True,
+    )
+    return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
 
 def check_blocks(config: SplashConfig, *, q_len: int, kv_len: int, what: str) -> None:
@@ -225,12 +216,18 @@ _splash_local.defvjp(_splash_local_fwd, _splash_local_bwd)
 # the shard_map wrapper of every *_attention_sharded
 
 
-def check_global_inputs(q, k, v, mask, segment_ids, sinks, what: str) -> tuple[int, int, int, int]:
-    """Validate global arrays; returns ``(heads, kv_heads, seq_len, head_dim)``."""
-    heads, kv_heads, q_len, kv_len, d = check_attention_inputs(q, k, v, mask, segment_ids, sinks)
-    if q_len != kv_len:
-        raise ValueError(f"{what} needs q_len == kv_len, got {q_len=}, {kv_len=}")
-    return heads, kv_heads, q_len, d
+def check_global_inputs(q, k, v, mask, segment_ids, sinks, what: str, *, config=None, scale=None,
+                        logit_soft_cap=None) -> tuple[int, int, int, int, SegmentIds | None]:
+    """Validate global arrays through the one validation path; returns
+    ``(heads, kv_heads, seq_len, head_dim, segment_ids)`` with the ids normalised to int32 (so
+    concrete 64-bit ids are compared exactly before they are sharded)."""
+    call = check_attention_call(
+        q, k, v, mask=mask, mask_required=True, segment_ids=segment_ids, scale=scale,
+        logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
+        same_dtype=True, equal_lengths=True,
+    )
+    del what  # the messages of check_attention_call name the argument already
+    return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
 
 def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks):

@@ -68,8 +68,9 @@ def allgather_attention(
         config: Splash block sizes and backend; blocks must tile ``q_shard`` and ``S``.
     """
     n = axis_size(axis_name, "allgather_attention")
-    _, _, q_len, d = check_local_inputs(q, k, v, mask, segment_ids, sinks, config, shards=n,
-                                                   what=f"axis {axis_name!r}")
+    _, _, q_len, d, segment_ids = check_local_inputs(
+        q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
+        logit_soft_cap=logit_soft_cap)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     check_blocks(config, q_len=q_len, kv_len=seq_len, what="allgather_attention")
@@ -104,7 +105,9 @@ def allgather_attention_sharded(
     sharded along the sequence over ``axis_name``. The mask is on original positions; the
     output is in ``layout`` order. Other arguments as in :func:`allgather_attention`."""
     n = check_mesh_axis(mesh, "axis_name", axis_name)
-    _, _, seq_len, _ = check_global_inputs(q, k, v, mask, segment_ids, sinks, "allgather_attention")
+    _, _, seq_len, _, segment_ids = check_global_inputs(
+        q, k, v, mask, segment_ids, sinks, "allgather_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap
+    )
     layouts.check_layout(layout, seq_len, n)
     check_blocks(config, q_len=seq_len // n, kv_len=seq_len, what="allgather_attention")
 

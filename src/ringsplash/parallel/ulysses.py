@@ -95,8 +95,9 @@ def ulysses_attention(
         config: Splash block sizes and backend; blocks must tile ``S``.
     """
     n = axis_size(axis_name, "ulysses_attention")
-    heads, kv_heads, q_len, d = check_local_inputs(q, k, v, mask, segment_ids, sinks, config, shards=n,
-                                                   what=f"axis {axis_name!r}")
+    heads, kv_heads, q_len, d, segment_ids = check_local_inputs(
+        q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
+        logit_soft_cap=logit_soft_cap)
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
@@ -134,7 +135,9 @@ def ulysses_attention_sharded(
     sharded along the sequence over ``axis_name``. The mask is on original positions; the
     output is in ``layout`` order. Other arguments as in :func:`ulysses_attention`."""
     n = check_mesh_axis(mesh, "axis_name", axis_name)
-    heads, kv_heads, seq_len, _ = check_global_inputs(q, k, v, mask, segment_ids, sinks, "ulysses_attention")
+    heads, kv_heads, seq_len, _, segment_ids = check_global_inputs(
+        q, k, v, mask, segment_ids, sinks, "ulysses_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap
+    )
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     local_head_mask(mask, split)
     layouts.check_layout(layout, seq_len, n)

@@ -7,7 +7,7 @@ ring member ``r``, i.e. chunk ``r`` of ``b``, for ``heads / a`` heads. So the in
 sees exactly a ``b``-device ring whose members hold the ``b`` shards of ``layout`` over ``b``:
 the input must be laid out over the ring degree, ``ringsplash.layouts.permute(x, layout, b)``
 (not over N), and the ring's load balance is that of ``layout`` over ``b`` shards. The ring
-is :func:`ringsplash.ring.ring_attention` itself (its K/V hops overlap its kernels); then
+is :func:`ringsplash.parallel.ring.ring_attention` itself (its K/V hops overlap its kernels); then
 the inverse all-to-all. Heads split over ``a`` as in :mod:`ringsplash.parallel.ulysses`.
 """
 
@@ -27,11 +27,11 @@ from ringsplash.parallel._common import (
     usp_factorisations,
     valid_ulysses_degrees,
 )
-from ringsplash.parallel.ulysses import heads_to_sequence, sequence_to_heads
-from ringsplash.ring import (  # the lead moves ring.py into parallel/
-    check_ring_lengths,
+from ringsplash.parallel.ring import (
+    fit_ring_blocks,
     ring_attention,
 )
+from ringsplash.parallel.ulysses import heads_to_sequence, sequence_to_heads
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig
 
@@ -89,10 +89,11 @@ def usp_attention(
     """
     _check_axes(ulysses_axis, ring_axis)
     a, b = axis_size(ulysses_axis, "usp_attention"), axis_size(ring_axis, "usp_attention")
-    heads, kv_heads, q_len, _ = check_local_inputs(q, k, v, mask, segment_ids, sinks, config, shards=a * b,
-                                                   what=f"axes {ulysses_axis!r} x {ring_axis!r}")
+    heads, kv_heads, q_len, _, segment_ids = check_local_inputs(
+        q, k, v, mask, segment_ids, sinks, config, shards=a * b, what=f"axes {ulysses_axis!r} x {ring_axis!r}", scale=scale,
+        logit_soft_cap=logit_soft_cap)
     split = _split(heads, kv_heads, a, b, ulysses_axis)
-    check_ring_lengths(q_len * a * b, b, layout, config)
+    fit_ring_blocks(q_len * a * b, b, layout, config)
     local_mask = local_head_mask(mask, split)
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, ulysses_axis)
     out = ring_attention(q, k, v, local_mask, axis_name=ring_axis, segment_ids=segment_ids, layout=layout,
@@ -124,9 +125,11 @@ def usp_attention_sharded(
     _check_axes(ulysses_axis, ring_axis)
     a = check_mesh_axis(mesh, "ulysses_axis", ulysses_axis)
     b = check_mesh_axis(mesh, "ring_axis", ring_axis)
-    heads, kv_heads, seq_len, _ = check_global_inputs(q, k, v, mask, segment_ids, sinks, "usp_attention")
+    heads, kv_heads, seq_len, _, segment_ids = check_global_inputs(
+        q, k, v, mask, segment_ids, sinks, "usp_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap
+    )
     local_head_mask(mask, _split(heads, kv_heads, a, b, ulysses_axis))
-    check_ring_lengths(seq_len, b, layout, config)
+    fit_ring_blocks(seq_len, b, layout, config)
     if seq_len % (a * b):
         raise ValueError(f"sequence length S={seq_len} must be divisible by N = ulysses x ring = {a} x {b}")
 
