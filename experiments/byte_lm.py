@@ -20,7 +20,9 @@ import zlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
+import contextlib
+
+from ringsplash.cli import parse_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +73,8 @@ def main(config: Config) -> dict:
     import jax
 
     if os.environ.get("JAX_PLATFORMS") == "cpu":
-        try:
+        with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", config.data_parallel * config.context_parallel)
-        except RuntimeError:
-            pass
     import numpy as np
     import optax
 

@@ -16,7 +16,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
+import contextlib
+
+from ringsplash.cli import parse_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +45,8 @@ def main(config: Config) -> list[dict]:
     import jax
 
     sizes = [int(n) for n in config.ring_sizes.split(",") if n]
-    try:
+    with contextlib.suppress(RuntimeError):
         jax.config.update("jax_num_cpu_devices", max(sizes + [1]))
-    except RuntimeError:
-        pass
     import equinox as eqx
     import numpy as np
 

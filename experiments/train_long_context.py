@@ -18,12 +18,13 @@ Held-out evaluation is on fresh full-length sequences only.
 
 Checkpoints and resuming. ``--checkpoint-every N`` writes a sharded orbax checkpoint under
 ``<run dir>/checkpoints/<step>`` every N steps (and always at the end), atomically (a temporary
-directory renamed when complete), so a kill cannot corrupt the last good one. ``--run-dir DIR`` resumes the run in DIR when it holds a checkpoint: parameters,
-optimiser state, step, and the data stream (a pure function of seed and step) continue exactly
-where the checkpoint left them, so the resumed run ends bit for bit where an uninterrupted one
-would. The options must be those the run was started with (``DIR/job_config.json``; an error
-names any field that differs; ``--checkpoint-every``, ``--log-every`` and ``--progress`` may
-change). Metrics past the checkpoint are dropped from ``metrics.jsonl`` and written again.
+directory renamed when complete), so a kill cannot corrupt the last good one. ``--run-dir DIR``
+resumes the run in DIR when it holds a checkpoint: parameters, optimiser state, step, and the
+data stream (a pure function of seed and step) continue exactly where the checkpoint left them,
+so the resumed run ends bit for bit where an uninterrupted one would. The options must be those
+the run was started with (``DIR/job_config.json``; an error names any field that differs;
+``--checkpoint-every``, ``--log-every`` and ``--progress`` may change). Metrics past the
+checkpoint are dropped from ``metrics.jsonl`` and written again.
 
     python experiments/train_long_context.py            # the default run (about 4 minutes on 2 quiet cores)
     python experiments/train_long_context.py --checkpoint-every 50 --run-dir runs/long  # resumable
@@ -31,6 +32,7 @@ change). Metrics past the checkpoint are dropped from ``metrics.jsonl`` and writ
     python experiments/train_long_context.py --help     # every option
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -39,7 +41,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
+from ringsplash.cli import parse_config
 
 # Test hook: the process kills itself (SIGKILL, no clean-up) when step N is logged, to test resuming.
 KILL_AT_STEP_ENV = "RINGSPLASH_TEST_KILL_AT_STEP"
@@ -106,7 +108,7 @@ def curriculum(config: Config) -> list[tuple[int, int]]:
     for item in filter(None, config.curriculum.split(",")):
         length, fraction = item.split(":")
         stages.append((step, int(length)))
-        step += int(round(float(fraction) * config.steps))
+        step += round(float(fraction) * config.steps)
     stages.append((min(step, config.steps), config.seq_len))
     return stages
 
@@ -119,10 +121,9 @@ def main(config: Config) -> dict:
     import jax
 
     if os.environ.get("JAX_PLATFORMS") == "cpu":
-        try:  # simulated devices; impossible (and unnecessary if there are enough) once JAX has started
+        # simulated devices; impossible (and unnecessary if there are enough) once JAX has started
+        with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", config.data_parallel * config.context_parallel)
-        except RuntimeError:
-            pass
 
     from ringsplash import checkpoints, data, train
     from ringsplash.model import TransformerConfig

@@ -34,7 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-from ringsplash.cli import parse_config  # noqa: E402 (after the environment set-up)
+from ringsplash.cli import parse_config
 
 GiB = 1024**3
 #: HBM per JAX device (bytes). One device per chip, except tpu7x (Ironwood): 192 GiB per chip
@@ -116,7 +116,6 @@ def compile_step(config: Config):
     import optax
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from ringsplash import partitioning, train
     from ringsplash.data import Batch

@@ -39,10 +39,10 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from ringsplash import build_mask_info, layouts, masks  # noqa: E402
-from ringsplash.parallel._common import valid_ulysses_degrees  # noqa: E402
+from ringsplash import build_mask_info, layouts, masks
+from ringsplash.parallel._common import valid_ulysses_degrees
 
 K = 1024
 HEADS, KV_HEADS, D, BLOCK, BYTES = 32, 8, 128, 512, 2  # bf16
@@ -195,7 +195,8 @@ def compile_child(strategy: str, s: int, n: int, a: int) -> None:
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import ringsplash as rs
     from ringsplash.splash.config import SplashConfig

@@ -84,7 +84,7 @@ def run_row(seq_len: int, mask_name: str, repeats: int, block_q: int, block_kv: 
     if dense:
         dense_fn, dense_compile = compile_(dense_loss)
         dense_times.append(timed(dense_fn))
-    for i in range(repeats - 1):
+    for _i in range(repeats - 1):
         ours_times.append(timed(ours))
         if dense:
             dense_times.append(timed(dense_fn))

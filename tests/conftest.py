@@ -14,7 +14,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 # test subprocesses (scripts) load libtpu too; let them share it
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)

@@ -18,9 +18,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_train import _setup
 
 from ringsplash import checkpoints, train
+from test_train import _setup
 
 # Leaf name -> (shape, PartitionSpec on the data 2 x context 4 mesh): a different spec per leaf.
 PARAMS = {

@@ -247,7 +247,7 @@ SEGMENT_ENTRY_POINTS = {
     "splash_forward": lambda q, k, v, seg: rs.splash_forward(q, k, v, rs.build_mask_info(FULL, (128, 128)),
                                                              segment_ids=seg, config=XLA)[0],
     "ring_attention_sharded": lambda q, k, v, seg: _ring_sharded(q, k, v, FULL, segment_ids=seg),
-    **{name: (lambda name: lambda q, k, v, seg: _strategy_sharded(name)(q, k, v, FULL, segment_ids=seg))(name)
+    **{name: (lambda fn: lambda q, k, v, seg: fn(q, k, v, FULL, segment_ids=seg))(_strategy_sharded(name))
        for name in ("allgather_attention_sharded", "ulysses_attention_sharded", "usp_attention_sharded")},
 }
 
@@ -275,7 +275,7 @@ def test_traced_wide_segment_ids_are_rejected():
         ids = jnp.arange(S, dtype=jnp.int64)
         for fn in (_reference, _splash):
             with pytest.raises(TypeError, match=r"segment_ids\.q has dtype int64.*pass int32 segment ids"):
-                jax.jit(lambda a, b: fn(q, k, v, segment_ids=rs.SegmentIds(a, b)))(ids, ids)
+                jax.jit(lambda a, b: fn(q, k, v, segment_ids=rs.SegmentIds(a, b)))(ids, ids)  # noqa: B023
 
 
 def test_traced_uint32_segment_ids_bitcast_exactly():

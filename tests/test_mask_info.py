@@ -7,15 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_inputs import inputs, max_err
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from test_masks import any_masks
 
 import ringsplash as rs
+from attention_inputs import inputs, max_err
 from ringsplash import build_mask_info, layouts, masks
 from ringsplash import mask_info as mask_info_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL
+from test_masks import any_masks
 
 # ----------------------------------------------------------------------------------------
 # helpers
@@ -54,7 +54,7 @@ def check_info(info, mask, q_pos=None, kv_pos=None, partial_mode="auto"):
     bq, bkv = info.block_shape
     nq, nk = info.q_blocks_per_shard, info.kv_blocks_per_shard
     L, QS, KS, T = info.kind.shape
-    assert (QS, KS) == (info.q_shards, info.kv_shards)
+    assert (info.q_shards, info.kv_shards) == (QS, KS)
     for arr in (info.q_block, info.kv_block, info.partial_index):
         assert arr.shape == info.kind.shape
     assert info.num_active.shape == (L, QS, KS)

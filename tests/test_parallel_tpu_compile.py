@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import masks
@@ -31,7 +32,7 @@ S, HEADS, KV_HEADS, D = 32768, 8, 2, 128
 TOPOLOGY, N = "v5p:2x2x2", 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(name: str):
     devices = np.asarray(topologies.get_topology_desc(TOPOLOGY, "tpu").devices).reshape(-1)
     mask = masks.CausalMask((S, S))

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_inputs import max_err
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
+from attention_inputs import max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel.ring import ring_attention, ring_attention_sharded, ring_plan
 from ringsplash.splash.config import SplashConfig

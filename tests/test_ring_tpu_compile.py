@@ -114,6 +114,22 @@ def overlap_violations(text: str) -> list[str]:
     return problems
 
 
+def permute_windows(text: str):
+    """For every collective-permute-start: (computation, start, done, kernels scheduled between);
+    used where some windows may legitimately overlap other collectives instead (USP)."""
+    comps = parse_hlo(text)
+    windows = []
+    for comp, instrs in comps.items():
+        for i, (name, op, _) in enumerate(instrs):
+            if op != "collective-permute-start":
+                continue
+            done = next(j for j, (_, op2, l) in enumerate(instrs)
+                        if op2 == "collective-permute-done" and re.search(rf"\(%{re.escape(name)}\)", l))
+            between = [n for n, _, l in instrs[i + 1 : done] if holds_kernel(comps, l)]
+            windows.append((comp, name, instrs[done][0], between))
+    return windows
+
+
 def count_permute_starts(text: str) -> int:
     return sum(op == "collective-permute-start" for instrs in parse_hlo(text).values() for _, op, _ in instrs)
 

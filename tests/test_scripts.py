@@ -98,7 +98,7 @@ def test_main_job_smoke(tmp_path):
     assert result["chance"] == 1 / 16
     # The returned accuracy is the held-out evaluation logged at the last step, a whole number of
     # the 1 x 2 x 32 scored answers.
-    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last_eval = [r for r in records if r["split"] == "eval"][-1]
     assert last_eval["step"] == 6 and last_eval["accuracy"] == result["heldout_accuracy"]
     assert abs(result["heldout_accuracy"] * 64 - round(result["heldout_accuracy"] * 64)) < 1e-9
@@ -154,12 +154,12 @@ def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
     assert "resuming from its checkpoint" in out
 
     # Parameters, optimiser state and step: identical bit for bit (sha256 over every array).
-    digest = lambda out: [ln for ln in out.splitlines() if ln.startswith("final state digest:")]  # noqa: E731
+    digest = lambda out: [ln for ln in out.splitlines() if ln.startswith("final state digest:")]
     assert digest(out) and digest(out) == digest(full_out)
     # Metrics: step 5 (past the checkpoint) was dropped and written again, no step twice, and
     # every logged number (losses of each step's batch, held-out evaluations) as uninterrupted.
-    key = lambda r: (r["step"], r["split"])  # noqa: E731
-    strip = lambda r: {k: v for k, v in r.items() if k not in ("time", "tokens_per_s")}  # noqa: E731
+    key = lambda r: (r["step"], r["split"])
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("time", "tokens_per_s")}
     got, want = sorted(map(strip, _records(cut_dir)), key=key), sorted(map(strip, _records(full_dir)), key=key)
     assert [key(r) for r in got] == [key(r) for r in want] == sorted({key(r) for r in want})
     assert got == want

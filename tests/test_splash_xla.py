@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
+from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash._checks import default_scale
 from ringsplash.splash import xla
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
-from attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
@@ -295,7 +295,7 @@ def test_xla_scans_type_check_under_shard_map_with_traced_shard_indices(key):
         kw = dict(scale=None, logit_soft_cap=None)
         out, lse = xla_forward(q, k, v, info, sched, p, p, None, None, **kw)
         delta = jnp.sum(d_out * out, axis=-1)
-        dq, dk, dv = xla_backward(q, k, v, d_out, lse, delta, info, sched, p, p, None, None, **kw)
+        dq, _dk, _dv = xla_backward(q, k, v, d_out, lse, delta, info, sched, p, p, None, None, **kw)
         return out, dq
 
     spec = P(None, "ctx")

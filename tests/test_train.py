@@ -29,7 +29,7 @@ def _setup(seq=128, steps=12, **model_kw):
 def test_train_reduces_loss(tmp_path):
     config, tc, stream = _setup(steps=30)
     train.fit(config, tc, stream, str(tmp_path))
-    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.5, losses
     assert all("tokens_per_s" in r for r in records[1:])
@@ -40,7 +40,7 @@ def test_train_ring_on_data_by_context_mesh_reduces_loss(tmp_path):
     config, tc, stream = _setup(seq=512, steps=6, attention="ring", ring_axis_name="context", ring_size=2)
     tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "context_parallel": 2, "learning_rate": 1e-2})
     state = train.fit(config, tc, stream, str(tmp_path))
-    losses = [json.loads(line)["loss"] for line in open(tmp_path / "metrics.jsonl")]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert int(state.step) == 6 and losses[-1] < losses[0], losses
 
 
@@ -62,7 +62,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     train.save_checkpoint(path, state)
     restored = train.load_checkpoint(path, train.init_state(config, tc, stream.seed))
     assert int(restored.step) == 3
-    leaves = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))  # noqa: E731
+    leaves = lambda t: jax.tree.leaves(eqx.filter(t, eqx.is_array))
     for x, y in zip(leaves(state), leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -10,8 +10,8 @@ from ringsplash.reference import MASKED_LSE, reference_attention
 from ringsplash.segment_ids import SegmentIds
 
 __all__ = [
-    "BlockSchedule",
     "MASKED_LSE",
+    "BlockSchedule",
     "MaskInfo",
     "SegmentIds",
     "build_mask_info",
@@ -20,8 +20,6 @@ __all__ = [
     "reference_attention",
 ]
 
-from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
-from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
 from ringsplash.parallel import (
     allgather_attention,
     allgather_attention_sharded,
@@ -30,6 +28,8 @@ from ringsplash.parallel import (
     usp_attention,
     usp_attention_sharded,
 )
+from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
+from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
 
 __all__ += [
     "SplashConfig",

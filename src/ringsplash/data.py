@@ -102,7 +102,9 @@ class RecallTask:
         )
 
 
-def recall_batch(rng: np.random.Generator, batch_size: int, task: RecallTask, *, episode_len: int | None = None) -> Batch:
+def recall_batch(
+    rng: np.random.Generator, batch_size: int, task: RecallTask, *, episode_len: int | None = None
+) -> Batch:
     """One batch of the recall task (see :class:`RecallTask`).
 
     With ``episode_len < task.seq_len`` (a divisor), each row packs ``seq_len // episode_len``

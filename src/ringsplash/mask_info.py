@@ -178,9 +178,9 @@ def _summarise(positions: np.ndarray, block: int, identity: bool) -> _Blocks:
         stride = 1
     else:
         steps = p[:, 1] - p[:, 0]
-        if np.all(steps == steps[0]) and steps[0] > 0:
-            if np.array_equal(p, start[:, None] + steps[0] * np.arange(block)):
-                stride = int(steps[0])
+        if (np.all(steps == steps[0]) and steps[0] > 0
+                and np.array_equal(p, start[:, None] + steps[0] * np.arange(block))):
+            stride = int(steps[0])
     return _Blocks(p.min(1), p.max(1), start, stride, positions)
 
 

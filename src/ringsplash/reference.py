@@ -21,7 +21,7 @@ def reference_attention(
     segment_ids: SegmentIds | None = None,
     scale: float | None = None,
     logit_soft_cap: float | None = None,
-    sinks: Float[Array, "heads"] | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     return_residuals: bool = False,
     dropout_rate: float = 0.0,
     dropout_key=None,

@@ -6,5 +6,5 @@ from ringsplash._types import Array, Int
 
 
 class SegmentIds(NamedTuple):
-    q: Int[Array, "q_len"]
-    kv: Int[Array, "kv_len"]
+    q: Int[Array, " q_len"]
+    kv: Int[Array, " kv_len"]

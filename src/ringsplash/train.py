@@ -221,7 +221,7 @@ def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, g
     """Per-device (unnormalised) loss sum, scored weight, correct weight."""
     n = batch.tokens.shape[0]
     keys = None if key is None else jax.random.split(key, n)
-    call = lambda t, p, s, k: model.hidden(t, p, s, key=k, gather_layer=gather_layer)  # noqa: E731
+    call = lambda t, p, s, k: model.hidden(t, p, s, key=k, gather_layer=gather_layer)
     hidden = jax.vmap(call)(batch.tokens, batch.positions, batch.segment_ids, keys)
     w = batch.loss_mask.astype(jnp.float32)
     s, c = chunked_loss_sums(hidden.reshape(-1, hidden.shape[-1]), model.unembedding_matrix(),

@@ -20,7 +20,7 @@ from ringsplash.segment_ids import SegmentIds
 ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
 
 
-def rope(x: Float[Array, "heads seq d"], positions: Int[Array, "seq"], theta: float) -> Float[Array, "heads seq d"]:
+def rope(x: Float[Array, "heads seq d"], positions: Int[Array, " seq"], theta: float) -> Float[Array, "heads seq d"]:
     """Rotary embedding (rotate-half convention), angles computed in float32 from ``positions``."""
     d = x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
@@ -37,8 +37,8 @@ def attend(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
     v: Float[Array, "kv_heads seq d"],
-    segment_ids: Int[Array, "seq"] | None,
-    sinks: Float[Array, "heads"] | None,
+    segment_ids: Int[Array, " seq"] | None,
+    sinks: Float[Array, " heads"] | None,
     *,
     key: jax.Array | None = None,
 ) -> Float[Array, "heads seq d"]:
@@ -77,7 +77,7 @@ class Attention(eqx.Module):
     wk: Float[Array, "d_model kv_heads_x_d"]
     wv: Float[Array, "d_model kv_heads_x_d"]
     wo: Float[Array, "heads_x_d d_model"]
-    sinks: Float[Array, "heads"] | None
+    sinks: Float[Array, " heads"] | None
     config: TransformerConfig = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: jax.Array):
@@ -98,8 +98,8 @@ class Attention(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "seq d_model"],
-        positions: Int[Array, "seq"],
-        segment_ids: Int[Array, "seq"] | None = None,
+        positions: Int[Array, " seq"],
+        segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
     ) -> Float[Array, "seq d_model"]:

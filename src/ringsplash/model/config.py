@@ -165,7 +165,7 @@ class TransformerConfig:
             fit_ring_blocks(self.max_seq_len, self.ring_size, self.ring_layout, self.splash)
             return
         s = self.splash
-        blocks = {"block_q": s.block_q, "block_kv": s.block_kv, "block_q_dkv": s.block_q_dkv, "block_kv_dkv": s.block_kv_dkv}
+        blocks = {name: getattr(s, name) for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv")}
         for name, block in blocks.items():
             if self.max_seq_len % block:
                 raise ValueError(
@@ -178,8 +178,8 @@ class TransformerConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        hidden = int(math.ceil(self.mlp_ratio * self.d_model))
-        return self.mlp_multiple * int(math.ceil(hidden / self.mlp_multiple))
+        hidden = math.ceil(self.mlp_ratio * self.d_model)
+        return self.mlp_multiple * math.ceil(hidden / self.mlp_multiple)
 
     @property
     def group_size(self) -> int:

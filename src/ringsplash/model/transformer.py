@@ -47,7 +47,7 @@ def remat_policy(name: RematPolicy, *, gathered: bool = False):
 
 
 class RMSNorm(eqx.Module):
-    weight: Float[Array, "d_model"]
+    weight: Float[Array, " d_model"]
     eps: float = eqx.field(static=True)
 
     def __init__(self, d_model: int, dtype, eps: float = 1e-6):
@@ -96,8 +96,8 @@ class Block(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "seq d_model"],
-        positions: Int[Array, "seq"],
-        segment_ids: Int[Array, "seq"] | None,
+        positions: Int[Array, " seq"],
+        segment_ids: Int[Array, " seq"] | None,
         *,
         key: jax.Array | None = None,
     ) -> Float[Array, "seq d_model"]:
@@ -132,9 +132,9 @@ class Transformer(eqx.Module):
 
     def __call__(
         self,
-        tokens: Int[Array, "seq"],
-        positions: Int[Array, "seq"],
-        segment_ids: Int[Array, "seq"] | None = None,
+        tokens: Int[Array, " seq"],
+        positions: Int[Array, " seq"],
+        segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
     ) -> Float[Array, "seq vocab"]:
@@ -144,9 +144,9 @@ class Transformer(eqx.Module):
 
     def hidden(
         self,
-        tokens: Int[Array, "seq"],
-        positions: Int[Array, "seq"],
-        segment_ids: Int[Array, "seq"] | None = None,
+        tokens: Int[Array, " seq"],
+        positions: Int[Array, " seq"],
+        segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
         gather_layer: Callable[[Block], Block] | None = None,

@@ -106,7 +106,8 @@ def allgather_attention_sharded(
     output is in ``layout`` order. Other arguments as in :func:`allgather_attention`."""
     n = check_mesh_axis(mesh, "axis_name", axis_name)
     _, _, seq_len, _, segment_ids = check_global_inputs(
-        q, k, v, mask, segment_ids, sinks, "allgather_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap
+        q, k, v, mask, segment_ids, sinks, "allgather_attention", config=config, scale=scale,
+        logit_soft_cap=logit_soft_cap,
     )
     layouts.check_layout(layout, seq_len, n)
     check_blocks(config, q_len=seq_len // n, kv_len=seq_len, what="allgather_attention")

@@ -357,7 +357,7 @@ def ring_attention(
     layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
-    sinks: Float[Array, "heads"] | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
 ) -> Float[Array, "heads q_shard d"]:
@@ -425,7 +425,7 @@ def ring_attention_sharded(
     layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
-    sinks: Float[Array, "heads"] | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
 ) -> Float[Array, "heads seq d"]:

@@ -136,7 +136,8 @@ def ulysses_attention_sharded(
     output is in ``layout`` order. Other arguments as in :func:`ulysses_attention`."""
     n = check_mesh_axis(mesh, "axis_name", axis_name)
     heads, kv_heads, seq_len, _, segment_ids = check_global_inputs(
-        q, k, v, mask, segment_ids, sinks, "ulysses_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap
+        q, k, v, mask, segment_ids, sinks, "ulysses_attention", config=config, scale=scale,
+        logit_soft_cap=logit_soft_cap,
     )
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     local_head_mask(mask, split)

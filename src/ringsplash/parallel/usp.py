@@ -90,7 +90,8 @@ def usp_attention(
     _check_axes(ulysses_axis, ring_axis)
     a, b = axis_size(ulysses_axis, "usp_attention"), axis_size(ring_axis, "usp_attention")
     heads, kv_heads, q_len, _, segment_ids = check_local_inputs(
-        q, k, v, mask, segment_ids, sinks, config, shards=a * b, what=f"axes {ulysses_axis!r} x {ring_axis!r}", scale=scale,
+        q, k, v, mask, segment_ids, sinks, config, shards=a * b, what=f"axes {ulysses_axis!r} x {ring_axis!r}",
+        scale=scale,
         logit_soft_cap=logit_soft_cap)
     split = _split(heads, kv_heads, a, b, ulysses_axis)
     fit_ring_blocks(q_len * a * b, b, layout, config)

@@ -180,7 +180,7 @@ def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None)
     kv_pos, q_seg, kv_seg)`` refs (None where absent); ``kv_cols`` slices the kv side (the
     forward's compute slices, kv along lanes)."""
     q_pos, kv_pos, q_seg, kv_seg = pos_seg_refs
-    load = lambda ref: None if ref is None else ref[...]  # noqa: E731
+    load = lambda ref: None if ref is None else ref[...]
     load_kv = load if kv_cols is None else (lambda ref: None if ref is None else ref[:, kv_cols])
     return block_mask(which, partial, lst, load(q_pos), load_kv(kv_pos), load(q_seg), load_kv(kv_seg), stored,
                       masks=masks)

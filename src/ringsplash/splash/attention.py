@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import batching, mlir
 
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call, check_divides, default_scale
+from ringsplash._checks import check_attention_call, check_divides
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks import PARTIAL
@@ -415,7 +415,7 @@ def splash_attention(
     segment_ids: SegmentIds | None = None,
     scale: float | None = None,
     logit_soft_cap: float | None = None,
-    sinks: Float[Array, "heads"] | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     return_residuals: bool = False,
 ):

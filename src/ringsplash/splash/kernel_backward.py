@@ -34,9 +34,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash.splash._kernel_common import (
-    MASK_VALUE, NN_DIMS, NT_DIMS, count_map, dispatch_kinds, drop_unattended, kind_of, kv_block_of, kv_map,
-    mask_operand_specs, optional_specs, pack_schedule, partial_of, q_block_of, q_map, row_map,
-    run_edges, scores_and_tanh, sds, semantics, tally_step, tile_mask, unpack_refs,
+    MASK_VALUE,
+    NN_DIMS,
+    NT_DIMS,
+    count_map,
+    dispatch_kinds,
+    drop_unattended,
+    kind_of,
+    kv_block_of,
+    kv_map,
+    mask_operand_specs,
+    optional_specs,
+    pack_schedule,
+    partial_of,
+    q_block_of,
+    q_map,
+    row_map,
+    run_edges,
+    scores_and_tanh,
+    sds,
+    semantics,
+    tally_step,
+    tile_mask,
+    unpack_refs,
 )
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
 
@@ -310,7 +330,7 @@ def splash_dq_kernel(
         _dq_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks), num_steps=num_steps,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
-    kernel = lambda *refs: body(*unpack_refs(refs, 3, 6, present, 1, count_steps))  # noqa: E731
+    kernel = lambda *refs: body(*unpack_refs(refs, 3, 6, present, 1, count_steps))
     results = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

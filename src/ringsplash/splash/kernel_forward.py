@@ -18,9 +18,26 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash.reference import MASKED_LSE  # lse of a row with nothing to attend (finite)
 from ringsplash.splash._kernel_common import (
-    MASK_VALUE, NN_DIMS, count_map, dispatch_kinds, drop_unattended, kind_of, kv_map,
-    mask_operand_specs, pack_schedule, partial_of, q_block_of, q_map, row_map, run_edges,
-    scores_and_tanh, sds, semantics, tally_step, tile_mask, unpack_refs,
+    MASK_VALUE,
+    NN_DIMS,
+    count_map,
+    dispatch_kinds,
+    drop_unattended,
+    kind_of,
+    kv_map,
+    mask_operand_specs,
+    pack_schedule,
+    partial_of,
+    q_block_of,
+    q_map,
+    row_map,
+    run_edges,
+    scores_and_tanh,
+    sds,
+    semantics,
+    tally_step,
+    tile_mask,
+    unpack_refs,
 )
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
 
@@ -161,7 +178,7 @@ def splash_forward_kernel(
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
 
-    kernel = lambda *refs: body(*unpack_refs(refs, 3, 3, present, 2, count_steps))  # noqa: E731
+    kernel = lambda *refs: body(*unpack_refs(refs, 3, 3, present, 2, count_steps))
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,

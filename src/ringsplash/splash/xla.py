@@ -53,7 +53,7 @@ from ringsplash.masks import PARTIAL
 from ringsplash.reference import MASKED_LSE
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 
-__all__ = ["forward", "backward"]
+__all__ = ["backward", "forward"]
 
 # Initial running max / masked-score value: finite, so no inf - inf appears anywhere.
 _NEG_INIT = -1e30
@@ -252,7 +252,7 @@ def forward(
     rnd = _rounder(config, q.dtype)
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
-    bq, bkv = info.block_shape
+    _bq, _bkv = info.block_shape
     scale = default_scale(scale, d)
     qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
