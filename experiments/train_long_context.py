@@ -120,8 +120,11 @@ def episode_len_at(stages, step: int) -> int:
 def main(config: Config) -> dict:
     import jax
 
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
-        # simulated devices; impossible (and unnecessary if there are enough) once JAX has started
+    from ringsplash import distributed
+
+    if os.environ.get("JAX_PLATFORMS") == "cpu" and not distributed.launched_locally():
+        # simulated devices (the local launcher gives each process its own); impossible (and
+        # unnecessary if there are enough) once JAX has started
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", config.data_parallel * config.context_parallel)
 
@@ -130,7 +133,11 @@ def main(config: Config) -> dict:
     from ringsplash.splash import SplashConfig
 
     t_start = time.perf_counter()
-    run_dir = config.run_dir or os.path.join("runs", "train_long_context", time.strftime("%Y%m%d-%H%M%S"))
+    # several processes (a pod slice, scripts/launch_local.py): same flags everywhere, one run directory
+    distributed.check_same_config({k: v for k, v in dataclasses.asdict(config).items() if k != "progress"})
+    run_dir = distributed.agree_on(
+        config.run_dir or os.path.join("runs", "train_long_context", time.strftime("%Y%m%d-%H%M%S")))
+    say = print if distributed.is_main_process() else (lambda *a, **k: None)
     task = data.RecallTask(
         seq_len=config.seq_len, num_pairs=config.num_pairs, num_queries=config.num_queries,
         num_keys=config.num_keys, num_values=config.num_values, num_filler=config.num_filler,
@@ -180,8 +187,8 @@ def main(config: Config) -> dict:
     job_config = {k: v for k, v in dataclasses.asdict(config).items() if k not in RESUMABLE_CHANGES}
     train.check_run_config(os.path.join(run_dir, "job_config.json"), job_config)
     resuming = checkpoints.latest_step(os.path.join(run_dir, "checkpoints")) is not None
-    print(f"run directory: {run_dir}" + (" (resuming from its checkpoint)" if resuming else ""))
-    print(f"devices: {len(mesh.devices.flat)} x {jax.devices()[0].platform} (data={tc.data_parallel}, "
+    say(f"run directory: {run_dir}" + (" (resuming from its checkpoint)" if resuming else ""))
+    say(f"devices: {len(mesh.devices.flat)} x {jax.devices()[0].platform} (data={tc.data_parallel}, "
           f"context={tc.context_parallel}); attention={config.attention} layout={config.layout} "
           f"backend={config.backend}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
     state = train.fit(model_config, tc, stream, run_dir, mesh=mesh, on_log=on_log)
@@ -190,13 +197,13 @@ def main(config: Config) -> dict:
     wall = time.perf_counter() - t_start
     result = {"heldout_accuracy": final["accuracy"], "heldout_loss": final["loss"], "chance": 1 / config.num_values,
               "run_dir": run_dir, "plot": plot, "wall_s": wall, "state_digest": train.state_digest(state)}
-    print(f"held-out recall accuracy: {final['accuracy']:.3f} (chance {1 / config.num_values:.3f}) "
+    say(f"held-out recall accuracy: {final['accuracy']:.3f} (chance {1 / config.num_values:.3f}) "
           f"on {config.eval_batches * config.batch_size} sequences of {config.seq_len} tokens, "
           f"{config.num_queries} queries each")
-    print(f"final state digest: {result['state_digest']}")
-    print(f"run directory: {run_dir}")
-    print(f"plot: {plot}")
-    print(f"wall time: {wall:.0f} s")
+    say(f"final state digest: {result['state_digest']}")
+    say(f"run directory: {run_dir}")
+    say(f"plot: {plot}")
+    say(f"wall time: {wall:.0f} s")
     return result
 
 

@@ -179,10 +179,13 @@ def _manager(directory: str, *, keep: int | None = None, create: bool = False) -
 def all_steps(directory: str) -> list[int]:
     """The finalised (complete) checkpoint steps under ``directory``, ascending; ``[]`` if none.
     Temporary directories of unfinished saves are not steps."""
-    if not _path(directory).is_dir():
+    # Read from the directory listing, not through a CheckpointManager: creating one is a
+    # collective (it syncs every process), and this is called by each process on its own.
+    # Orbax renames a save's temporary directory to the bare step number only once complete.
+    root = _path(directory)
+    if not root.is_dir():
         return []
-    with _manager(directory) as mngr:
-        return sorted(mngr.all_steps())
+    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def latest_step(directory: str) -> int | None:

@@ -122,6 +122,26 @@ def check_same_config(config: Any, name: str = "config") -> None:
         )
 
 
+def agree_on(text: str, max_bytes: int = 4096) -> str:
+    """Process 0's ``text`` on every process (e.g. a run directory named after the clock)."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return text
+    from jax.experimental import multihost_utils
+
+    raw = text.encode()
+    if len(raw) > max_bytes:
+        raise ValueError(f"agree_on: text of {len(raw)} bytes is longer than {max_bytes=}")
+    buf = np.zeros(max_bytes + 4, np.uint8)
+    buf[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), np.uint8)
+    buf[4 : 4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    n = int(np.frombuffer(got[:4].tobytes(), np.uint32)[0])
+    return got[4 : 4 + n].tobytes().decode()
+
+
 def run_script(script: str, args: list[str]) -> None:
     """Initialise, then run ``script`` as ``__main__`` with ``args`` as its argv."""
     initialize()

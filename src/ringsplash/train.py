@@ -99,6 +99,17 @@ def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
 def make_mesh(data: int = 1, context: int = 1, devices=None) -> jax.sharding.Mesh:
     """A ``(data, context)`` mesh over the first ``data * context`` devices."""
     devices = jax.devices() if devices is None else devices
+    processes = jax.process_count()
+    if processes > 1 and (data * context) % processes:
+        raise ValueError(
+            f"mesh data={data} x context={context} = {data * context} devices cannot be split evenly over "
+            f"{processes} processes: use a mesh whose size is a multiple of the process count"
+        )
+    if processes > 1 and data * context != len(devices):
+        raise ValueError(
+            f"mesh data={data} x context={context} = {data * context} devices must use all {len(devices)} devices "
+            f"of the {processes} processes (each process feeds its own devices' shards)"
+        )
     if len(devices) < data * context:
         raise ValueError(
             f"mesh data={data} x context={context} needs {data * context} devices, found {len(devices)} "
@@ -417,6 +428,14 @@ def load_checkpoint(path: str, like: TrainState) -> TrainState:
     return checkpoints.restore_state(path, like)
 
 
+def _sync_processes(name: str) -> None:
+    """A barrier across processes (a no-op in a single-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def state_digest(state: TrainState) -> str:
     """sha256 (hex) of every array of ``state`` (parameters, optimiser state, step) in tree order:
     equal digests mean bit-identical states, whatever their sharding or process count."""
@@ -482,6 +501,9 @@ class MetricsLog:
         self.plot_path = os.path.join(run_dir, f"{name}.png")
 
     def write(self, record: dict) -> None:
+        """Append ``record`` (process 0 only: every process computes the same metrics)."""
+        if jax.process_index() != 0:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
 
@@ -503,6 +525,9 @@ class MetricsLog:
             return [json.loads(line) for line in f if line.strip()]
 
     def plot(self, title: str = "") -> str:
+        """Write the PNG (process 0 only) and return its path."""
+        if jax.process_index() != 0:
+            return self.plot_path
         import matplotlib
 
         matplotlib.use("Agg")
@@ -577,6 +602,7 @@ def fit(
     config_path = os.path.join(run_dir, "config.json")
     if not resume and os.path.exists(config_path) and jax.process_index() == 0:
         os.remove(config_path)  # a fresh start may change the config
+    _sync_processes("fresh run directory")
     check_run_config(config_path,
                      {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed},
                      ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
@@ -590,11 +616,13 @@ def fit(
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     if jax.process_index() == 0:
         log.truncate(after_step=start)  # no duplicate steps: records past the checkpoint are rewritten
+    _sync_processes("run directory ready")  # nobody reads config.json / metrics while process 0 rewrites them
     schedule = learning_rate_schedule(tc)
     base_key = jax.random.key(tc.seed + 1)
     tokens_per_step = tc.batch_size * model_config.max_seq_len
 
-    bar = tqdm(total=end, initial=start, desc="train", disable=not tc.progress, dynamic_ncols=True)
+    bar = tqdm(total=end, initial=start, desc="train", disable=not tc.progress or jax.process_index() != 0,
+               dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     next_batch = shard_batch(stream.batch(start), mesh, model_config) if start < end else None
     for i in range(start, end):
