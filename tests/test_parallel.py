@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
@@ -20,6 +19,8 @@ from attention_inputs import max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel import usp_mesh
 from ringsplash.splash.config import SplashConfig
+from test_ring import MASK_KINDS, mesh
+from test_ring import make_mask as ring_mask
 
 # measured max abs error over this file <= 8.1e-6 (dv, float32); ~6x headroom (the issue's bound is 1e-4)
 TOL = 5e-5
@@ -27,37 +28,15 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
 INTERPRET = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
                          interpret_params=pltpu.InterpretParams(uninitialized_memory="nan"))
-MASK_KINDS = ("causal", "local", "chunked", "prefix_lm", "composed", "numpy", "multi_head")
-
-
-def mesh(n: int, name: str = "ctx"):
-    return jax.make_mesh((n,), (name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
-
-
 def make_mask(kind: str, s: int, heads: int, period: int):
-    """Mask of one kind; ``multi_head`` repeats its per-head masks with ``period`` (the heads
-    per Ulysses rank) so every rank's head group has the same masks."""
+    """The ring tests' mask of one kind; ``multi_head`` repeats its per-head masks with ``period``
+    (the heads per Ulysses rank) so every rank's head group has the same masks."""
+    if kind != "multi_head":
+        return ring_mask(kind, s, heads)
     shape = (s, s)
-    if kind == "causal":
-        return masks.CausalMask(shape)
-    if kind == "local":
-        return masks.LocalMask(shape, window=(200, 37))
-    if kind == "chunked":
-        return masks.ChunkedCausalMask(shape, chunk_size=300)
-    if kind == "prefix_lm":
-        return masks.PrefixLMMask(shape, prefix_len=333)
-    if kind == "composed":  # (causal & window) | a bidirectional prefix
-        return (masks.CausalMask(shape) & masks.LocalMask(shape, window=(150, 0))) | masks.PrefixLMMask(shape, 100)
-    if kind == "numpy":
-        rng = np.random.default_rng(s)
-        arr = np.tril(rng.random(shape) < 0.4) | np.eye(s, dtype=bool)
-        arr[: s // 8, :] = False  # some rows attend nothing at all
-        return masks.NumpyMask(arr)
-    if kind == "multi_head":
-        per_head = [masks.LocalMask(shape, window=(64, 64)), masks.CausalMask(shape),
-                    masks.ChunkedCausalMask(shape, chunk_size=256), masks.CausalMask(shape)]
-        return masks.MultiHeadMask(per_head[:period] * (heads // period))
-    raise ValueError(kind)
+    per_head = [masks.LocalMask(shape, window=(64, 64)), masks.CausalMask(shape),
+                masks.ChunkedCausalMask(shape, chunk_size=256), masks.CausalMask(shape)]
+    return masks.MultiHeadMask(per_head[:period] * (heads // period))
 
 
 def packed_segments(key, s: int):
