@@ -34,6 +34,7 @@ __all__ = [
     "AttentionCall",
     "check_attention_call",
     "check_attention_inputs",
+    "check_bool",
     "check_choice",
     "check_divides",
     "check_float",
@@ -78,6 +79,7 @@ def check_attention_call(
     config_type: type | None = None,
     same_dtype: bool = False,
     equal_lengths: bool = False,
+    return_max_logits: bool = False,
 ) -> AttentionCall:
     """Validate one call of an attention entry point; raise a clear error naming the argument.
 
@@ -94,12 +96,14 @@ def check_attention_call(
             before anything reads its attributes (skipped when ``config_type`` is None).
         same_dtype: q, k, v must share one dtype (the kernels need it).
         equal_lengths: q_len must equal kv_len (the ring).
+        return_max_logits: the entry point's flag, which must be a bool.
 
     Returns:
         :class:`AttentionCall` with the sizes, the resolved scale and cap, and int32 segment ids.
     """
     if config_type is not None and not isinstance(config, config_type):
         raise TypeError(f"config must be a {config_type.__name__}, got config={config!r} ({type(config).__name__})")
+    check_bool("return_max_logits", return_max_logits)
     if mask_required and mask is None:
         raise TypeError("mask must be a ringsplash.masks.Mask or MultiHeadMask, got mask=None")
     heads, kv_heads, q_len, kv_len, d = check_attention_inputs(
@@ -118,6 +122,13 @@ def check_attention_call(
                 raise
             raise ValueError(f"{e} ({segment_hint})") from None
     return AttentionCall(heads, kv_heads, q_len, kv_len, d, scale, logit_soft_cap, segment_ids)
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool (numpy bools too), else a TypeError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r} ({type(value).__name__})")
+    return bool(value)
 
 
 def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, same_dtype=False,

@@ -25,6 +25,7 @@ def reference_attention(
     return_residuals: bool = False,
     dropout_rate: float = 0.0,
     dropout_key=None,
+    return_max_logits: bool = False,
 ):
     """softmax(scale * q k^T [soft-capped], masked [, sinks]) v, computed densely in float32.
 
@@ -46,9 +47,13 @@ def reference_attention(
         dropout_rate: probability in ``[0, 1)`` of dropping each attention probability (the
             kept ones are rescaled by ``1 / (1 - rate)``); only this dense path supports it.
         dropout_key: a ``jax.random`` key, needed when ``dropout_rate > 0``.
+        return_max_logits: also return float32 ``max_logits [heads]``: per head the largest
+            ``scale · q·k`` over attended pairs, before the soft-cap, sinks excluded; ``-inf``
+            for a head that attends nothing; no gradient (``stop_gradient``).
 
     Returns:
-        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
+        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``, with ``max_logits``
+        appended when ``return_max_logits``.
 
     Masked values (the contract every strategy follows): K and V at a kv position that no
     query row attends (of any q head sharing its kv head: masked out everywhere, or a
@@ -58,7 +63,8 @@ def reference_attention(
     rows of the same q block; here every row of the head group).
     """
     call = check_attention_call(
-        q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks
+        q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
+        return_max_logits=return_max_logits,
     )
     heads, kv_heads, q_len, kv_len, d = call[:5]
     scale, logit_soft_cap, segment_ids = call.scale, call.logit_soft_cap, call.segment_ids
@@ -81,6 +87,7 @@ def reference_attention(
     v = jnp.where(attended, v.astype(jnp.float32), 0.0)
     qf = q.astype(jnp.float32).reshape(kv_heads, group, q_len, d)
     s = jnp.einsum("hgqd,hkd->hgqk", qf, k) * scale
+    raw = s.reshape(heads, q_len, kv_len)
     if logit_soft_cap is not None:
         s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
     s = s.reshape(heads, q_len, kv_len)
@@ -101,8 +108,11 @@ def reference_attention(
     pv = jnp.einsum("hgqk,hkd->hgqd", p.reshape(kv_heads, group, q_len, kv_len), v)
     out = pv.reshape(heads, q_len, d) / safe_l[..., None]
     out = out.astype(q.dtype)
+    extra = ()
+    if return_max_logits:
+        extra = (jax.lax.stop_gradient(jnp.max(jnp.where(allowed, raw, -jnp.inf), axis=(1, 2))),)
     if not return_residuals:
-        return out
+        return (out, *extra) if extra else out
     lse = jnp.where(l > 0, m + jnp.log(safe_l), MASKED_LSE)
-    return out, lse
+    return out, lse, *extra
 

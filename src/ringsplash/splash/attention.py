@@ -137,9 +137,9 @@ def _mask_operands(ops: StaticOperands, q_pos, kv_pos, q_seg, kv_seg, *, transpo
 
 
 def pallas_forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "interpret",
-                   out_dtype=None, count_steps: bool = False):
-    """The forward kernel on one shard pair; with ``count_steps`` also the number of
-    computing grid steps per head."""
+                   out_dtype=None, count_steps: bool = False, return_max_logits: bool = False):
+    """The forward kernel on one shard pair; with ``return_max_logits`` also the per-head max
+    raw logit, with ``count_steps`` (last) the number of computing grid steps per head."""
     q, config, info = inputs.q, static.config, static.info
     if backend == "mosaic_tpu":
         q = mosaic_tpu_guard(q)
@@ -150,7 +150,7 @@ def pallas_forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str
         block_shape=info.block_shape, block_kv_compute=min(config.block_kv_compute, info.block_shape[1]),
         scale=static.scale, logit_soft_cap=static.logit_soft_cap, out_dtype=out_dtype,
         probs_dtype=config.matmul_dtype(q.dtype), interpret=_interpret(config, backend),
-        vmem_limit_bytes=config.vmem_limit_bytes, count_steps=count_steps,
+        vmem_limit_bytes=config.vmem_limit_bytes, count_steps=count_steps, return_max_logits=return_max_logits,
     )
 
 
@@ -201,12 +201,14 @@ def _dispatch(backend: str, inputs, xla_fn, pallas_fn):
     return jax.lax.platform_dependent(inputs, tpu=pallas_fn("mosaic_tpu"), default=xla_fn)
 
 
-def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None):
+def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None,
+                      return_max_logits: bool = False):
     def xla_fn(x):
-        return xla_backend.forward(x, static, out_dtype=out_dtype)
+        return xla_backend.forward(x, static, out_dtype=out_dtype, return_max_logits=return_max_logits)
 
     def pallas_fn(backend):
-        return lambda x: pallas_forward(x, static, backend=backend, out_dtype=out_dtype)
+        return lambda x: pallas_forward(x, static, backend=backend, out_dtype=out_dtype,
+                                        return_max_logits=return_max_logits)
 
     return _dispatch(static.config.backend, inputs, xla_fn, pallas_fn)
 
@@ -254,6 +256,7 @@ def splash_forward(
     logit_soft_cap: float | None = None,
     config: SplashConfig = SplashConfig(),
     out_dtype=None,
+    return_max_logits: bool = False,
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"]]:
     """Sink-free ``(out, lse)`` of the local q shard against the local kv shard.
 
@@ -274,12 +277,17 @@ def splash_forward(
         config: ``SplashConfig`` (backend; block sizes must match ``info``).
         out_dtype: dtype of ``out`` (None = q's dtype; ``jnp.float32`` gives a ring unrounded
             partial outputs; both backends write it directly from their float32 accumulators).
+        return_max_logits: also return the per-head max logit of this shard pair (see
+            :func:`splash_attention`; ``-inf`` where the pair attends nothing for a head), from
+            the same forward pass. Not differentiable (``stop_gradient``).
 
     Returns:
-        ``(out [heads, q_shard, d], lse float32 [heads, q_shard])``.
+        ``(out [heads, q_shard, d], lse float32 [heads, q_shard])``, and float32
+        ``max_logits [heads]`` third with ``return_max_logits``.
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
-                                config=config, config_type=SplashConfig, same_dtype=True)
+                                config=config, config_type=SplashConfig, same_dtype=True,
+                                return_max_logits=return_max_logits)
     q_len, kv_len = call.q_len, call.kv_len
     _check_info(info, q_len, kv_len, transpose=False)
     q_pos = _local_positions(q_positions, info.q_positions, q_shard, info.q_shards, q_len)
@@ -287,6 +295,9 @@ def splash_forward(
     q_seg, kv_seg = _segments(call.segment_ids)
     inputs = ForwardInputs(q, k, v, info.schedule(q_shard, kv_shard), q_pos, kv_pos, q_seg, kv_seg)
     static = BackendStatic(info, None, call.scale, call.logit_soft_cap, config)
+    if return_max_logits:
+        out, lse, mx = _dispatch_forward(inputs, static, out_dtype=out_dtype, return_max_logits=True)
+        return out, lse, jax.lax.stop_gradient(mx)
     return _dispatch_forward(inputs, static, out_dtype=out_dtype)
 
 
@@ -361,6 +372,7 @@ class _VjpStatic:
 
     backend: BackendStatic
     return_residuals: bool
+    return_max_logits: bool = False
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -372,18 +384,27 @@ def _attention_fwd(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg):
     info = static.backend.info
     inputs = ForwardInputs(q, k, v, info.schedule(), jnp.asarray(info.q_positions),
                            jnp.asarray(info.kv_positions), q_seg, kv_seg)
-    out, lse = _dispatch_forward(inputs, static.backend)
+    mx = ()
+    if static.return_max_logits:  # from the same forward pass; carries no gradient (see _attention_bwd)
+        out, lse, mx = _dispatch_forward(inputs, static.backend, return_max_logits=True)
+        mx = (jax.lax.stop_gradient(mx),)
+    else:
+        out, lse = _dispatch_forward(inputs, static.backend)
     if sinks is not None:  # sinks join the denominator only (docs/INTERNALS.md)
         lse_total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
         out = (out.astype(jnp.float32) * jnp.exp(lse - lse_total)[..., None]).astype(q.dtype)
         lse = lse_total
     result = (out, lse) if static.return_residuals else out
+    if static.return_max_logits:
+        result = (*(result if static.return_residuals else (result,)), *mx)
     return result, (q, k, v, sinks, q_seg, kv_seg, out, lse)
 
 
 def _attention_bwd(static: _VjpStatic, residuals, g):
     info, info_dkv = static.backend.info, static.backend.info_dkv
     q, k, v, sinks, q_seg, kv_seg, out, lse = residuals
+    if static.return_max_logits:  # the max logits' cotangent is dropped: they carry no gradient
+        g = g[:-1] if static.return_residuals else g[0]
     d_out, d_lse = g if static.return_residuals else (g, None)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if d_lse is not None:  # d lse / d s = P: folds into dS = P * (dP - (delta - d_lse))
@@ -418,6 +439,7 @@ def splash_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     return_residuals: bool = False,
+    return_max_logits: bool = False,
 ):
     """Block-sparse attention with the shapes and semantics of ``reference_attention``.
 
@@ -440,13 +462,20 @@ def splash_attention(
         config: ``SplashConfig`` (block sizes, backend).
         return_residuals: also return ``lse`` (float32 ``[heads, q_len]``, natural log, sinks
             included); ``lse`` is differentiable too.
+        return_max_logits: also return float32 ``max_logits [heads]``: per q head, the largest
+            ``scale · q·k`` over the (query, key) pairs it attends (mask and segment ids
+            applied), *before* the soft-cap, without the sinks (they are not q·k logits);
+            ``-inf`` for a head that attends nothing. Computed by the forward pass itself (no
+            extra pass over K/V); carries no gradient (``stop_gradient``, its cotangent is
+            dropped). For QK-clip (``TransformerConfig.qk_clip_threshold``).
 
     Returns:
-        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
+        ``out`` (``q.dtype``, ``[heads, q_len, d]``), ``(out, lse)``, ``(out, max_logits)`` or
+        ``(out, lse, max_logits)``.
     """
     call = check_attention_call(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale,
                                 logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                                config_type=SplashConfig, same_dtype=True)
+                                config_type=SplashConfig, same_dtype=True, return_max_logits=return_max_logits)
     q_len, kv_len = call.q_len, call.kv_len
     if mask is None:
         mask = masks_lib.FullMask((q_len, kv_len))
@@ -460,5 +489,5 @@ def splash_attention(
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, (bq_dkv, bkv_dkv), transpose=True)
     q_seg, kv_seg = _segments(call.segment_ids)
     static = _VjpStatic(BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config),
-                        bool(return_residuals))
+                        bool(return_residuals), bool(return_max_logits))
     return _attention(static, q, k, v, sinks, q_seg, kv_seg)

@@ -7,6 +7,13 @@ is non-zero. Entries are sorted by q block, so the output block of a q block is 
 over a run of consecutive steps: it is initialised at the first step of the run and
 finalised at the last ("first" / "last" = the neighbouring entry names another q block).
 Work lists are packed into two int32 words per entry (``_kernel_common.pack_schedule``).
+
+Max logits (``return_max_logits``): at the last step of a q block the kernel also writes the
+block's largest attended raw logit ``scale · q·k`` into one 128-lane row of an extra output
+``[heads, 1, q_blocks · 128]`` (``MASK_VALUE`` where nothing is attended); the wrapper reduces
+it to ``[heads]``. Without a soft-cap that is the max of the running row maxima ``m`` (masked
+scores are ``MASK_VALUE``); with one, ``m`` holds capped scores, so a second ``(bq, 128)``
+scratch tracks the raw row maxima (no tanh is inverted). No extra pass over K/V.
 """
 
 import functools
@@ -51,9 +58,9 @@ def _forward_kernel(
     # inputs
     q_ref, k_ref, v_ref, q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, mask_ref,
     # outputs
-    out_ref, lse_ref, count_ref,
+    out_ref, lse_ref, count_ref, max_ref,
     # scratch
-    m_scr, l_scr, acc_scr,
+    m_scr, l_scr, acc_scr, raw_scr,
     *,
     scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype,
 ):
@@ -67,6 +74,8 @@ def _forward_kernel(
         m_scr[...] = jnp.full(m_scr.shape, MASK_VALUE, jnp.float32)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+        if raw_scr is not None:
+            raw_scr[...] = jnp.full(raw_scr.shape, MASK_VALUE, jnp.float32)
 
     tally_step(count_ref, i, kind)
 
@@ -86,7 +95,13 @@ def _forward_kernel(
             mask = tile_mask(which, partial, lst, pos_seg_refs, stored, masks=masks, kv_cols=cols)
             if mask is not None:
                 k, v = drop_unattended(mask, k, v, transposed=False)
-            s, _ = scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
+            if raw_scr is None:
+                s, _ = scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
+            else:  # max logits under a soft-cap: keep the raw scores' row maxima too
+                s, _ = scores_and_tanh(q, k, scale=scale, logit_soft_cap=None)
+                raw = s if mask is None else jnp.where(mask, s, MASK_VALUE)
+                raw_scr[...] = jnp.maximum(raw_scr[...], jnp.max(raw, axis=1, keepdims=True))
+                s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)  # as scores_and_tanh
             if mask is not None:
                 s = jnp.where(mask, s, MASK_VALUE)
             # Online softmax: m = running row max, l = running sum of exp(s - m), acc =
@@ -117,6 +132,9 @@ def _forward_kernel(
         out_ref[...] = (acc_scr[...] / l_safe[:, :1]).astype(out_ref.dtype)  # acc = 0 if empty
         lse = jnp.where(empty, MASKED_LSE, m_scr[...] + jnp.log(l_safe))
         lse_ref[...] = jnp.transpose(lse)[:1, :]  # (bq, lanes) -> (1, bq) row
+        if max_ref is not None:  # the block's max raw logit, replicated over the 128 lanes
+            rows = m_scr[...] if raw_scr is None else raw_scr[...]
+            max_ref[...] = jnp.max(rows, axis=0, keepdims=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -127,7 +145,7 @@ def splash_forward_kernel(
     q, k, v, schedule, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, block_kv_compute, scale, logit_soft_cap=None, out_dtype=None,
-    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False, return_max_logits=False,
 ):
     """Run the forward kernel on one shard pair.
 
@@ -141,7 +159,9 @@ def splash_forward_kernel(
     q_len]`` float32 and, with ``count_steps``, the number of computing steps per head
     ``[heads]``. ``probs_dtype`` (None = q's dtype) is the operand dtype of ``P @ V``
     (``SplashConfig.probs_dtype``). The schedule is packed (``pack_schedule``) before scalar
-    prefetch.
+    prefetch. With ``return_max_logits`` a float32 ``[heads]`` max of the attended raw logits
+    ``scale · q·k`` (before the soft-cap; ``-inf`` for a head with nothing attended) follows
+    ``lse`` (before the count).
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
@@ -171,6 +191,10 @@ def splash_forward_kernel(
     if count_steps:
         out_shape.append(sds(q, (heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
         out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), count_map))
+    if return_max_logits:  # one 128-lane row per (head, q block), reduced below
+        out_shape.append(sds(q, (heads, 1, (q_len // bq) * NUM_LANES), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, 1, NUM_LANES), row_map))
+    raw_max = return_max_logits and logit_soft_cap is not None
 
     body = functools.partial(
         _forward_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
@@ -178,7 +202,12 @@ def splash_forward_kernel(
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
     )
 
-    kernel = lambda *refs: body(*unpack_refs(refs, 3, 3, present, 2, count_steps))
+    def kernel(*refs):
+        refs = unpack_refs(refs, 3, 3, present, 2, count_steps)
+        split = 3 + 3 + len(present) + 3  # prefetched, inputs, (out, lse, count)
+        head, rest = refs[:split], refs[split:]
+        max_ref, rest = (rest[0], rest[1:]) if return_max_logits else (None, rest)
+        return body(*head, max_ref, *rest, *([] if raw_max else [None]))
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
@@ -189,7 +218,7 @@ def splash_forward_kernel(
             pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # m
             pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # l
             pltpu.VMEM((bq, d), jnp.float32),  # acc
-        ],
+        ] + ([pltpu.VMEM((bq, NUM_LANES), jnp.float32)] if raw_max else []),  # raw row max
     )
     flops = 4 * heads * num_steps * bq * bkv * d
     results = pl.pallas_call(
@@ -207,6 +236,16 @@ def splash_forward_kernel(
         name="splash_forward",
     )(*packed, jnp.asarray(head_to_list, jnp.int32), q, k, v, *operands)
     out, lse = results[0], results[1][:, 0, :]
+    extra = ()
+    if return_max_logits:
+        extra = (block_max_to_heads(results[-1][:, 0, :]),)
     if count_steps:
-        return out, lse, results[2][:, 0, 0]
-    return out, lse
+        return out, lse, *extra, results[2][:, 0, 0]
+    return (out, lse, *extra)
+
+
+def block_max_to_heads(block_max):
+    """``[heads, n]`` per-block maxima (``MASK_VALUE`` = nothing attended) -> float32
+    ``[heads]``, ``-inf`` for a head with nothing attended."""
+    m = jnp.max(block_max, axis=-1)
+    return jnp.where(m > jnp.float32(MASK_VALUE), m, -jnp.inf)

@@ -237,7 +237,7 @@ def _vary(tree, vma: frozenset):
 
 
 def forward(
-    inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None,
+    inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None, return_max_logits: bool = False,
 ) -> tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]:
     """Sink-free block-sparse attention of one shard pair: ``(out, lse float32)``; ``out`` in
     ``out_dtype`` (None = q's dtype; float32 keeps a ring's partial results unrounded).
@@ -245,6 +245,8 @@ def forward(
     ``static.info`` supplies the static parts (``block_shape``, ``head_to_list``, ``masks``,
     ``partial_mask_blocks``); ``inputs.schedule`` the (possibly traced) ``[lists, max_steps]``
     work lists. Rows with nothing to attend get ``out = 0`` and ``lse = MASKED_LSE``.
+    ``return_max_logits`` appends float32 ``[heads]``: the max attended raw logit ``scale ·
+    q·k`` (before the soft-cap; ``-inf`` where a head attends nothing), tracked in the same scan.
     """
     q, k, v, schedule, q_pos, kv_pos, q_seg, kv_seg = inputs
     info, scale, logit_soft_cap, config = static.info, static.scale, static.logit_soft_cap, static.config
@@ -260,55 +262,67 @@ def forward(
     vma = _vma(qf, kf, vf, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
     out = jnp.zeros((heads, q_len, d), _F32)
     lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
+    mx = jnp.full((heads,), -jnp.inf, _F32)
     for plan in _list_plans(info, heads, kv_heads):
-        o_l, lse_l = _forward_list(
-            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd
+        o_l, lse_l, mx_l = _forward_list(
+            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd,
+            return_max_logits,
         )
         out = _scatter_heads(out, o_l, plan)
         lse = _scatter_heads(lse, lse_l, plan)
-    return out.astype(q.dtype if out_dtype is None else out_dtype), lse
+        if return_max_logits:
+            mx = _scatter_heads(mx, mx_l, plan)
+    out = out.astype(q.dtype if out_dtype is None else out_dtype)
+    return (out, lse, mx) if return_max_logits else (out, lse)
 
 
-def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd):
+def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd,
+                  track_max=False):
     bq, bkv = info.block_shape
     ql = _list_view(q, plan)  # [kvh, g, q_len, d]
     kvh, g, q_len, d = ql.shape
     block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
 
     def compute(args):
-        m, l, acc, qi, ki, kind, pidx = args
+        m, l, acc, mx, qi, ki, kind, pidx = args
         qb = lax.dynamic_slice_in_dim(ql, qi * bq, bq, axis=2)
         kb = _kv_block(k, plan, ki * bkv, bkv)
         vb = _kv_block(v, plan, ki * bkv, bkv)
         mask = block_mask(kind, pidx, qi * bq, ki * bkv)
         kb, vb = _drop_unattended(mask, kb, vb)
-        s, _ = _scores(qb, kb, scale, cap)
+        if track_max:  # the raw (pre-soft-cap) max over attended pairs, per head
+            s, _ = _scores(qb, kb, scale, None)
+            mx = jnp.maximum(mx, jnp.where(mask, s, -jnp.inf).max(axis=(-2, -1)))
+            if cap is not None:  # as _scores
+                s = cap * jnp.tanh(s / cap)
+        else:
+            s, _ = _scores(qb, kb, scale, cap)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))  # finite: m starts at _NEG_INIT
         p = jnp.exp(s - m_new[..., None])
         alpha = jnp.exp(m - m_new)
         l_new = alpha * l + p.sum(-1)
         pv = jnp.einsum("kgqc,kcd->kgqd", rnd(p), rnd(vb), preferred_element_type=_F32)
-        return _vary((m_new, l_new, alpha[..., None] * acc + pv), vma)
+        return _vary((m_new, l_new, alpha[..., None] * acc + pv, mx), vma)
 
     def skip(args):
-        return _vary(args[:3], vma)
+        return _vary(args[:4], vma)
 
     def step(carry, xs):
-        out, lse, m, l, acc, prev_qi = carry
+        out, lse, m, l, acc, mx, prev_qi = carry
         qi, ki, kind, pidx = xs
         fresh = qi != prev_qi
         m = jnp.where(fresh, _NEG_INIT, m)
         l = jnp.where(fresh, 0.0, l)
         acc = jnp.where(fresh, 0.0, acc)
-        m, l, acc = lax.cond(kind > 0, compute, skip, (m, l, acc, qi, ki, kind, pidx))
+        m, l, acc, mx = lax.cond(kind > 0, compute, skip, (m, l, acc, mx, qi, ki, kind, pidx))
         has = l > 0
         safe_l = jnp.where(has, l, 1.0)
         o_blk = acc / safe_l[..., None]
         lse_blk = jnp.where(has, m + jnp.log(safe_l), MASKED_LSE)
         out = lax.dynamic_update_slice_in_dim(out, o_blk, qi * bq, axis=2)
         lse = lax.dynamic_update_slice_in_dim(lse, lse_blk, qi * bq, axis=2)
-        return _vary((out, lse, m, l, acc, qi), vma), None
+        return _vary((out, lse, m, l, acc, mx, qi), vma), None
 
     init = _vary((
         jnp.zeros((kvh, g, q_len, d), _F32),
@@ -316,10 +330,11 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         jnp.full((kvh, g, bq), _NEG_INIT, _F32),
         jnp.zeros((kvh, g, bq), _F32),
         jnp.zeros((kvh, g, bq, d), _F32),
+        jnp.full((kvh, g), -jnp.inf, _F32),  # max raw logit per head (track_max)
         jnp.int32(-1),
     ), vma)
-    (out, lse, *_), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
-    return out, lse
+    (out, lse, _, _, _, mx, _), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    return out, lse, mx
 
 
 # --------------------------------------------------------------------------- backward
