@@ -53,7 +53,7 @@ def vma(x) -> frozenset:
 
 
 def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int, what: str, scale=None,
-                       logit_soft_cap=None):
+                       logit_soft_cap=None, return_max_logits=False):
     """Validate local shards (``S = shards * local_len``) against the global ``(S, S)`` mask through
     the one validation path (``_checks.check_attention_call``); returns
     ``(heads, kv_heads, local_len, head_dim, segment_ids)`` with the ids normalised to int32."""
@@ -63,7 +63,7 @@ def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int
         mask_hint=f"the global (S, S): local length {shard_len} x {shards} shards, {what}",
         segment_ids=segment_ids, segment_hint=f"segment ids are per shard: local length = {shard_len}",
         scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
-        same_dtype=True, equal_lengths=True,
+        same_dtype=True, equal_lengths=True, return_max_logits=return_max_logits,
     )
     return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
@@ -154,7 +154,8 @@ def usp_factorisations(devices: int, heads: int, kv_heads: int) -> list[tuple[in
 @dataclasses.dataclass(frozen=True, eq=False)
 class LocalPlan:
     """Static part of a local Splash call: the MaskInfos (``info_dkv`` None for the xla
-    backend), scale, soft-cap, config, and the varying axes of the sinks."""
+    backend), scale, soft-cap, config, the varying axes of the sinks, and whether the call also
+    returns the local per-head max logits (``max_logits``)."""
 
     info: MaskInfo
     info_dkv: MaskInfo | None
@@ -162,12 +163,15 @@ class LocalPlan:
     cap: float | None
     config: SplashConfig
     sinks_vma: frozenset = frozenset()
+    max_logits: bool = False
 
 
 def splash_local(plan: LocalPlan, q, k, v, q_seg, kv_seg, sinks, q_shard=0):
     """Attention of the local q rows (shard ``q_shard`` of ``plan.info``, may be traced)
     against all kv columns of the MaskInfo (one kv shard). Differentiable in q, k, v, sinks;
-    ``d_sinks`` covers the local rows (the caller's ``shard_map`` sums it over devices)."""
+    ``d_sinks`` covers the local rows (the caller's ``shard_map`` sums it over devices). With
+    ``plan.max_logits`` returns ``(out, max_logits [heads])``, the local slice's maxima (no
+    gradient; the caller reduces them over devices)."""
     return _splash_local(plan, q, k, v, q_seg, kv_seg, sinks, jnp.asarray(q_shard, jnp.int32))
 
 
@@ -181,17 +185,20 @@ def _splash_local(plan, q, k, v, q_seg, kv_seg, sinks, q_shard):
 
 
 def _splash_local_fwd(plan, q, k, v, q_seg, kv_seg, sinks, q_shard):
-    o, lse = splash_forward(q, k, v, plan.info, q_shard=q_shard, kv_shard=0, segment_ids=_segments(q_seg, kv_seg),
-                            scale=plan.scale, logit_soft_cap=plan.cap, config=plan.config, out_dtype=jnp.float32)
+    o, lse, *mx = splash_forward(q, k, v, plan.info, q_shard=q_shard, kv_shard=0,
+                                 segment_ids=_segments(q_seg, kv_seg), scale=plan.scale, logit_soft_cap=plan.cap,
+                                 config=plan.config, out_dtype=jnp.float32, return_max_logits=plan.max_logits)
     if sinks is not None:  # the sink joins each row's denominator once
         lse_tot = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
         o, lse = o * jnp.exp(lse - lse_tot)[..., None], lse_tot
     out = o.astype(q.dtype)
-    return out, (q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse)
+    return (out, *mx) if plan.max_logits else out, (q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse)
 
 
 def _splash_local_bwd(plan, res, d_out):
     q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse = res
+    if plan.max_logits:  # no gradient through the max logits: their cotangent is dropped
+        d_out = d_out[0]
     d_out = d_out.astype(q.dtype)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     dq, dk, dv = splash_backward(q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=q_shard, kv_shard=0,
@@ -217,22 +224,23 @@ _splash_local.defvjp(_splash_local_fwd, _splash_local_bwd)
 
 
 def check_global_inputs(q, k, v, mask, segment_ids, sinks, what: str, *, config=None, scale=None,
-                        logit_soft_cap=None) -> tuple[int, int, int, int, SegmentIds | None]:
+                        logit_soft_cap=None, return_max_logits=False) -> tuple[int, int, int, int, SegmentIds | None]:
     """Validate global arrays through the one validation path; returns
     ``(heads, kv_heads, seq_len, head_dim, segment_ids)`` with the ids normalised to int32 (so
     concrete 64-bit ids are compared exactly before they are sharded)."""
     call = check_attention_call(
         q, k, v, mask=mask, mask_required=True, segment_ids=segment_ids, scale=scale,
         logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
-        same_dtype=True, equal_lengths=True,
+        same_dtype=True, equal_lengths=True, return_max_logits=return_max_logits,
     )
     del what  # the messages of check_attention_call name the argument already
     return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
 
-def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks):
+def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks, *, max_logits=False):
     """``shard_map(local)(q, k, v, segment_ids, sinks)``, the sequence sharded over ``seq_axes``
-    (one mesh axis, or a tuple: major to minor), sinks replicated; output like ``q``."""
+    (one mesh axis, or a tuple: major to minor), sinks replicated; output like ``q`` (with
+    ``max_logits``: ``(out, max_logits)``, the latter replicated)."""
     seq = P(None, seq_axes)
     seg_spec = None if segment_ids is None else SegmentIds(P(seq_axes), P(seq_axes))
     in_specs = (seq, seq, seq, seg_spec, None if sinks is None else P())
@@ -242,7 +250,8 @@ def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks):
         args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)), args, in_specs)
     # check_vma=False as in the ring: inside a custom_vjp backward the residuals' varying-axis
     # types are not visible (jax 0.10.2), so replicated sinks' cotangents cannot be typed.
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq, check_vma=False)(*args)
+    out_specs = (seq, P()) if max_logits else seq
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 __all__ = [

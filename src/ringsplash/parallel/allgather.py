@@ -53,7 +53,8 @@ def allgather_attention(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads q_shard d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads q_shard d"] | tuple[Float[Array, "heads q_shard d"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -66,11 +67,14 @@ def allgather_attention(
         logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
         sinks: float ``[heads]`` per-head sink logits (replicated), or None.
         config: Splash block sizes and backend; blocks must tile ``q_shard`` and ``S``.
+        return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
+            largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
+            excluded, ``-inf`` if nothing is attended; from the local kernel and one ``pmax``.
     """
     n = axis_size(axis_name, "allgather_attention")
     _, _, q_len, d, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
-        logit_soft_cap=logit_soft_cap)
+        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     check_blocks(config, q_len=q_len, kv_len=seq_len, what="allgather_attention")
@@ -79,10 +83,14 @@ def allgather_attention(
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, config.block_shape_dkv, transpose=True,
                                                                    **common)
     plan = LocalPlan(info, info_dkv, default_scale(scale, d), logit_soft_cap, config,
-                     frozenset() if sinks is None else vma(sinks))
+                     frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits))
     gather = lambda x, axis: lax.all_gather(x, axis_name, axis=axis, tiled=True)
     q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, gather(segment_ids.kv, 0))
-    return splash_local(plan, q, gather(k, 1), gather(v, 1), q_seg, kv_seg, sinks, lax.axis_index(axis_name))
+    result = splash_local(plan, q, gather(k, 1), gather(v, 1), q_seg, kv_seg, sinks, lax.axis_index(axis_name))
+    if return_max_logits:  # each device saw its own q rows against every key: one pmax
+        out, mx = result
+        return out, lax.pmax(mx, axis_name)
+    return result
 
 
 def allgather_attention_sharded(
@@ -99,7 +107,8 @@ def allgather_attention_sharded(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads seq d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads seq d"] | tuple[Float[Array, "heads seq d"], Float[Array, " heads"]]:
     """:func:`allgather_attention` on global arrays already in ``layout`` order over
     ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
     sharded along the sequence over ``axis_name``. The mask is on original positions; the
@@ -107,13 +116,14 @@ def allgather_attention_sharded(
     n = check_mesh_axis(mesh, "axis_name", axis_name)
     _, _, seq_len, _, segment_ids = check_global_inputs(
         q, k, v, mask, segment_ids, sinks, "allgather_attention", config=config, scale=scale,
-        logit_soft_cap=logit_soft_cap,
+        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits,
     )
     layouts.check_layout(layout, seq_len, n)
     check_blocks(config, q_len=seq_len // n, kv_len=seq_len, what="allgather_attention")
 
     def local(q, k, v, segment_ids, sinks):
         return allgather_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
-                                   scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config)
+                                   scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
+                                   return_max_logits=return_max_logits)
 
-    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks)
+    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, max_logits=return_max_logits)

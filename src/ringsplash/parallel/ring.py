@@ -168,15 +168,16 @@ def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv)
 # the Splash layer, one shard pair at a time
 
 
-def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config):
-    """Sink-free ``(o float32, lse float32)`` of q shard ``a`` against kv shard ``b``."""
+def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, max_logits=False):
+    """Sink-free ``(o float32, lse float32)`` of q shard ``a`` against kv shard ``b`` (and the
+    pair's per-head max logits with ``max_logits``)."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
-    out, lse = splash_forward(
+    return splash_forward(
         q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
         segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config, out_dtype=jnp.float32,
+        return_max_logits=max_logits,
     )
-    return out, lse
 
 
 def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config):
@@ -216,8 +217,11 @@ def _varying(x, axis_name):
     return lax.pcast(x, axis_name, to="varying")
 
 
-def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, sinks_vma=frozenset()):
-    """The custom_vjp ring function of (q, k, v, q_seg, kv_seg, sinks) for fixed statics."""
+def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, sinks_vma=frozenset(),
+               max_logits=False):
+    """The custom_vjp ring function of (q, k, v, q_seg, kv_seg, sinks) for fixed statics; with
+    ``max_logits`` it returns ``(out, max_logits [heads])``: the running max over the steps'
+    kernels, then one ``pmax`` over the axis (no gradient)."""
     hop = [(i, (i + 1) % n) for i in range(n)]  # device i sends to i + 1
     send = functools.partial(lax.ppermute, axis_name=axis_name, perm=hop)
     kw = {"scale": scale, "cap": cap, "config": config}
@@ -248,25 +252,27 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         active = jnp.asarray(plan.active)
 
         def step(carry, t, *, last):
-            k_t, v_t, seg_t, o, lse = carry
+            k_t, v_t, seg_t, o, lse, mx = carry
             nxt = (k_t, v_t, seg_t) if last else send((k_t, v_t, seg_t))  # issued before compute
             src = visiting(me, t)
 
-            def compute(o, lse):
-                o_t, lse_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **kw)
+            def compute(o, lse, mx):
+                o_t, lse_t, *mx_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **kw,
+                                                   max_logits=max_logits)
                 new = jnp.logaddexp(lse, lse_t)  # natural log throughout
                 o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
-                return o, new
+                return o, new, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
 
-            o, lse = when_active(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
-            return (*nxt, o, lse), None
+            o, lse, mx = when_active(active[me, src], compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
+            return (*nxt, o, lse, mx), None
 
         o = _varying(jnp.zeros(q.shape, jnp.float32), axis_name)
         lse = _varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
-        carry = (k, v, kv_seg, o, lse)
+        mx = _varying(jnp.full(q.shape[:1], -jnp.inf, jnp.float32), axis_name)  # max logits (max_logits)
+        carry = (k, v, kv_seg, o, lse, mx)
         if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
             carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(n - 1), unroll=unroll)
-        (_, _, _, o, lse), _ = step(carry, n - 1, last=True)
+        (_, _, _, o, lse, mx), _ = step(carry, n - 1, last=True)
         lse = jnp.maximum(lse, MASKED_LSE)  # logaddexp of empty states stays MASKED_LSE
         if sinks is not None:  # the sink joins each row's denominator once
             lse_tot = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
@@ -274,7 +280,10 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         # named for remat policies (model.attention.ATTENTION_OUT / ATTENTION_LSE): saving them
         # lets the backward pass skip re-running this forward ring
         out = checkpoint_name(o.astype(q.dtype), "attention_out")
-        return out, (q, k, v, out, checkpoint_name(lse, "attention_lse"))
+        res = (q, k, v, out, checkpoint_name(lse, "attention_lse"))
+        if max_logits:  # every device's running max: one pmax per call
+            return (out, lax.stop_gradient(lax.pmax(mx, axis_name))), res
+        return out, res
 
     def backward(res, q_seg, kv_seg, sinks, d_out):
         q, k, v, out, lse = res
@@ -339,6 +348,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
 
     def ring_bwd(saved, d_out):
         res, q_seg, kv_seg, sinks = saved
+        if max_logits:  # the max logits carry no gradient: their cotangent is dropped
+            d_out = d_out[0]
         dq, dk, dv, d_sinks = backward(res, q_seg, kv_seg, sinks, d_out)
         return dq, dk, dv, None, None, d_sinks
 
@@ -360,7 +371,8 @@ def ring_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads q_shard d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads q_shard d"] | tuple[Float[Array, "heads q_shard d"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -380,26 +392,33 @@ def ring_attention(
         config: ``SplashConfig``; blocks that do not tile a shard (zigzag: a half-shard)
             shrink to fit (:func:`fit_ring_blocks`).
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
+        return_max_logits: also return float32 ``max_logits [heads]`` (replicated over the
+            axis): per head the largest ``scale · q·k`` over every attended pair of the whole
+            sequence, before the soft-cap, sinks excluded, ``-inf`` if nothing is attended;
+            the max over every step's kernel and one ``pmax``; no gradient.
 
     Returns:
-        this device's output ``[heads, q_shard, d]`` in ``q.dtype``, ``layout`` order.
+        this device's output ``[heads, q_shard, d]`` in ``q.dtype``, ``layout`` order (and
+        ``max_logits`` with ``return_max_logits``).
     """
     n = _axis_size(axis_name)
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
-                            segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name)
+                            segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name,
+                            return_max_logits=return_max_logits)
     seq_len = call.q_len * n
     blocks = fit_ring_blocks(seq_len, n, layout, config)
     plan = ring_plan(mask, n, layout, config)
     ring = _make_ring(
         plan, n, axis_name, call.scale, call.logit_soft_cap, blocks.config, unroll,
-        sinks_vma=frozenset() if sinks is None else _vma(sinks),
+        sinks_vma=frozenset() if sinks is None else _vma(sinks), max_logits=bool(return_max_logits),
     )
     seg = call.segment_ids
     q_seg, kv_seg = (None, None) if seg is None else (seg.q, seg.kv)
     return ring(q, k, v, q_seg, kv_seg, sinks)
 
 
-def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap, sinks, config, *, local, axis_name):
+def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap, sinks, config, *, local, axis_name,
+                     return_max_logits=False):
     """The shared entry check, with the ring's global-mask and equal-length rules."""
     hint = ""
     if local and seq_len:
@@ -409,7 +428,7 @@ def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap,
         mask_hint=hint, segment_ids=segment_ids,
         segment_hint=f"segment ids are per shard: local length S/N = {q.shape[1]}" if local and seq_len else "",
         scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
-        equal_lengths=True,
+        equal_lengths=True, return_max_logits=return_max_logits,
     )
 
 
@@ -428,7 +447,8 @@ def ring_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads seq d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads seq d"] | tuple[Float[Array, "heads seq d"], Float[Array, " heads"]]:
     """:func:`ring_attention` on global arrays already in ``layout`` order, sharded along the
     sequence over ``mesh.shape[axis_name]`` devices.
 
@@ -448,12 +468,13 @@ def ring_attention_sharded(
         sinks: floating ``[heads]`` per-head sink logits, or None.
         config: ``SplashConfig``; blocks shrink to fit the shards (:func:`fit_ring_blocks`).
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
+        return_max_logits: also return float32 ``max_logits [heads]`` (see :func:`ring_attention`).
 
     Returns:
-        ``[heads, S, d]`` in ``q.dtype`` and ``layout`` order.
+        ``[heads, S, d]`` in ``q.dtype`` and ``layout`` order (and ``max_logits``).
     """
     call = _check_ring_call(q, k, v, mask, None, segment_ids, scale, logit_soft_cap, sinks, config,
-                            local=False, axis_name=axis_name)
+                            local=False, axis_name=axis_name, return_max_logits=return_max_logits)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:
@@ -465,7 +486,7 @@ def ring_attention_sharded(
     seg_spec = None if segment_ids is None else SegmentIds(P(axis_name), P(axis_name))
     fn = functools.partial(
         ring_attention, mask=mask, axis_name=axis_name, layout=layout, scale=scale,
-        logit_soft_cap=logit_soft_cap, config=config, unroll=unroll,
+        logit_soft_cap=logit_soft_cap, config=config, unroll=unroll, return_max_logits=return_max_logits,
     )
 
     def local(q, k, v, segment_ids, sinks):
@@ -478,4 +499,5 @@ def ring_attention_sharded(
         args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)), args, in_specs)
     # check_vma=False: inside the custom_vjp backward the residuals' varying-axis types are not
     # visible (jax 0.10.2), so the replicated sinks' cotangent cannot be typed as replicated.
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq, check_vma=False)(*args)
+    out_specs = (seq, P()) if return_max_logits else seq  # max logits: replicated after the pmax
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)

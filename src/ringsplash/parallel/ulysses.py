@@ -41,7 +41,8 @@ from ringsplash.parallel._common import (
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig
 
-__all__ = ["heads_to_sequence", "sequence_to_heads", "ulysses_attention", "ulysses_attention_sharded"]
+__all__ = ["gather_head_maxima", "heads_to_sequence", "sequence_to_heads", "ulysses_attention",
+           "ulysses_attention_sharded"]
 
 
 def sequence_to_heads(q, k, v, segment_ids, sinks, split: UlyssesHeads, axis_name):
@@ -64,6 +65,13 @@ def heads_to_sequence(out, axis_name):
     return lax.all_to_all(out, axis_name, 1, 0, tiled=True)
 
 
+def gather_head_maxima(max_logits, axis_name):
+    """``[heads / N]`` maxima of this device's heads (complete: it saw the whole sequence) ->
+    ``[heads]`` on every device, in head order (device ``u`` holds heads ``u·heads/N ..``, as
+    :func:`sequence_to_heads` split them): one all-gather, the Ulysses counterpart of a pmax."""
+    return lax.all_gather(max_logits, axis_name, axis=0, tiled=True)
+
+
 def ulysses_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
@@ -77,7 +85,8 @@ def ulysses_attention(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads q_shard d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads q_shard d"] | tuple[Float[Array, "heads q_shard d"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -93,11 +102,15 @@ def ulysses_attention(
         logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
         sinks: float ``[heads]`` per-head sink logits (replicated), or None.
         config: Splash block sizes and backend; blocks must tile ``S``.
+        return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
+            largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
+            excluded, ``-inf`` if nothing is attended. Each device computes its own heads'
+            maxima over the whole sequence; one all-gather assembles ``[heads]``.
     """
     n = axis_size(axis_name, "ulysses_attention")
     heads, kv_heads, q_len, d, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
-        logit_soft_cap=logit_soft_cap)
+        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
@@ -109,9 +122,12 @@ def ulysses_attention(
     info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, config.block_shape_dkv,
                                                                    transpose=True, **common)
     plan = LocalPlan(info, info_dkv, default_scale(scale, d), logit_soft_cap, config,
-                     frozenset() if sinks is None else vma(sinks))
+                     frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits))
     q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
     out = splash_local(plan, q, k, v, q_seg, kv_seg, sinks)
+    if return_max_logits:
+        out, mx = out
+        return heads_to_sequence(out, axis_name), gather_head_maxima(mx, axis_name)
     return heads_to_sequence(out, axis_name)
 
 
@@ -129,7 +145,8 @@ def ulysses_attention_sharded(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads seq d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads seq d"] | tuple[Float[Array, "heads seq d"], Float[Array, " heads"]]:
     """:func:`ulysses_attention` on global arrays already in ``layout`` order over
     ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
     sharded along the sequence over ``axis_name``. The mask is on original positions; the
@@ -137,7 +154,7 @@ def ulysses_attention_sharded(
     n = check_mesh_axis(mesh, "axis_name", axis_name)
     heads, kv_heads, seq_len, _, segment_ids = check_global_inputs(
         q, k, v, mask, segment_ids, sinks, "ulysses_attention", config=config, scale=scale,
-        logit_soft_cap=logit_soft_cap,
+        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits,
     )
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     local_head_mask(mask, split)
@@ -146,6 +163,7 @@ def ulysses_attention_sharded(
 
     def local(q, k, v, segment_ids, sinks):
         return ulysses_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
-                                 scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config)
+                                 scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
+                                 return_max_logits=return_max_logits)
 
-    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks)
+    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, max_logits=return_max_logits)

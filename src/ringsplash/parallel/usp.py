@@ -31,7 +31,7 @@ from ringsplash.parallel.ring import (
     fit_ring_blocks,
     ring_attention,
 )
-from ringsplash.parallel.ulysses import heads_to_sequence, sequence_to_heads
+from ringsplash.parallel.ulysses import gather_head_maxima, heads_to_sequence, sequence_to_heads
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig
 
@@ -68,7 +68,8 @@ def usp_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads q_shard d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads q_shard d"] | tuple[Float[Array, "heads q_shard d"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on two mesh axes; call inside ``jax.shard_map``.
 
     Args:
@@ -86,19 +87,27 @@ def usp_attention(
         config: Splash block sizes and backend; blocks must tile each ring shard (``S / b``;
             half of it for zigzag).
         unroll: the ring's ``lax.scan`` unroll.
+        return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
+            largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
+            excluded, ``-inf`` if nothing is attended: the inner ring's (one pmax over the ring
+            axis) for this rank's heads, assembled by one all-gather over the Ulysses axis.
     """
     _check_axes(ulysses_axis, ring_axis)
     a, b = axis_size(ulysses_axis, "usp_attention"), axis_size(ring_axis, "usp_attention")
     heads, kv_heads, q_len, _, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=a * b, what=f"axes {ulysses_axis!r} x {ring_axis!r}",
         scale=scale,
-        logit_soft_cap=logit_soft_cap)
+        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
     split = _split(heads, kv_heads, a, b, ulysses_axis)
     fit_ring_blocks(q_len * a * b, b, layout, config)
     local_mask = local_head_mask(mask, split)
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, ulysses_axis)
     out = ring_attention(q, k, v, local_mask, axis_name=ring_axis, segment_ids=segment_ids, layout=layout,
-                         scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, unroll=unroll)
+                         scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, unroll=unroll,
+                         return_max_logits=return_max_logits)
+    if return_max_logits:
+        out, mx = out
+        return heads_to_sequence(out, ulysses_axis), gather_head_maxima(mx, ulysses_axis)
     return heads_to_sequence(out, ulysses_axis)
 
 
@@ -118,16 +127,19 @@ def usp_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads seq d"]:
+    return_max_logits: bool = False,
+) -> Float[Array, "heads seq d"] | tuple[Float[Array, "heads seq d"], Float[Array, " heads"]]:
     """:func:`usp_attention` on global arrays already in ``layout`` order over the ring degree
     ``b = mesh.shape[ring_axis]`` (``ringsplash.layouts.permute(x, layout, b)``), sharded
     along the sequence over ``(ring_axis, ulysses_axis)`` (ring-major). The mask is on
-    original positions; the output is in the input's order."""
+    original positions; the output is in the input's order (with ``return_max_logits``:
+    ``(out, max_logits [heads])``)."""
     _check_axes(ulysses_axis, ring_axis)
     a = check_mesh_axis(mesh, "ulysses_axis", ulysses_axis)
     b = check_mesh_axis(mesh, "ring_axis", ring_axis)
     heads, kv_heads, seq_len, _, segment_ids = check_global_inputs(
-        q, k, v, mask, segment_ids, sinks, "usp_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap
+        q, k, v, mask, segment_ids, sinks, "usp_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap,
+        return_max_logits=return_max_logits,
     )
     local_head_mask(mask, _split(heads, kv_heads, a, b, ulysses_axis))
     fit_ring_blocks(seq_len, b, layout, config)
@@ -137,9 +149,10 @@ def usp_attention_sharded(
     def local(q, k, v, segment_ids, sinks):
         return usp_attention(q, k, v, mask, ulysses_axis=ulysses_axis, ring_axis=ring_axis, segment_ids=segment_ids,
                              layout=layout, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                             unroll=unroll)
+                             unroll=unroll, return_max_logits=return_max_logits)
 
-    return run_sharded(local, mesh, (ring_axis, ulysses_axis), q, k, v, segment_ids, sinks)
+    return run_sharded(local, mesh, (ring_axis, ulysses_axis), q, k, v, segment_ids, sinks,
+                       max_logits=return_max_logits)
 
 
 def usp_mesh(ulysses: int, ring: int, *, devices=None, axis_names=("ulysses", "ring"), heads: int | None = None,

@@ -257,7 +257,8 @@ def splash_forward(
     config: SplashConfig = SplashConfig(),
     out_dtype=None,
     return_max_logits: bool = False,
-) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"]]:
+) -> (tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"]]
+      | tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"], Float[Array, " heads"]]):
     """Sink-free ``(out, lse)`` of the local q shard against the local kv shard.
 
     Args:

@@ -238,7 +238,8 @@ def _vary(tree, vma: frozenset):
 
 def forward(
     inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None, return_max_logits: bool = False,
-) -> tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]:
+) -> (tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]
+      | tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"], Float[Array, " heads"]]):
     """Sink-free block-sparse attention of one shard pair: ``(out, lse float32)``; ``out`` in
     ``out_dtype`` (None = q's dtype; float32 keeps a ring's partial results unrounded).
 
