@@ -70,7 +70,7 @@ def test_reference_max_logits_match_a_float64_numpy_oracle(key):
     seg = np.repeat(np.arange(4), s // 4).astype(np.int32)
     ids = rs.SegmentIds(q=jnp.asarray(seg), kv=jnp.asarray(seg))
     sinks = jnp.full((heads,), 50.0)  # larger than every logit: must not show up
-    out, mx = rs.reference_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=0.5, sinks=sinks, scale=0.3,
+    _out, mx = rs.reference_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=0.5, sinks=sinks, scale=0.3,
                                      return_max_logits=True)
     qn, kn = np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), heads // kv_heads, axis=0)
     logits = 0.3 * np.einsum("hqd,hkd->hqk", qn, kn)
@@ -97,7 +97,7 @@ def test_splash_max_logits_match_reference_xla(key, kind):
     cap = 0.5 if i % 3 == 2 else None  # below the logits' maxima: a capped max would differ
     mask = make_mask(kind, s, heads)
     ids = None if seg is None else rs.SegmentIds(q=seg, kv=seg)
-    out, mx = jax.jit(lambda q, k, v: rs.splash_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=cap,
+    _out, mx = jax.jit(lambda q, k, v: rs.splash_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=cap,
                                                           config=XLA, return_max_logits=True))(q, k, v)
     assert_max_logits(mx, reference(q, k, v, mask, seg, cap))
 
@@ -116,7 +116,7 @@ def test_splash_max_logits_match_reference_and_xla_interpret(key, case):
     ids = None if seg is None else rs.SegmentIds(q=seg, kv=seg)
     got = {}
     for name, cfg in (("interpret", INTERPRET), ("xla", XLA)):
-        out, lse, got[name] = rs.splash_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=cap, config=cfg,
+        out, _lse, got[name] = rs.splash_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=cap, config=cfg,
                                                   return_residuals=True, return_max_logits=True)
         assert not np.any(np.isnan(np.asarray(out)))
     want = reference(q, k, v, mask, seg, cap)
@@ -182,7 +182,7 @@ def test_ring_max_logits_match_reference(key, n, layout):
     mask = make_mask(kind, s, heads)
     lay = lambda x: layouts.permute(x, layout, n, axis=x.ndim - 1 if x.ndim == 1 else 1)
     ids = None if seg is None else rs.SegmentIds(q=lay(seg), kv=lay(seg))
-    out, mx = jax.jit(lambda q, k, v: rs.ring_attention_sharded(
+    _out, mx = jax.jit(lambda q, k, v: rs.ring_attention_sharded(
         q, k, v, mask, mesh=mesh(n), axis_name="ctx", segment_ids=ids, layout=layout, logit_soft_cap=cap,
         config=XLA, return_max_logits=True))(lay(q), lay(k), lay(v))
     print(kind, (heads, kv_heads), "segments" if seg is not None else "", cap)
@@ -236,7 +236,7 @@ def test_strategy_max_logits_match_reference(key, case):
     else:
         sharded = {"allgather": rs.allgather_attention_sharded, "ulysses": rs.ulysses_attention_sharded}[name]
         fn = lambda q, k, v: sharded(q, k, v, mask, mesh=mesh(n), axis_name="ctx", **kw)
-    out, mx = jax.jit(fn)(lay(q), lay(k), lay(v))
+    _out, mx = jax.jit(fn)(lay(q), lay(k), lay(v))
     want = reference(q, k, v, mask, seg, cap)
     if kind == "multi_head":
         assert len(set(np.round(np.asarray(want), 4))) > 1  # per-head values differ: head order is checked
