@@ -29,6 +29,7 @@ checkpoint are dropped from ``metrics.jsonl`` and written again.
     python experiments/train_long_context.py            # the default run (about 4 minutes on 2 quiet cores)
     python experiments/train_long_context.py --checkpoint-every 50 --run-dir runs/long  # resumable
     python experiments/train_long_context.py --run-dir runs/long                        # ... resume it
+    python experiments/train_long_context.py --qk-clip-threshold 20   # QK-clip (max logits in the metrics)
     python experiments/train_long_context.py --help     # every option
 """
 
@@ -86,6 +87,10 @@ class Config:
     learning_rate: float = 3e-3
     warmup_steps: int = 30
     weight_decay: float = 0.01
+    # QK-clip: rescale W_q / W_k of heads whose max attention logit exceeds this (None: off);
+    # the per-layer max logits go to metrics.jsonl and the plot (also without clipping: --log-max-logits)
+    qk_clip_threshold: float | None = None
+    log_max_logits: bool = False
     # bookkeeping
     eval_batches: int = 4
     eval_every: int = 100
@@ -152,13 +157,14 @@ def main(config: Config) -> dict:
         attention=config.attention, ring_axis_name="context" if ring else None, ring_layout=config.layout,
         ring_size=config.context_parallel if ring else 1,
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
+        qk_clip_threshold=config.qk_clip_threshold,
     )
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), weight_decay=config.weight_decay,
         data_parallel=config.data_parallel, context_parallel=config.context_parallel if ring else 1,
         seed=config.seed, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
-        progress=config.progress,
+        progress=config.progress, log_max_logits=config.log_max_logits,
     )
     stages = curriculum(config)
     stream = data.DataStream(

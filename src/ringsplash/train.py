@@ -19,6 +19,15 @@ transpose), already summed over the mesh. The loss projects hidden states to the
 chunks of ``TrainConfig.loss_chunk`` tokens under ``jax.checkpoint`` (``chunked_loss_sums``),
 so at most ``loss_chunk x vocab`` logits exist per device.
 
+Max logits and QK-clip. With ``TransformerConfig.qk_clip_threshold`` (or
+``TrainConfig.log_max_logits``) the step collects every layer's per-head max attention logit
+from its forward pass (the attention returns them, the layer scan stacks them, a ``pmax`` over
+the mesh reduces them) into ``metrics["max_logits"]`` ``[num_layers, heads]``; with the
+threshold set, after the optimiser update the W_q / W_k columns of the heads above it are
+rescaled (``ringsplash.model.qk_clip``) — an elementwise op on the (possibly FSDP-sharded)
+parameters, deterministic, so checkpoints and resumption need nothing extra. ``fit`` logs the
+per-layer maxima (``max_logit/layer<i>``, max over heads) and the number of clipped heads.
+
 Checkpoints (``ringsplash.checkpoints``: orbax, sharded, atomic) hold model, optimiser state, step and the data stream's
 position; batches are a pure function of (seed, step), so a resumed run is bit-identical to an
 uninterrupted one.
@@ -46,6 +55,7 @@ from ringsplash._types import Array, Float, Int
 from ringsplash.data import Batch, DataStream
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.model.config import dtype_of
+from ringsplash.model.qk_clip import apply_qk_clip
 
 DATA, CONTEXT = "data", "context"
 
@@ -71,6 +81,7 @@ class TrainConfig:
     progress: bool = True
     fsdp: bool = True  # shard params + optimiser state over data x context (a no-op on one device)
     loss_chunk: int = 0  # tokens per chunk of the cross-entropy (0: all local tokens at once)
+    log_max_logits: bool = False  # collect + log per-layer max logits (always on with qk_clip_threshold)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every"):
@@ -228,16 +239,22 @@ def chunked_loss_sums(
     return s, c
 
 
-def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, gather_layer=None):
-    """Per-device (unnormalised) loss sum, scored weight, correct weight."""
+def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, gather_layer=None,
+                max_logits: bool = False):
+    """Per-device (unnormalised) loss sum, scored weight, correct weight (and with ``max_logits``
+    the local rows' ``[num_layers, heads]`` max logits)."""
     n = batch.tokens.shape[0]
     keys = None if key is None else jax.random.split(key, n)
-    call = lambda t, p, s, k: model.hidden(t, p, s, key=k, gather_layer=gather_layer)
+    call = lambda t, p, s, k: model.hidden(t, p, s, key=k, gather_layer=gather_layer, return_max_logits=max_logits)
     hidden = jax.vmap(call)(batch.tokens, batch.positions, batch.segment_ids, keys)
+    mx = ()
+    if max_logits:  # [rows, layers, heads] -> this device's [layers, heads]
+        hidden, rows_mx = hidden
+        mx = (jnp.max(rows_mx, axis=0),)
     w = batch.loss_mask.astype(jnp.float32)
     s, c = chunked_loss_sums(hidden.reshape(-1, hidden.shape[-1]), model.unembedding_matrix(),
                              batch.labels.reshape(-1), w.reshape(-1), loss_chunk)
-    return s, jnp.sum(w), c
+    return s, jnp.sum(w), c, *mx
 
 
 def _device_key(key):
@@ -263,7 +280,7 @@ def _is_spec(x) -> bool:
 
 
 def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None,
-                 loss_chunk: int = 0):
+                 loss_chunk: int = 0, max_logits: bool = False):
     """``grad_fn(params, static, batch, key) -> (grads, metrics)``: exact gradient of the mean
     loss over the whole (sharded) batch, as a ``shard_map`` over the mesh (not jitted).
 
@@ -273,6 +290,8 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
         plan: parameter layout (``sharding_plan``); ``None`` or unsharded: replicated
             parameters. Sharded: ``params`` are sharded by ``plan.specs`` and so are the grads.
         loss_chunk: tokens per chunk of the cross-entropy (0: unchunked).
+        max_logits: also ``metrics["max_logits"]``: float32 ``[num_layers, heads]`` max attention
+            logits of this forward pass over the whole batch (``pmax`` over the mesh).
     """
     check_mesh(model_config, mesh)
     axes = (DATA, CONTEXT)
@@ -294,11 +313,11 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
     def local(params, static, batch, key):
         def loss(p):
             p, gather_layer = gathered(p)
-            s, w, c = _local_sums(eqx.combine(p, static), batch, _device_key(key) if dropout else None,
-                                  loss_chunk=loss_chunk, gather_layer=gather_layer)
-            return s, (w, c)
+            s, w, c, *mx = _local_sums(eqx.combine(p, static), batch, _device_key(key) if dropout else None,
+                                       loss_chunk=loss_chunk, gather_layer=gather_layer, max_logits=max_logits)
+            return s, (w, c, *mx)
 
-        (s, (w, c)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        (s, (w, c, *mx)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         total = jnp.maximum(jax.lax.psum(w, axes), 1e-9)
         if sharded:  # sharded leaves arrive reduce-scattered (summed over the mesh) already
             grads = jax.tree.map(lambda g, sp: (g if partitioning.is_sharded(sp) else jax.lax.psum(g, axes)) / total,
@@ -306,6 +325,8 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
         else:
             grads = jax.tree.map(lambda g: jax.lax.psum(g, axes) / total, grads)
         metrics = {"loss": jax.lax.psum(s, axes) / total, "accuracy": jax.lax.psum(c, axes) / total}
+        if max_logits:
+            metrics["max_logits"] = jax.lax.pmax(mx[0], axes)
         return grads, metrics
 
     param_spec = plan.specs if sharded else P()
@@ -321,10 +342,16 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
 
 
 def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTransformation, mesh, *,
-                    plan: partitioning.ShardingPlan | None = None, loss_chunk: int = 0):
+                    plan: partitioning.ShardingPlan | None = None, loss_chunk: int = 0, max_logits: bool = False):
     """``step(model, opt_state, batch, key) -> (model, opt_state, metrics)`` (jitted). With a
-    sharded ``plan`` the new parameters and optimiser state keep the plan's shardings."""
-    grad_fn = make_grad_fn(model_config, mesh, plan=plan, loss_chunk=loss_chunk)
+    sharded ``plan`` the new parameters and optimiser state keep the plan's shardings. With
+    ``model_config.qk_clip_threshold`` (or ``max_logits``) ``metrics["max_logits"]`` holds the
+    step's ``[num_layers, heads]`` max logits; with the threshold the updated W_q / W_k are then
+    QK-clipped with them (``ringsplash.model.qk_clip``) and ``metrics["qk_clipped_heads"]``
+    counts the heads clipped."""
+    threshold = model_config.qk_clip_threshold
+    max_logits = max_logits or threshold is not None
+    grad_fn = make_grad_fn(model_config, mesh, plan=plan, loss_chunk=loss_chunk, max_logits=max_logits)
     sharded = plan is not None and plan.sharded
 
     @eqx.filter_jit(donate="all-except-first")
@@ -334,6 +361,9 @@ def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTr
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         params = optax.apply_updates(params, updates)
+        if threshold is not None:  # after the update, with this step's forward-pass maxima
+            params = apply_qk_clip(params, metrics["max_logits"], threshold)
+            metrics["qk_clipped_heads"] = jnp.sum(metrics["max_logits"] > threshold)
         if sharded:
             param_sh = partitioning.shardings(plan.specs, mesh)
             opt_sh = partitioning.optimizer_shardings(optimizer, params, param_sh, mesh)
@@ -493,7 +523,8 @@ def _config_diff(stored, current, ignore, prefix=""):
 
 
 class MetricsLog:
-    """Append-only JSONL of step metrics plus a PNG plot (loss, accuracy, tokens/s)."""
+    """Append-only JSONL of step metrics plus a PNG plot (loss, accuracy, tokens/s, and the
+    max attention logit per layer when the records have ``max_logit/layer<i>``)."""
 
     def __init__(self, run_dir: str, name: str = "metrics"):
         os.makedirs(run_dir, exist_ok=True)
@@ -536,7 +567,17 @@ class MetricsLog:
         records = self.read()
         train = [r for r in records if r.get("split", "train") == "train"]
         held = [r for r in records if r.get("split") == "eval"]
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        layer_keys = sorted({k for r in train for k in r if k.startswith("max_logit/")},
+                            key=lambda k: int(k.rsplit("layer", 1)[-1]))
+        fig, axes = plt.subplots(1, 4 if layer_keys else 3, figsize=(20 if layer_keys else 15, 4))
+        if layer_keys:  # max attention logit per layer (QK-clip statistics)
+            for k in layer_keys:
+                axes[3].plot([r["step"] for r in train if k in r], [float(r[k]) for r in train if k in r],
+                             label=k.split("/", 1)[1])
+            axes[3].set_xlabel("step")
+            axes[3].set_title("max attention logit")
+            axes[3].grid(alpha=0.3)
+            axes[3].legend()
         for ax, key, label in zip(axes, ("loss", "accuracy", "tokens_per_s"), ("loss", "accuracy", "tokens / s")):
             xs = [r["step"] for r in train if key in r]
             ax.plot(xs, [r[key] for r in train if key in r], label="train")
@@ -554,6 +595,17 @@ class MetricsLog:
         fig.savefig(self.plot_path, dpi=100)
         plt.close(fig)
         return self.plot_path
+
+
+def max_logit_metrics(metrics: dict) -> dict:
+    """``max_logit/layer<i>`` (max over heads) and ``qk_clipped_heads`` from step metrics."""
+    if "max_logits" not in metrics:
+        return {}
+    per_layer = np.max(np.asarray(metrics["max_logits"]), axis=-1)
+    out = {f"max_logit/layer{i}": float(x) for i, x in enumerate(per_layer)}
+    if "qk_clipped_heads" in metrics:
+        out["qk_clipped_heads"] = int(metrics["qk_clipped_heads"])
+    return out
 
 
 def _plain(v):
@@ -594,7 +646,8 @@ def fit(
     mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel)
     optimizer = make_optimizer(tc)
     plan = sharding_plan(model_config, mesh, tc.fsdp)
-    step_fn = make_train_step(model_config, optimizer, mesh, plan=plan, loss_chunk=tc.loss_chunk)
+    step_fn = make_train_step(model_config, optimizer, mesh, plan=plan, loss_chunk=tc.loss_chunk,
+                              max_logits=tc.log_max_logits)
     ckpt = os.path.join(run_dir, "checkpoints")
     log = MetricsLog(run_dir)
     # A resumed run must be the run that wrote the checkpoint (checked before loading it);
@@ -638,6 +691,7 @@ def fit(
             record = {"split": "train", "step": i + 1, "loss": float(metrics["loss"]),
                       "accuracy": float(metrics["accuracy"]), "grad_norm": float(metrics["grad_norm"]),
                       "lr": float(schedule(i)), "time": now}
+            record.update(max_logit_metrics(metrics))
             if i > start:  # the first step includes compilation
                 record["tokens_per_s"] = window_steps * tokens_per_step / (now - window_start)
             window_start, window_steps = now, 0

@@ -2,6 +2,7 @@
 
 from ringsplash.model.attention import Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
+from ringsplash.model.qk_clip import QKClipFactors, apply_qk_clip, qk_clip_factors
 from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, remat_policy
 
 __all__ = [
@@ -11,11 +12,14 @@ __all__ = [
     "STRATEGIES",
     "Attention",
     "Block",
+    "QKClipFactors",
     "RMSNorm",
     "SwiGLU",
     "Transformer",
     "TransformerConfig",
+    "apply_qk_clip",
     "attend",
+    "qk_clip_factors",
     "remat_policy",
     "rope",
 ]

@@ -41,8 +41,10 @@ def attend(
     sinks: Float[Array, " heads"] | None,
     *,
     key: jax.Array | None = None,
-) -> Float[Array, "heads seq d"]:
-    """Run the configured strategy on one example (under ``"ring"``: one local shard)."""
+    return_max_logits: bool = False,
+) -> Float[Array, "heads seq d"] | tuple[Float[Array, "heads seq d"], Float[Array, " heads"]]:
+    """Run the configured strategy on one example (under ``"ring"``: one local shard); with
+    ``return_max_logits`` also the per-head max logits over the whole sequence (no gradient)."""
     seq = q.shape[1]
     if config.attention == "ring":
         ring_size = jax.lax.axis_size(config.ring_axis_name)
@@ -54,7 +56,8 @@ def attend(
         seq = seq * ring_size
     mask = config.make_mask(seq)
     seg = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
-    common = dict(segment_ids=seg, scale=None, logit_soft_cap=config.logit_soft_cap, sinks=sinks)
+    common = dict(segment_ids=seg, scale=None, logit_soft_cap=config.logit_soft_cap, sinks=sinks,
+                  return_max_logits=return_max_logits)
     if config.attention == "reference":
         if config.attention_dropout > 0 and key is not None:
             return reference_attention(q, k, v, mask, **common, dropout_rate=config.attention_dropout, dropout_key=key)
@@ -102,7 +105,9 @@ class Attention(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
-    ) -> Float[Array, "seq d_model"]:
+        return_max_logits: bool = False,
+    ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, " heads"]]:
+        """The layer's output; with ``return_max_logits`` also its per-head max logits."""
         c = self.config
         cdt = dtype_of(c.compute_dtype)
         seq = x.shape[0]
@@ -114,8 +119,12 @@ class Attention(eqx.Module):
         q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta)
         k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
         v = heads(self.wv, c.num_kv_heads)
-        out = attend(c, q, k, v, segment_ids, self.sinks, key=key)
+        out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits)
+        max_logits = None
+        if return_max_logits:
+            out, max_logits = out
         if c.attention != "ring":  # the ring names its own residual (naming it twice would save it twice)
             out = checkpoint_name(out, ATTENTION_OUT)
         out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.head_dim)
-        return out @ self.wo.astype(cdt)
+        out = out @ self.wo.astype(cdt)
+        return (out, max_logits) if return_max_logits else out

@@ -27,6 +27,8 @@ DTYPES: tuple[str, ...] = literal_choices(DType)
 #: matmul result without batch dimensions plus the attention outputs.
 RematPolicy = Literal["none", "full", "save_attention", "save_dots"]
 REMAT_POLICIES: tuple[str, ...] = literal_choices(RematPolicy)
+#: strategies whose attention returns per-head max logits (``return_max_logits``), so QK-clip can run
+MAX_LOGIT_STRATEGIES: tuple[str, ...] = ("reference", "splash", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,11 @@ class TransformerConfig:
     ``"chunked"`` (causal inside chunks of ``chunk_size``), ``"prefix_lm"`` (bidirectional over
     the first ``prefix_len`` tokens) or ``"full"``. Packed documents are separated by segment
     ids passed at call time.
+
+    ``qk_clip_threshold`` (None or a positive τ) turns on QK-clip in training: after each
+    optimiser update the W_q / W_k columns of every head whose largest attention logit in that
+    step's forward pass exceeded τ are rescaled so that logit becomes τ
+    (``ringsplash.model.qk_clip``).
 
     ``max_seq_len`` is the (global) training length, checked against the ring size and the
     Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; the SwiGLU hidden
@@ -79,6 +86,7 @@ class TransformerConfig:
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     splash: SplashConfig = SplashConfig()
+    qk_clip_threshold: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple"):
@@ -114,6 +122,13 @@ class TransformerConfig:
         dropout = check_float("attention_dropout", self.attention_dropout, minimum=0.0)
         if not dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got attention_dropout={self.attention_dropout!r}")
+        if self.qk_clip_threshold is not None:
+            check_float("qk_clip_threshold", self.qk_clip_threshold, positive=True)
+            if self.attention not in MAX_LOGIT_STRATEGIES:
+                raise ValueError(
+                    f"qk_clip_threshold needs the attention strategy to report max logits; attention="
+                    f"{self.attention!r} cannot: use one of {MAX_LOGIT_STRATEGIES} or qk_clip_threshold=None"
+                )
         if not isinstance(self.splash, SplashConfig):
             raise TypeError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
 

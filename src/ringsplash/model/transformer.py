@@ -100,9 +100,14 @@ class Block(eqx.Module):
         segment_ids: Int[Array, " seq"] | None,
         *,
         key: jax.Array | None = None,
-    ) -> Float[Array, "seq d_model"]:
-        x = x + self.attention(self.attention_norm(x), positions, segment_ids, key=key).astype(x.dtype)
-        return x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+        return_max_logits: bool = False,
+    ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, " heads"]]:
+        a = self.attention(self.attention_norm(x), positions, segment_ids, key=key,
+                           return_max_logits=return_max_logits)
+        a, max_logits = a if return_max_logits else (a, None)
+        x = x + a.astype(x.dtype)
+        x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+        return (x, max_logits) if return_max_logits else x
 
 
 class Transformer(eqx.Module):
@@ -150,7 +155,8 @@ class Transformer(eqx.Module):
         *,
         key: jax.Array | None = None,
         gather_layer: Callable[[Block], Block] | None = None,
-    ) -> Float[Array, "seq d_model"]:
+        return_max_logits: bool = False,
+    ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, "layers heads"]]:
         """Final-normed hidden states (compute dtype) for one example.
 
         Args:
@@ -158,6 +164,9 @@ class Transformer(eqx.Module):
             key: enables attention dropout (training only).
             gather_layer: applied to one layer's parameters (a ``Block`` of arrays without the
                 stacked axis) inside the scanned step, e.g. to all-gather sharded weights.
+            return_max_logits: also return float32 ``[num_layers, heads]``: each layer's per-head
+                max attention logit (``splash_attention(return_max_logits=True)``; under the ring
+                over the whole sequence), collected by the layer scan; no gradient. QK-clip input.
         """
         c = self.config
         cdt = dtype_of(c.compute_dtype)
@@ -169,14 +178,16 @@ class Transformer(eqx.Module):
             if gather_layer is not None:
                 layer_params = jax.tree.map(lambda w: checkpoint_name(w, GATHERED), gather_layer(layer_params))
             layer = eqx.combine(layer_params, static)
+            if return_max_logits:  # the layer's max logits leave the scan as its per-layer output
+                return layer(h, positions, segment_ids, key=layer_key, return_max_logits=True)
             return layer(h, positions, segment_ids, key=layer_key), None
 
         wrap, policy = remat_policy(c.remat, gathered=gather_layer is not None)
         if wrap:
             step = jax.checkpoint(step, policy=policy)
         keys = None if key is None else jax.random.split(key, c.num_layers)
-        x, _ = jax.lax.scan(step, x, (dynamic, keys))
-        return self.final_norm(x)
+        x, max_logits = jax.lax.scan(step, x, (dynamic, keys))
+        return (self.final_norm(x), max_logits) if return_max_logits else self.final_norm(x)
 
     def unembedding_matrix(self) -> Float[Array, "d_model vocab"]:
         """The output projection in the compute dtype (the scaled embedding when tied)."""
