@@ -276,3 +276,34 @@ def test_return_max_logits_must_be_a_bool(fn):
     }[fn]
     with pytest.raises(TypeError, match="return_max_logits"):  # jaxtyping (tests) or check_bool
         call()
+
+
+# ----------------------------------------------------------------------------------------
+# TPU compile (libtpu, v5e): the kernel lowers with the extra output, which costs no HBM
+# beyond one 128-lane float32 row per (head, q block)
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("cap", [None, 30.0], ids=["no_cap", "soft_cap"])
+def test_splash_forward_with_max_logits_compiles_for_v5e_within_heads_x_q_blocks(cap):
+    from test_splash_tpu_compile import spec
+
+    target, heads, s, block = "v5e:2x2", 8, 8192, 512
+    assert spec(target, heads).shape == (heads, s, 128)
+    mask = masks.CausalMask((s, s))
+    config = SplashConfig(backend="mosaic_tpu")
+
+    def compile_fwd(flag):
+        fn = lambda q, k, v: rs.splash_attention(q, k, v, mask, logit_soft_cap=cap, config=config,
+                                                 return_max_logits=flag)
+        return jax.jit(fn).lower(spec(target, heads), spec(target, 2), spec(target, 2)).compile()
+
+    plain, with_max = compile_fwd(False), compile_fwd(True)
+    assert "tpu_custom_call" in with_max.as_text()
+    extra_temp = with_max.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
+    extra_out = with_max.memory_analysis().output_size_in_bytes - plain.memory_analysis().output_size_in_bytes
+    budget = heads * (s // block) * 128 * 4  # the kernel's [heads, 1, q_blocks * 128] float32 rows
+    print(f"extra temp {extra_temp} B, extra output {extra_out} B, budget {budget} B")
+    # measured (no cap and soft-cap): extra temp 0 B; extra output 1024 B (f32[8] in its padded TPU layout)
+    assert 0 < extra_out <= 4096  # max_logits [heads] float32, at most one padded (8, 128) tile
+    assert extra_temp <= budget
