@@ -97,8 +97,9 @@ def test_splash_max_logits_match_reference_xla(key, kind):
     cap = 0.5 if i % 3 == 2 else None  # below the logits' maxima: a capped max would differ
     mask = make_mask(kind, s, heads)
     ids = None if seg is None else rs.SegmentIds(q=seg, kv=seg)
+    sinks = jnp.full((heads,), 50.0) if i % 2 else None  # above every logit: must not show up
     _out, mx = jax.jit(lambda q, k, v: rs.splash_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=cap,
-                                                          config=XLA, return_max_logits=True))(q, k, v)
+                                                          sinks=sinks, config=XLA, return_max_logits=True))(q, k, v)
     assert_max_logits(mx, reference(q, k, v, mask, seg, cap))
 
 
