@@ -21,7 +21,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--seq-len", "256", "--num-pairs", "8", "--num-queries", "8", "--context-parallel", "2",
-        "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--learning-rate", "1e-2"]
+        "--curriculum", "16:0.2,32:0.1,64:0.1,128:0.2", "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+        "--learning-rate", "1e-2"]
 
 
 def run_job(run_dir: str, steps: int, log_every: int, extra: list[str]) -> list[dict]:
