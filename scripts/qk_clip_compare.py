@@ -25,10 +25,11 @@ TINY = ["--seq-len", "256", "--num-pairs", "8", "--num-queries", "8", "--context
         "--learning-rate", "1e-2"]
 
 
-def run_job(run_dir: str, steps: int, log_every: int, extra: list[str]) -> list[dict]:
+def run_job(run_dir: str, steps: int, log_every: int, extra: list[str], reuse: bool = False) -> list[dict]:
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train_long_context.py"), *TINY, "--steps", str(steps),
            "--log-every", str(log_every), "--run-dir", run_dir, "--log-max-logits", *extra]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    if not (reuse and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r.get("split", "train") == "train"]
 
@@ -44,16 +45,17 @@ def main(argv=None) -> None:
     parser.add_argument("--threshold", type=float, default=None)
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--out", default="", help="directory for the two run directories (default: a temp dir)")
+    parser.add_argument("--reuse", action="store_true", help="only print the table of runs already under --out")
     args, extra = parser.parse_known_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="qk_clip_")
-    off = run_job(os.path.join(out, "off"), args.steps, args.log_every, extra)
+    off = run_job(os.path.join(out, "off"), args.steps, args.log_every, extra, args.reuse)
     keys = layer_keys(off)
     threshold = args.threshold or args.fraction * max(r[k] for r in off for k in keys)
     on = run_job(os.path.join(out, "on"), args.steps, args.log_every,
-                 [*extra, "--qk-clip-threshold", repr(threshold)])
-    print(f"max attention logit per layer (max over heads), QK-clip off vs on (threshold {threshold:.4g}); "
-          f"the clip uses each step's forward-pass maxima, after that step's update")
-    header = ["step"] + [f"{k[11:]} off" for k in keys] + [f"{k[11:]} on" for k in keys] + ["clipped heads"]
+                 [*extra, "--qk-clip-threshold", repr(threshold)], args.reuse)
+    print(f"max attention logit per layer (max over heads) of each logged step's forward pass (before that step's "
+          f"clip), QK-clip off vs on (threshold {threshold:.4g}); clipped heads: heads above it at that step")
+    header = ["step"] + [f"{k[10:]} off" for k in keys] + [f"{k[10:]} on" for k in keys] + ["clipped heads"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     on_by_step = {r["step"]: r for r in on}
