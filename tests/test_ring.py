@@ -215,6 +215,56 @@ def test_ring_scores_spread_over_all_shards_need_every_step(key):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_non_finite_values_at_unattended_positions_never_leak(key, layout):
+    """The masked-values contract through the ring: K / V at positions no query attends (the
+    last quarter is a padding segment, so with the contiguous layout one device's whole kv
+    shard is poison, plus masked columns inside live shards) are NaN / +-Inf while they rotate
+    past every device. Every output and gradient equals the reference on clean inputs, rows
+    of the padding segment return exactly 0, and the poisoned positions get dk = dv = 0."""
+    n, s, heads, d = 4, 1024, 2, 32
+    arr = np.tril(np.ones((s, s), bool))
+    arr[:, 100:140] = False  # columns nobody attends, inside a live shard
+    arr[np.arange(s), np.arange(s)] = True
+    arr[:, 100:140] = False
+    seg = np.repeat([3, 7, -1], [400, 368, 256]).astype(np.int32)  # -1: padding, its own segment
+    seg_q = np.where(seg < 0, -2, seg).astype(np.int32)  # padding queries match no key
+    attended = arr & (seg_q[:, None] == seg[None, :])
+    unattended = ~attended.any(0)
+    assert unattended[768:].all() and unattended[100:140].all()
+    mask = masks.NumpyMask(arr)
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (heads, s, d), jnp.float32)
+    k, v = (jax.random.normal(x, (1, s, d), jnp.float32) for x in (kk, kv))
+    d_out = jax.random.normal(kd, (heads, s, d), jnp.float32)
+    poison = jnp.asarray(np.resize([np.nan, np.inf, -np.inf], (1, s, d)), jnp.float32)
+    bad = jnp.asarray(unattended)[None, :, None]
+    k_bad, v_bad = jnp.where(bad, poison, k), jnp.where(bad, poison[:, ::-1], v)
+    lay = lambda x: layouts.permute(x, layout, n, axis=0 if x.ndim == 1 else 1)
+    unlay = lambda x: layouts.unpermute(x, layout, n, axis=1)
+
+    def ring(q, k, v):
+        ids = rs.SegmentIds(q=lay(jnp.asarray(seg_q)), kv=lay(jnp.asarray(seg)))
+        fn = lambda q, k, v: ring_attention_sharded(q, k, v, mask, mesh=mesh(n), axis_name="ctx", layout=layout,
+                                                    segment_ids=ids, logit_soft_cap=6.0, config=XLA)
+        out, vjp = jax.vjp(fn, lay(q), lay(k), lay(v))
+        return tuple(unlay(x) for x in (out, *vjp(lay(d_out))))
+
+    def ref(q, k, v):
+        ids = rs.SegmentIds(q=jnp.asarray(seg_q), kv=jnp.asarray(seg))
+        fn = lambda q, k, v: rs.reference_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=6.0)
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(d_out))
+
+    got, want = jax.jit(ring)(q, k_bad, v_bad), jax.jit(ref)(q, k, v)  # reference on clean inputs
+    for name, a in zip(("out", "dq", "dk", "dv"), got):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} has non-finite values"
+    assert_close(got, (*want, None))
+    out, _, dk, dv = got
+    assert bool(jnp.all(out[:, seg_q < 0] == 0)), "padding rows attend nothing: exactly 0"
+    assert bool(jnp.all(dk[:, unattended] == 0)) and bool(jnp.all(dv[:, unattended] == 0))
+
+
 # ----------------------------------------------------------------------------------------
 # Pallas TPU kernels (interpreter) inside the ring. The interpreter synchronises all devices
 # at every kernel call, so a ring whose devices run different numbers of kernels hangs (issue
