@@ -274,10 +274,13 @@ def test_ring_non_finite_values_at_unattended_positions_never_leak(key, layout):
 INTERPRET_TIMEOUT_S = 900  # a case takes 1-3 min on the shared 2-core machine, up to ~5 under heavy load
 
 
-def interpret_case_errors(kind: str, n: int, layout: str, s: int, sinks: bool, segments: bool) -> dict:
-    """Max abs errors (out, dq, dk, dv, d_sinks) of the interpret-backend ring vs the reference."""
+def interpret_case_errors(kind: str, n: int, layout: str, s: int, sinks: bool, segments: bool,
+                          tpu_interpreter: bool = True) -> dict:
+    """Max abs errors (out, dq, dk, dv, d_sinks) of the interpret-backend ring vs the reference:
+    the Pallas TPU interpreter (unwritten memory reads as NaN), or the default (the generic one)."""
+    params = pltpu.InterpretParams(uninitialized_memory="nan") if tpu_interpreter else None
     cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
-                       interpret_params=pltpu.InterpretParams(uninitialized_memory="nan"))
+                       interpret_params=params)
     key = jax.random.key(zlib.crc32(f"{kind}-{n}-{layout}".encode()))
     got, want = run_both(key, make_mask(kind, s, 2), n=n, layout=layout, heads=2, kv_heads=1, s=s, d=64,
                          segments=segments, sinks=sinks, config=cfg)
@@ -309,6 +312,7 @@ class InterpretCase(NamedTuple):
     s: int
     sinks: bool
     segments: bool
+    tpu_interpreter: bool = True
 
 
 INTERPRET_CASES = {
@@ -319,6 +323,9 @@ INTERPRET_CASES = {
     "contiguous_causal_n4": InterpretCase("causal", 4, "contiguous", 512, sinks=True, segments=False),
     "contiguous_prefix_lm_n4": InterpretCase("prefix_lm", 4, "contiguous", 512, sinks=False, segments=False),
     "contiguous_local_n4": InterpretCase("local", 4, "contiguous", 512, sinks=False, segments=True),
+    # 8 devices: the TPU interpreter deadlocks here (hung before the generic-interpreter default)
+    "striped_causal_n8_default": InterpretCase("causal", 8, "striped", 1024, sinks=True, segments=True,
+                                               tpu_interpreter=False),
 }
 
 
@@ -375,6 +382,16 @@ def test_ring_rejects_lengths_no_block_tiles(layout, n, s, match):
     with pytest.raises(ValueError, match=match):
         ring_attention_sharded(q, k, v, masks.CausalMask((s, s)), mesh=mesh(n), axis_name="ctx", layout=layout,
                                config=XLA)
+
+
+def test_ring_refuses_the_tpu_interpreter_on_eight_devices():
+    """It would deadlock (see parallel/_common.py); the error names the working alternative."""
+    q, k, v = _qkv()
+    cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
+                       interpret_params=pltpu.InterpretParams())
+    with pytest.raises(ValueError, match=r"ring_attention: .*TPU interpreter.*8 >= 8 .*interpret_params='generic'"):
+        jax.eval_shape(functools.partial(ring_attention_sharded, mask=masks.CausalMask((1024, 1024)), mesh=mesh(8),
+                                         axis_name="ctx", config=cfg), q, k, v)
 
 
 def test_ring_rejects_unknown_layout():

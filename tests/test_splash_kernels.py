@@ -365,6 +365,7 @@ def test_splash_auto_backend_runs_jnp_path_on_cpu(key):
         # mode strings are Literals: the library's ValueError, or the test run's type check first
         (dict(backend="gpu"), (ValueError, TypeError), r"backend.*'gpu'"),
         (dict(probs_dtype="bfloat16"), (ValueError, TypeError), "probs_dtype"),
+        (dict(interpret_params="fast"), TypeError, r"interpret_params must be None, 'generic' or .*'fast'"),
     ],
 )
 def test_splash_config_rejects_bad_values(kwargs, error, match):
