@@ -15,7 +15,7 @@ from ringsplash.model import Transformer, TransformerConfig, apply_qk_clip, qk_c
 from ringsplash.splash import SplashConfig
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-TASK = data.RecallTask(seq_len=256, num_pairs=8, num_queries=8, num_keys=16, num_values=8, num_filler=8)
+TASK = data.RecallTask(seq_len=128, num_pairs=8, num_queries=8, num_keys=16, num_values=8, num_filler=8)
 
 
 def test_qk_clip_factors_scale_each_head_by_exactly_its_clip():
@@ -48,12 +48,16 @@ def _model_and_batch(attention, heads, kv_heads, ring_size=1):
     return config, model, TASK.batch(np.random.default_rng(2), 4)
 
 
+@eqx.filter_jit
+def _batch_max_logits(m, tokens, positions, segment_ids):
+    _, mx = jax.vmap(lambda t, p, s: m.hidden(t, p, s, return_max_logits=True))(tokens, positions, segment_ids)
+    return jnp.max(mx, axis=0)
+
+
 def _max_logits(model, config, batch):
     """Per-layer per-head max logits of the whole batch, computed on one device with splash."""
     m = model.with_config(config.replace(attention="splash", ring_axis_name=None, ring_size=1, qk_clip_threshold=None))
-    _, mx = jax.vmap(lambda t, p, s: m.hidden(t, p, s, return_max_logits=True))(
-        batch.tokens, batch.positions, batch.segment_ids)
-    return np.asarray(jnp.max(mx, axis=0))
+    return np.asarray(_batch_max_logits(m, batch.tokens, batch.positions, batch.segment_ids))
 
 
 @pytest.mark.parametrize("attention, heads, kv_heads, data_parallel, context_parallel",
@@ -99,7 +103,7 @@ def test_qk_clip_step_brings_every_head_to_the_threshold(attention, heads, kv_he
 
 
 def test_fit_with_qk_clip_logs_max_logits_and_resumes_exactly(tmp_path):
-    task = data.RecallTask(seq_len=128, num_pairs=8, num_queries=8, num_keys=16, num_values=8, num_filler=8)
+    task = TASK
     config = TransformerConfig(vocab_size=task.vocab_size, d_model=32, num_layers=2, num_heads=2,
                                max_seq_len=task.seq_len, splash=BLOCKS, attention="splash", qk_clip_threshold=0.3)
     tc = train.TrainConfig(steps=2, batch_size=2, learning_rate=3e-3, warmup_steps=1, log_every=1, progress=False,
