@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
-from ringsplash.model.config import TransformerConfig, dtype_of
+from ringsplash.model.config import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, TransformerConfig, dtype_of
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
 
@@ -42,16 +42,17 @@ def attend(
     *,
     key: jax.Array | None = None,
 ) -> Float[Array, "heads seq d"]:
-    """Run the configured strategy on one example (under ``"ring"``: one local shard)."""
+    """Run the configured strategy on one example (sequence-parallel strategies: one local shard)."""
     seq = q.shape[1]
-    if config.attention == "ring":
-        ring_size = jax.lax.axis_size(config.ring_axis_name)
-        if ring_size != config.ring_size:
+    axes = context_axes(config)
+    for axis_name, size in axes.items():
+        actual = jax.lax.axis_size(axis_name)
+        if actual != size:
+            field = "ring_size" if axis_name == config.ring_axis_name else "ulysses_size"
             raise ValueError(
-                f"mesh axis {config.ring_axis_name!r} has {ring_size} devices but the config says "
-                f"ring_size={config.ring_size}"
+                f"mesh axis {axis_name!r} has {actual} devices but the config says {field}={size}"
             )
-        seq = seq * ring_size
+        seq = seq * actual
     mask = config.make_mask(seq)
     seg = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
     common = dict(segment_ids=seg, scale=None, logit_soft_cap=config.logit_soft_cap, sinks=sinks)
@@ -63,11 +64,27 @@ def attend(
         from ringsplash.splash import splash_attention  # import at call: kernels are a lower layer
 
         return splash_attention(q, k, v, mask, config=config.splash, **common)
-    from ringsplash.parallel.ring import ring_attention
+    from ringsplash import parallel
 
-    return ring_attention(
-        q, k, v, mask, axis_name=config.ring_axis_name, layout=config.ring_layout, config=config.splash, **common
-    )
+    common.update(layout=config.ring_layout, config=config.splash)
+    if config.attention == "usp":
+        return parallel.usp_attention(q, k, v, mask, ulysses_axis=config.ulysses_axis_name,
+                                      ring_axis=config.ring_axis_name, **common)
+    if config.attention == "ulysses":
+        return parallel.ulysses_attention(q, k, v, mask, axis_name=config.ulysses_axis_name, **common)
+    fn = parallel.ring_attention if config.attention == "ring" else parallel.allgather_attention
+    return fn(q, k, v, mask, axis_name=config.ring_axis_name, **common)
+
+
+def context_axes(config: TransformerConfig) -> dict[str, int]:
+    """The mesh axes the configured strategy shards the sequence over, with their sizes (ring axis
+    first: USP's local shards are ring-major); empty without context parallelism."""
+    axes = {}
+    if config.attention in RING_AXIS_STRATEGIES:
+        axes[config.ring_axis_name] = config.ring_size
+    if config.attention in ULYSSES_AXIS_STRATEGIES:
+        axes[config.ulysses_axis_name] = config.ulysses_size
+    return axes
 
 
 class Attention(eqx.Module):
@@ -115,7 +132,7 @@ class Attention(eqx.Module):
         k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
         v = heads(self.wv, c.num_kv_heads)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key)
-        if c.attention != "ring":  # the ring names its own residual (naming it twice would save it twice)
+        if c.attention not in ("ring", "usp"):  # the ring names its own residual (naming it twice would save it twice)
             out = checkpoint_name(out, ATTENTION_OUT)
         out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.head_dim)
         return out @ self.wo.astype(cdt)
