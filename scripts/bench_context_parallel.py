@@ -318,7 +318,11 @@ def main():
     for s in seqs:
         for n in [int(x) for x in args.devices.split(",")]:
             table = rows(s, n, peak, link)
-            valid = [r for r in table if len(r) == 4]
+            compiled = {r[0]: ("not compiled" if args.no_compile
+                               else compile_row(r[0].split()[0], s, n, r[1], args.timeout, args.cache))
+                        for r in table if len(r) == 4}
+            # the pick: the fastest modelled strategy among those that compile (all with --no-compile)
+            valid = [r for r in table if len(r) == 4 and (args.no_compile or isinstance(compiled[r[0]], dict))]
             pick = min(valid, key=lambda r: r[3])[0] if valid else "-"
             for r in table:
                 head = f"| {fmt_size(s)} | {n} ({TOPOLOGY[n]}) | {r[0]} |"
@@ -326,17 +330,27 @@ def main():
                     print(f"{head} {r[2]} | | | | | |", flush=True)
                     continue
                 label, a, (fwd, bwd, blocks, _), t = r
-                comp = ("not compiled" if args.no_compile
-                        else compile_row(label.split()[0], s, n, a, args.timeout, args.cache))
+                comp = compiled[label]
                 mib = lambda x: f"{x / 2**20:.0f}"
                 if isinstance(comp, dict):
                     agree = all(abs(c - x) <= 0.1 * max(x, 1) for c, x in ((comp["fwd"], fwd), (comp["bwd"], bwd)))
                     cf, cb = mib(comp["fwd"]), mib(comp["bwd"]) + ("" if agree else " (DISAGREE >10%)")
                     temp = f"{mib(comp['temp'])} ({comp['compile_s']:.0f} s)"
                 else:
-                    cf, cb, temp = comp, "", ""
+                    cf, cb, temp = short_reason(comp), "-", "-"
                 print(f"{head} {mib(fwd)} / {cf} | {mib(bwd)} / {cb} | {temp} | {blocks} | {t * 1e3:.1f} | "
                       f"{'**pick**' if label == pick else ''} |", flush=True)
+
+
+def short_reason(reason: str) -> str:
+    """A table-sized version of a compile failure (the SMEM work-list wall named as such)."""
+    if m := re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\).*space=smem", reason):
+        return (f"no compile: SMEM wall, a {int(m.group(1)) / 2**10:.0f} KiB work-list buffer > "
+                f"{int(m.group(2)) / 2**10:.0f} KiB SMEM")
+    if m := re.search(r"Ran out of memory in memory space smem\. Used ([\d.]+\w) of ([\d.]+\w) smem\. "
+                      r"Exceeded smem capacity by ([\d.]+\w)", reason):
+        return f"no compile: SMEM wall, {m.group(3)} over the {m.group(2)} SMEM"
+    return reason
 
 
 if __name__ == "__main__":
