@@ -345,7 +345,7 @@ def main():
 def short_reason(reason: str) -> str:
     """A table-sized version of a compile failure (the SMEM work-list wall named as such)."""
     if m := re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\).*space=smem", reason):
-        return (f"no compile: SMEM wall, a {int(m.group(1)) / 2**10:.0f} KiB work-list buffer > "
+        return (f"no compile: SMEM wall, a {int(m.group(1)) / 2**10:.1f} KiB work-list buffer > "
                 f"{int(m.group(2)) / 2**10:.0f} KiB SMEM")
     if m := re.search(r"Ran out of memory in memory space smem\. Used ([\d.]+\w) of ([\d.]+\w) smem\. "
                       r"Exceeded smem capacity by ([\d.]+\w)", reason):
