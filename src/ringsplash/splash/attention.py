@@ -242,7 +242,7 @@ def _segments(segment_ids):
 def splash_forward(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     info: MaskInfo,
     *,
     q_shard=0,
@@ -254,13 +254,13 @@ def splash_forward(
     logit_soft_cap: float | None = None,
     config: SplashConfig = SplashConfig(),
     out_dtype=None,
-) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"]]:
+) -> tuple[Float[Array, "heads q_shard dv"], Float[Array, "heads q_shard"]]:
     """Sink-free ``(out, lse)`` of the local q shard against the local kv shard.
 
     Args:
         q: local queries ``[heads, q_shard, d]``, floating point.
         k: local keys ``[kv_heads, kv_shard, d]``, the dtype of ``q``.
-        v: local values, the shape and dtype of ``k``.
+        v: local values ``[kv_heads, kv_shard, dv]``, the dtype of ``k``; ``dv`` may differ from d.
         info: ``MaskInfo`` built with ``(config.block_q, config.block_kv)`` for these shards.
         q_shard: which q shard of ``info`` this is (int or traced int).
         kv_shard: which kv shard of ``info`` this is (int or traced int).
@@ -276,7 +276,7 @@ def splash_forward(
             partial outputs; both backends write it directly from their float32 accumulators).
 
     Returns:
-        ``(out [heads, q_shard, d], lse float32 [heads, q_shard])``.
+        ``(out [heads, q_shard, dv], lse float32 [heads, q_shard])``.
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
                                 config=config, config_type=SplashConfig, same_dtype=True)
@@ -293,8 +293,8 @@ def splash_forward(
 def splash_backward(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
-    d_out: Float[Array, "heads q_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
+    d_out: Float[Array, "heads q_shard dv"],
     lse: Float[Array, "heads q_shard"],
     delta: Float[Array, "heads q_shard"],
     info: MaskInfo,
@@ -308,12 +308,12 @@ def splash_backward(
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     config: SplashConfig = SplashConfig(),
-) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard d"]]:
+) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard dv"]]:
     """float32 ``(dq, dk, dv)`` of one shard pair.
 
     Args:
         q, k, v: the local shards, as in :func:`splash_forward`.
-        d_out: cotangent of the *final* output ``[heads, q_shard, d]`` (cast to q's dtype).
+        d_out: cotangent of the *final* output ``[heads, q_shard, dv]`` (cast to q's dtype).
         lse: float32 ``[heads, q_shard]`` log-sum-exp of the *final* output (sinks included).
         delta: float32 ``[heads, q_shard]``, ``rowsum(d_out * out)`` of the final output.
         info: forward ``MaskInfo`` (``config.block_shape``), as in :func:`splash_forward`.
@@ -323,7 +323,7 @@ def splash_backward(
         config: as in :func:`splash_forward`.
 
     Returns:
-        float32 ``(dq [heads, q_shard, d], dk, dv [kv_heads, kv_shard, d])``.
+        float32 ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])``.
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
                                 config=config, config_type=SplashConfig, same_dtype=True)
@@ -409,7 +409,7 @@ def _effective_block(block: int, length: int) -> int:
 def splash_attention(
     q: Float[Array, "heads q_len d"],
     k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len d"],
+    v: Float[Array, "kv_heads kv_len dv"],
     mask: masks_lib.AnyMask | None = None,
     *,
     segment_ids: SegmentIds | None = None,
@@ -427,7 +427,8 @@ def splash_attention(
     Args:
         q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
         k: keys ``[kv_heads, kv_len, d]``, the dtype of ``q``; ``kv_heads`` divides ``heads``.
-        v: values, the shape and dtype of ``k``.
+        v: values ``[kv_heads, kv_len, dv]``, the dtype of ``k``; ``dv`` (the output's head size)
+            may differ from ``d`` (e.g. MLA: q/k 192, v 128).
         mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one
             per head), or None to attend everything.
         segment_ids: ``SegmentIds(q=[q_len], kv=[kv_len])`` integer ids; a query attends only
@@ -442,7 +443,7 @@ def splash_attention(
             included); ``lse`` is differentiable too.
 
     Returns:
-        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
+        ``out`` (``q.dtype``, ``[heads, q_len, dv]``) or ``(out, lse)``.
     """
     call = check_attention_call(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale,
                                 logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
