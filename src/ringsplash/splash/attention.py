@@ -28,6 +28,7 @@ from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash import xla as xla_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.vmem import forward_vmem, vmem_guard
 
 # ----------------------------------------------------------------------------------------
 # "mosaic_tpu" guard: a no-op on TPU, a clear error when lowered for anything else
@@ -143,6 +144,9 @@ def pallas_forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str
     q, config, info = inputs.q, static.config, static.info
     if backend == "mosaic_tpu":
         q = mosaic_tpu_guard(q)
+        q = vmem_guard(q, forward_vmem(q, inputs.k, inputs.v, info.block_shape, out_dtype=out_dtype,
+                                       vmem_limit_bytes=config.vmem_limit_bytes,
+                                       mask_blocks=_static_operands(info).blocks is not None))
     return kernel_forward.splash_forward_kernel(
         q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
         **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
