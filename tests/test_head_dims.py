@@ -20,9 +20,9 @@ from ringsplash.model import Attention, TransformerConfig
 from ringsplash.splash.config import SplashConfig
 from test_parallel import INTERPRET, XLA, strategy
 
-# float32 max abs error vs the reference, measured over this file: out <= 4.2e-7, dq / dk / dv
-# <= 7.6e-6 (dk of d = 256 over a 2-device ring); 10x headroom, under the 1e-4
-TOL = {"out": 5e-6, "dq": 8e-5, "dk": 8e-5, "dv": 8e-5}
+# float32 max abs error vs the reference, measured over this file: out <= 5.4e-7, dq / dk / dv
+# <= 5.7e-6 (dv of d = 192, splash xla); ~9x headroom, under the 1e-4
+TOL = {"out": 5e-6, "dq": 5e-5, "dk": 5e-5, "dv": 5e-5}
 HEADS, KV_HEADS = 4, 2  # GQA
 
 
