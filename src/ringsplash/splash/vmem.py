@@ -19,7 +19,9 @@ An unknown chip or a configuration under the limit lowers unchanged.
 """
 
 import dataclasses
+import functools
 
+import jax
 import jax.extend.core as jex_core
 import numpy as np
 from jax.interpreters import batching, mlir
@@ -92,7 +94,8 @@ def forward_vmem(q, k, v, block_shape, *, out_dtype, vmem_limit_bytes, mask_bloc
 # identity primitive whose TPU lowering runs the check with the chip being compiled for
 
 _vmem_guard_p = jex_core.Primitive("splash_vmem_guard")
-_vmem_guard_p.def_impl(lambda x, *, need: x)
+# an eager call compiles the primitive for the default device, so an eager run on TPU is checked too
+_vmem_guard_p.def_impl(lambda x, *, need: jax.jit(functools.partial(_vmem_guard_p.bind, need=need))(x))
 _vmem_guard_p.def_abstract_eval(lambda x, *, need: x)
 batching.primitive_batchers[_vmem_guard_p] = lambda args, dims, *, need: (_vmem_guard_p.bind(*args, need=need),
                                                                         dims[0])
