@@ -36,12 +36,12 @@ def attend(
     config: TransformerConfig,
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     segment_ids: Int[Array, " seq"] | None,
     sinks: Float[Array, " heads"] | None,
     *,
     key: jax.Array | None = None,
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """Run the configured strategy on one example (sequence-parallel strategies: one local shard)."""
     seq = q.shape[1]
     axes = context_axes(config)
@@ -92,8 +92,8 @@ class Attention(eqx.Module):
 
     wq: Float[Array, "d_model heads_x_d"]
     wk: Float[Array, "d_model kv_heads_x_d"]
-    wv: Float[Array, "d_model kv_heads_x_d"]
-    wo: Float[Array, "heads_x_d d_model"]
+    wv: Float[Array, "d_model kv_heads_x_dv"]
+    wo: Float[Array, "heads_x_dv d_model"]
     sinks: Float[Array, " heads"] | None
     config: TransformerConfig = eqx.field(static=True)
 
@@ -107,8 +107,8 @@ class Attention(eqx.Module):
 
         self.wq = init(kq, c.d_model, c.num_heads * c.head_dim)
         self.wk = init(kk, c.d_model, c.num_kv_heads * c.head_dim)
-        self.wv = init(kv, c.d_model, c.num_kv_heads * c.head_dim)
-        self.wo = init(ko, c.num_heads * c.head_dim, c.d_model, gain=(2 * c.num_layers) ** -0.5)
+        self.wv = init(kv, c.d_model, c.num_kv_heads * c.v_head_dim)
+        self.wo = init(ko, c.num_heads * c.v_head_dim, c.d_model, gain=(2 * c.num_layers) ** -0.5)
         self.sinks = jnp.zeros((c.num_heads,), jnp.float32) if c.sinks else None
         self.config = config
 
@@ -125,14 +125,14 @@ class Attention(eqx.Module):
         seq = x.shape[0]
         x = x.astype(cdt)
 
-        def heads(w, n):
-            return (x @ w.astype(cdt)).reshape(seq, n, c.head_dim).transpose(1, 0, 2)
+        def heads(w, n, dim=c.head_dim):
+            return (x @ w.astype(cdt)).reshape(seq, n, dim).transpose(1, 0, 2)
 
         q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta)
         k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
-        v = heads(self.wv, c.num_kv_heads)
+        v = heads(self.wv, c.num_kv_heads, c.v_head_dim)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key)
         if c.attention not in ("ring", "usp"):  # the ring names its own residual (naming it twice would save it twice)
             out = checkpoint_name(out, ATTENTION_OUT)
-        out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.head_dim)
+        out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.v_head_dim)
         return out @ self.wo.astype(cdt)

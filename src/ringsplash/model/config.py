@@ -64,8 +64,10 @@ class TransformerConfig:
     ids passed at call time.
 
     ``max_seq_len`` is the (global) training length, checked against the ring size and the
-    Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; the SwiGLU hidden
-    width is ``mlp_ratio * d_model`` rounded up to a multiple of ``mlp_multiple``.
+    Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; ``v_head_dim`` is
+    the value (and attention output) head size, ``None`` = ``head_dim`` (MLA-style models use
+    e.g. q/k 192, v 128); the SwiGLU hidden width is ``mlp_ratio * d_model`` rounded up to a
+    multiple of ``mlp_multiple``.
     """
 
     vocab_size: int
@@ -96,6 +98,7 @@ class TransformerConfig:
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     splash: SplashConfig = SplashConfig()
+    v_head_dim: int | None = None  # None = head_dim
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple",
@@ -119,6 +122,9 @@ class TransformerConfig:
         check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs): use an even head_dim")
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        check_positive_int("v_head_dim", self.v_head_dim)
         check_float("mlp_ratio", self.mlp_ratio, positive=True)
         check_float("rope_theta", self.rope_theta, positive=True)
 
@@ -142,12 +148,9 @@ class TransformerConfig:
                 f"use attention='reference' or attention_dropout=0"
             )
         self._check_parallel()
-        if kernels and self.splash.backend == "mosaic_tpu" and self.head_dim % NUM_LANES:
-            raise ValueError(
-                f"head_dim={self.head_dim} must be a multiple of {NUM_LANES} for the TPU kernels "
-                f"(splash.backend='mosaic_tpu'): use head_dim={NUM_LANES * math.ceil(self.head_dim / NUM_LANES)} "
-                f"or backend 'xla'/'interpret'"
-            )
+        # Any head size runs on the TPU kernels (64, 96, 128, 192, 256 and v != q/k compile for v5e in
+        # tests/test_head_dims_tpu_compile.py); a block x head size x dtype that overflows the chip's VMEM
+        # is rejected when lowered for that chip (ringsplash.splash.vmem), the chip being unknown here.
         if kernels:
             self._check_lengths()
 

@@ -262,7 +262,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
             o, lse = when_active(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
             return (*nxt, o, lse), None
 
-        o = _varying(jnp.zeros(q.shape, jnp.float32), axis_name)
+        o = _varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
         lse = _varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
         carry = (k, v, kv_seg, o, lse)
         if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
@@ -350,7 +350,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
 def ring_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     axis_name,
@@ -361,13 +361,14 @@ def ring_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
         q: this device's queries ``[heads, q_shard, d]``, floating point, in ``layout`` order.
         k: this device's keys ``[kv_heads, q_shard, d]``; ``kv_heads`` divides ``heads``.
-        v: this device's values, the shape of ``k``.
+        v: this device's values ``[kv_heads, q_shard, dv]``; ``dv`` may differ from d (they
+            travel with their own size).
         mask: the global ``(S, S)`` mask on original token positions, ``S = N * q_shard``.
         axis_name: the mesh axis (N devices) the sequence is sharded over; must be bound.
         segment_ids: this shard's ``SegmentIds(q=[q_shard], kv=[q_shard])`` (int32 inside
@@ -383,7 +384,7 @@ def ring_attention(
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
 
     Returns:
-        this device's output ``[heads, q_shard, d]`` in ``q.dtype``, ``layout`` order.
+        this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order.
     """
     n = _axis_size(axis_name)
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
@@ -418,7 +419,7 @@ def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap,
 def ring_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -430,7 +431,7 @@ def ring_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`ring_attention` on global arrays already in ``layout`` order, sharded along the
     sequence over ``mesh.shape[axis_name]`` devices.
 
@@ -438,7 +439,7 @@ def ring_attention_sharded(
         q: queries ``[heads, S, d]``, floating point, in ``layout`` order
             (``ringsplash.layouts.permute``).
         k: keys ``[kv_heads, S, d]`` in ``layout`` order; ``kv_heads`` divides ``heads``.
-        v: values, the shape of ``k``.
+        v: values ``[kv_heads, S, dv]`` in ``layout`` order (``dv`` may differ from d).
         mask: the ``(S, S)`` mask on original token positions.
         mesh: a ``jax.sharding.Mesh`` with the axis ``axis_name``.
         axis_name: the mesh axis (N devices) to shard the sequence over.
@@ -452,7 +453,7 @@ def ring_attention_sharded(
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
 
     Returns:
-        ``[heads, S, d]`` in ``q.dtype`` and ``layout`` order.
+        ``[heads, S, dv]`` in ``q.dtype`` and ``layout`` order.
     """
     call = _check_ring_call(q, k, v, mask, None, segment_ids, scale, logit_soft_cap, sinks, config,
                             local=False, axis_name=axis_name)
