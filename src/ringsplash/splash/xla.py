@@ -211,6 +211,17 @@ def _schedule_xs(schedule, li):
     )
 
 
+def _walk(step, init, schedule, li):
+    """Run ``step`` over list ``li``'s entries: a ``lax.scan`` over all of them or, for a
+    segment-refined compacted list (``schedule.num_steps`` set), a loop over its first
+    ``num_steps[li]`` (the rest repeat the last entry with kind 0: nothing to do)."""
+    xs = _schedule_xs(schedule, li)
+    if schedule.num_steps is None:
+        return lax.scan(step, init, xs)[0]
+    count = jnp.asarray(schedule.num_steps)[li].astype(jnp.int32)
+    return lax.fori_loop(0, count, lambda i, carry: step(carry, tuple(x[i] for x in xs))[0], init)
+
+
 def _vma(*xs) -> frozenset:
     """Union of the varying manual axes of ``xs`` (inside ``shard_map``; empty outside)."""
     return frozenset().union(*(_vma_of(x) for x in jax.tree.leaves(xs)))
@@ -318,7 +329,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         jnp.zeros((kvh, g, bq, d), _F32),
         jnp.int32(-1),
     ), vma)
-    (out, lse, *_), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    out, lse, *_ = _walk(step, init, schedule, plan.index)
     return out, lse
 
 
@@ -425,5 +436,5 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         jnp.zeros((kvh, kv_len, d), _F32),
         jnp.zeros((kvh, kv_len, d), _F32),
     ), vma)
-    (dq, dk, dv), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    dq, dk, dv = _walk(step, init, schedule, plan.index)
     return dq, dk, dv
