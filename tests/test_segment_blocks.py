@@ -189,15 +189,14 @@ def test_xla_backend_matches_reference_on_random_packings(docs, pad, order, pad_
 def test_interpret_kernels_match_reference_on_packings(key, order, pad_mode):
     s = 512
     q_ids, kv_ids = packing(np.random.default_rng(len(order)), s, docs=7, pad=70, order=order, pad_mode=pad_mode)
-    check_against_reference(key, masks.CausalMask((s, s)), q_ids, kv_ids, config("interpret"), heads=4, kv_heads=2,
-                            d=128)
+    check_against_reference(key, masks.CausalMask((s, s)), q_ids, kv_ids, config("interpret"), d=64)
 
 
 def test_kernels_compute_exactly_the_refined_entries(key):
     """In-kernel step counters (forward, dq, dK/dV): computing steps == refined entries ==
     block pairs holding a same-document pair (sorted ids), far fewer than the static lists."""
-    s, heads, kv_heads = 1024, 2, 1
-    ids = np.repeat(np.arange(8), [40, 300, 100, 30, 250, 4, 200, 100]).astype(np.int32)
+    s, heads, kv_heads = 512, 2, 1
+    ids = np.repeat(np.arange(6), [40, 150, 100, 30, 150, 42]).astype(np.int32)
     mask = masks.CausalMask((s, s))
     cfg = config("interpret")
     info = rs.build_mask_info(mask, cfg.block_shape)
@@ -213,8 +212,7 @@ def test_kernels_compute_exactly_the_refined_entries(key):
     out, lse, count = attention_lib.pallas_forward(
         ForwardInputs(q, k, v, sched, pos, pos, seg, seg), static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count), exact)
-    ref_out, ref_lse = rs.reference_attention(q, k, v, mask, segment_ids=rs.SegmentIds(seg, seg),
-                                              return_residuals=True)
+    ref_out = rs.reference_attention(q, k, v, mask, segment_ids=rs.SegmentIds(seg, seg))
     assert max_err(out, ref_out) <= OUT_TOL
     delta = jnp.sum(out * d_out, axis=-1)
     *_, count_dq, count_dkv = attention_lib.pallas_backward(
