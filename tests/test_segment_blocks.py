@@ -1,7 +1,7 @@
 """Segment-aware block skipping (``splash/segment_blocks.py``): refined work lists are exact for
-sorted ids and safe otherwise, kernels compute exactly the refined entries, results match the
-reference (forward and every gradient) on random packings, and the ring skips shard pairs that
-share no segment."""
+sorted ids and safe otherwise, full blocks inside one document skip the segment compare,
+kernels compute exactly the refined entries, results match the reference (forward and every
+gradient) on random packings, and the ring skips shard pairs that share no segment."""
 
 import functools
 
@@ -93,8 +93,20 @@ def check_compacted(sched, info, lst=0):
     static_entries = {(int(a), int(b), int(k)) for a, b, k in zip(
         np.asarray(info.q_block)[lst, 0, 0], np.asarray(info.kv_block)[lst, 0, 0], np.asarray(info.kind)[lst, 0, 0])
         if k > 0}
-    kept = {(int(a), int(b), int(k)) for a, b, k in zip(qb[:n], kb[:n], kind[:n]) if k > 0}
+    # FULL_SAME (3) is a FULL (2) entry inside one shared segment
+    kept = {(int(a), int(b), min(int(k), 2)) for a, b, k in zip(qb[:n], kb[:n], kind[:n]) if k > 0}
     assert kept <= static_entries, "a kept entry must be a static entry with its static kind"
+    return {(int(a), int(b)) for a, b, k in zip(qb[:n], kb[:n], kind[:n]) if k == segment_blocks.FULL_SAME}
+
+
+def full_same_blocks(mask_dense, q_ids, kv_ids, bq, bkv):
+    """(q block, kv block) pairs whose mask is all-true and whose rows and columns all lie in
+    one and the same segment."""
+    nq, nk = q_ids.size // bq, kv_ids.size // bkv
+    qs, ks = q_ids.reshape(nq, bq), kv_ids.reshape(nk, bkv)
+    full = mask_dense.reshape(nq, bq, nk, bkv).all(axis=(1, 3))
+    return {(a, b) for a in range(nq) for b in range(nk)
+            if full[a, b] and np.all(qs[a] == qs[a, 0]) and np.all(ks[b] == qs[a, 0])}
 
 
 MASKS = {
@@ -119,7 +131,8 @@ def test_refined_lists_are_exactly_the_same_segment_blocks_for_sorted_ids(docs, 
         info = rs.build_mask_info(m, blocks, transpose=transpose)
         sched = refined(info, q_ids, kv_ids)
         assert entries(sched) == want, (transpose, len(entries(sched)), len(want))
-        check_compacted(sched, info)
+        full_same = check_compacted(sched, info)
+        assert full_same == full_same_blocks(masks.dense(m)[0], q_ids, kv_ids, *blocks) & want
 
 
 @settings(max_examples=8, deadline=None)
@@ -185,10 +198,13 @@ def test_xla_backend_matches_reference_on_random_packings(docs, pad, order, pad_
     check_against_reference(jax.random.key(seed), MASKS[mask](s), q_ids, kv_ids, config("xla"))
 
 
-@pytest.mark.parametrize("order, pad_mode", [("sorted", "disjoint"), ("relabelled", "shared")])
-def test_interpret_kernels_match_reference_on_packings(key, order, pad_mode):
+@pytest.mark.parametrize("order, pad_mode, docs, full_same", [("sorted", "disjoint", 7, set()),
+                                                              ("relabelled", "shared", 3, {(1, 0)})])
+def test_interpret_kernels_match_reference_on_packings(key, order, pad_mode, docs, full_same):
     s = 512
-    q_ids, kv_ids = packing(np.random.default_rng(len(order)), s, docs=7, pad=70, order=order, pad_mode=pad_mode)
+    q_ids, kv_ids = packing(np.random.default_rng(len(order)), s, docs=docs, pad=70, order=order, pad_mode=pad_mode)
+    # the second case has a full block inside one document (FULL_SAME: no segment compare)
+    assert full_same_blocks(masks.dense(masks.CausalMask((s, s)))[0], q_ids, kv_ids, 128, 128) == full_same
     check_against_reference(key, masks.CausalMask((s, s)), q_ids, kv_ids, config("interpret"), d=64)
 
 
@@ -196,7 +212,7 @@ def test_kernels_compute_exactly_the_refined_entries(key):
     """In-kernel step counters (forward, dq, dK/dV): computing steps == refined entries ==
     block pairs holding a same-document pair (sorted ids), far fewer than the static lists."""
     s, heads, kv_heads = 512, 2, 1
-    ids = np.repeat(np.arange(6), [40, 150, 100, 30, 150, 42]).astype(np.int32)
+    ids = np.repeat(np.arange(5), [300, 40, 30, 100, 42]).astype(np.int32)
     mask = masks.CausalMask((s, s))
     cfg = config("interpret")
     info = rs.build_mask_info(mask, cfg.block_shape)
@@ -208,6 +224,8 @@ def test_kernels_compute_exactly_the_refined_entries(key):
     pos, seg = jnp.arange(s, dtype=jnp.int32), jnp.asarray(ids)
     sched, sched_dkv = refined(info, ids, ids), refined(info_dkv, ids, ids)
     assert len(entries(sched)) == len(entries(sched_dkv)) == exact
+    # blocks 0 and 1 lie inside document 0: that full entry skips the segment compare
+    assert check_compacted(sched, info) == check_compacted(sched_dkv, info_dkv) == {(1, 0)}
     static = BackendStatic(info, info_dkv, 0.125, None, cfg)
     out, lse, count = attention_lib.pallas_forward(
         ForwardInputs(q, k, v, sched, pos, pos, seg, seg), static, count_steps=True)

@@ -18,7 +18,10 @@ pairs hold no (query, key) pair of the same segment. Per call, on device:
    a transposed list) all of whose entries are dropped keeps one kind-0 visit, so its output
    block is still written (zeros / ``MASKED_LSE``, or zero dK / dV).
 
-The static kinds of kept entries are unchanged: a FULL entry stays FULL.
+Kept entries keep their static kind, except that a FULL entry whose q block and kv block
+both hold one and the same single segment becomes ``FULL_SAME`` (3): full with no
+per-element segment compare (the kernels then build no mask for the tile at all). A FULL
+entry spanning several segments stays FULL and compares segments, as every PARTIAL one.
 """
 
 from typing import NamedTuple
@@ -28,8 +31,14 @@ import jax.numpy as jnp
 
 from ringsplash._types import Array, Int
 from ringsplash.mask_info import BlockSchedule
+from ringsplash.masks import FULL
 
-__all__ = ["BlockSegments", "block_segments", "compact", "refine_schedule", "refined_kinds", "shares_segment"]
+__all__ = ["FULL_SAME", "BlockSegments", "block_segments", "compact", "one_segment", "refine_schedule",
+           "refined_kinds", "shares_segment"]
+
+#: kind of a FULL entry whose q and kv blocks lie in one shared segment: the kernels and the
+#: xla backend skip the per-element segment compare there (the static kinds are 0, 1, 2)
+FULL_SAME = 3
 
 
 class BlockSegments(NamedTuple):
@@ -51,11 +60,19 @@ def shares_segment(q: BlockSegments, kv: BlockSegments, q_block, kv_block):
     return (q.lo[q_block] <= kv.hi[kv_block]) & (kv.lo[kv_block] <= q.hi[q_block])
 
 
+def one_segment(q: BlockSegments, kv: BlockSegments, q_block, kv_block):
+    """Whether every row of q block ``q_block`` and every column of kv block ``kv_block`` are
+    in one and the same segment (then the segment compare is all-true)."""
+    return (q.lo[q_block] == q.hi[q_block]) & (kv.lo[kv_block] == kv.hi[kv_block]) & (q.lo[q_block] == kv.lo[kv_block])
+
+
 def refined_kinds(schedule: BlockSchedule, q: BlockSegments, kv: BlockSegments):
-    """The schedule's kinds ``[lists, steps]`` with entries that share no segment set to 0."""
+    """The schedule's kinds ``[lists, steps]`` with entries that share no segment set to 0 and
+    FULL entries inside one shared segment set to ``FULL_SAME`` (kernels skip the compare)."""
     kind = jnp.asarray(schedule.kind, jnp.int32)
     qb = jnp.asarray(schedule.q_block, jnp.int32)
     kb = jnp.asarray(schedule.kv_block, jnp.int32)
+    kind = jnp.where((kind == FULL) & one_segment(q, kv, qb, kb), FULL_SAME, kind)
     return jnp.where(shares_segment(q, kv, qb, kb), kind, 0)
 
 

@@ -157,11 +157,12 @@ def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
             partial = plan.mask.mask_function(qp[:, None], kp[None, :])
         else:  # this list has no partial blocks: every visited block is full
             partial = jnp.zeros((bq, bkv), dtype=bool)
-        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind == 2)
+        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind >= 2)
         if q_seg is not None:
             qs = lax.dynamic_slice_in_dim(q_seg, q_start, bq)
             ks = lax.dynamic_slice_in_dim(kv_seg, kv_start, bkv)
-            mask = mask & (qs[:, None] == ks[None, :])
+            # kind 3: a full block inside one shared segment (segment_blocks), no compare needed
+            mask = mask & ((qs[:, None] == ks[None, :]) | (kind == 3))
         return mask
 
     return block_mask
