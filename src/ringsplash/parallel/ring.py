@@ -17,8 +17,8 @@ and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` back
 ``_make_ring``: the interpreter needs every device in every kernel). With segment ids (and
 ``SplashConfig.segment_skipping``), a pair is also skipped when no entry of its work list
 survives the segment refinement, decided per step from the kv segment ids that travel with
-K/V (``_shares_segment``). Sinks join once, after
-the last step: ``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
+K/V (``_shares_segment``). Sinks join once, after the last step:
+``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
 
 Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
 in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
