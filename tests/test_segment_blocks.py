@@ -116,7 +116,7 @@ MASKS = {
 }
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     docs=st.integers(1, 40), pad=st.sampled_from([0, 1, 200]), mask=st.sampled_from(list(MASKS)),
     blocks=st.sampled_from([(128, 128), (128, 256), (256, 128)]), seed=st.integers(0, 2**31 - 1),
@@ -186,7 +186,7 @@ def check_against_reference(key, mask, q_ids, kv_ids, cfg, *, heads=2, kv_heads=
     return got
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     docs=st.integers(1, 12), pad=st.sampled_from([0, 3, 100]),
     order=st.sampled_from(["sorted", "relabelled", "shuffled"]), pad_mode=st.sampled_from(["shared", "disjoint"]),
