@@ -14,8 +14,11 @@ float32 state by online softmax in natural log:
 Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
 so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
 and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see
-``_make_ring``: the interpreter needs every device in every kernel). Sinks join once, after
-the last step: ``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
+``_make_ring``: the interpreter needs every device in every kernel). With segment ids (and
+``SplashConfig.segment_skipping``), a pair is also skipped when no entry of its work list
+survives the segment refinement, decided per step from the kv segment ids that travel with
+K/V (``_shares_segment``). Sinks join once, after the last step:
+``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
 
 Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
 in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
@@ -52,6 +55,7 @@ from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 
 __all__ = ["RingBlocks", "RingPlan", "fit_ring_blocks", "ring_attention", "ring_attention_sharded", "ring_plan"]
 
@@ -191,6 +195,19 @@ def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, sc
     )
 
 
+def _shares_segment(plan, a, b, q_seg, kv_seg, config):
+    """Whether q shard ``a`` and kv shard ``b`` may hold a same-segment pair the mask allows:
+    some entry of the pair's static work list survives the segment refinement
+    (``splash/segment_blocks.py``; False proves the pair contributes nothing). ``kv_seg`` are
+    the ids that travelled with kv shard ``b``. True without segment ids or with
+    ``config.segment_skipping`` off."""
+    if q_seg is None or not config.segment_skipping:
+        return True
+    bq, bkv = plan.info.block_shape
+    kinds = refined_kinds(plan.info.schedule(a, b), block_segments(q_seg, bq), block_segments(kv_seg, bkv))
+    return jnp.any(kinds > 0)
+
+
 # ----------------------------------------------------------------------------------------
 # the ring
 
@@ -259,7 +276,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
                 o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
                 return o, new
 
-            o, lse = when_active(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
+            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config)
+            o, lse = when_active(pred, compute, lambda o, lse: (o, lse), o, lse)
             return (*nxt, o, lse), None
 
         o = _varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
@@ -296,7 +314,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
                 dq_t, dk_t, dv_t = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw)
                 return (dq + dq_t if "dq" in parts else dq), *((dk_t, dv_t) if "dkv" in parts else zero_kv())
 
-            return when_active(active[me, src], compute, lambda dq: (dq, *zero_kv()), dq)
+            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config)
+            return when_active(pred, compute, lambda dq: (dq, *zero_kv()), dq)
 
         def step(carry, t, *, last):
             k_t, v_t, seg_t, dq, dk, dv = carry

@@ -24,7 +24,7 @@ from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks import PARTIAL
 from ringsplash.segment_ids import SegmentIds
-from ringsplash.splash import kernel_backward, kernel_forward
+from ringsplash.splash import kernel_backward, kernel_forward, segment_blocks
 from ringsplash.splash import xla as xla_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
@@ -209,7 +209,18 @@ def _dispatch(backend: str, inputs, xla_fn, pallas_fn):
     return jax.lax.platform_dependent(inputs, tpu=pallas_fn("mosaic_tpu"), default=xla_fn)
 
 
+def _refine(schedule, info, q_seg, kv_seg, config):
+    """``schedule`` refined by the segment ids and compacted (``splash/segment_blocks.py``),
+    or unchanged without segment ids / with ``config.segment_skipping`` off."""
+    if schedule is None or info is None or q_seg is None or not config.segment_skipping:
+        return schedule
+    return segment_blocks.refine_schedule(schedule, q_seg, kv_seg, info.block_shape, transpose=info.transpose)
+
+
 def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None):
+    inputs = inputs._replace(schedule=_refine(inputs.schedule, static.info, inputs.q_seg, inputs.kv_seg,
+                                              static.config))
+
     def xla_fn(x):
         return xla_backend.forward(x, static, out_dtype=out_dtype)
 
@@ -220,6 +231,10 @@ def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype
 
 
 def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dtype):
+    refine = lambda sched, info: _refine(sched, info, inputs.q_seg, inputs.kv_seg, static.config)
+    inputs = inputs._replace(schedule=refine(inputs.schedule, static.info),
+                             schedule_dkv=refine(inputs.schedule_dkv, static.info_dkv))
+
     def xla_fn(x):
         return tuple(g.astype(grad_dtype) for g in xla_backend.backward(x, static))
 

@@ -122,7 +122,7 @@ def _dq_kernel(
         dq_scr[...] += lax.dot_general(ds.astype(probs_dtype), k.astype(probs_dtype), NN_DIMS,
                                        preferred_element_type=jnp.float32)
 
-    dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
     @pl.when(last)
     def _finalise():
@@ -192,7 +192,7 @@ def _dkv_kernel(
         dk_scr[...] += lax.dot_general(ds.astype(probs_dtype), q.astype(probs_dtype), NN_DIMS,
                                        preferred_element_type=jnp.float32)
 
-    dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
     @pl.when(last)
     def _finalise():

@@ -107,7 +107,7 @@ def _forward_kernel(
 
         lax.fori_loop(0, block_kv // block_kv_compute, body, 0, unroll=block_kv == block_kv_compute)
 
-    dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
     @pl.when(last)
     def _finalise():

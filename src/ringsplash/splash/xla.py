@@ -158,11 +158,12 @@ def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
             partial = plan.mask.mask_function(qp[:, None], kp[None, :])
         else:  # this list has no partial blocks: every visited block is full
             partial = jnp.zeros((bq, bkv), dtype=bool)
-        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind == 2)
+        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind >= 2)
         if q_seg is not None:
             qs = lax.dynamic_slice_in_dim(q_seg, q_start, bq)
             ks = lax.dynamic_slice_in_dim(kv_seg, kv_start, bkv)
-            mask = mask & (qs[:, None] == ks[None, :])
+            # kind 3: a full block inside one shared segment (segment_blocks), no compare needed
+            mask = mask & ((qs[:, None] == ks[None, :]) | (kind == 3))
         return mask
 
     return block_mask
@@ -210,6 +211,17 @@ def _schedule_xs(schedule, li):
         jnp.asarray(schedule.kind)[li].astype(jnp.int32),
         jnp.asarray(schedule.partial_index)[li].astype(jnp.int32),
     )
+
+
+def _walk(step, init, schedule, li):
+    """Run ``step`` over list ``li``'s entries: a ``lax.scan`` over all of them or, for a
+    segment-refined compacted list (``schedule.num_steps`` set), a loop over its first
+    ``num_steps[li]`` (the rest repeat the last entry with kind 0: nothing to do)."""
+    xs = _schedule_xs(schedule, li)
+    if schedule.num_steps is None:
+        return lax.scan(step, init, xs)[0]
+    count = jnp.asarray(schedule.num_steps)[li].astype(jnp.int32)
+    return lax.fori_loop(0, count, lambda i, carry: step(carry, tuple(x[i] for x in xs))[0], init)
 
 
 def _vma(*xs) -> frozenset:
@@ -320,7 +332,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         jnp.zeros((kvh, g, bq, dv), _F32),
         jnp.int32(-1),
     ), vma)
-    (out, lse, *_), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    out, lse, *_ = _walk(step, init, schedule, plan.index)
     return out, lse
 
 
@@ -427,5 +439,5 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         jnp.zeros((kvh, kv_len, d), _F32),
         jnp.zeros((kvh, kv_len, d_v), _F32),
     ), vma)
-    (dq, dk, dv), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    dq, dk, dv = _walk(step, init, schedule, plan.index)
     return dq, dk, dv
