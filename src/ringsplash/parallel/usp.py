@@ -57,7 +57,7 @@ def _split(heads: int, kv_heads: int, a: int, b: int, ulysses_axis):
 def usp_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     ulysses_axis,
@@ -70,7 +70,7 @@ def usp_attention(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
-) -> Float[Array, "heads q_shard d"] | tuple[Float[Array, "heads q_shard d"], Float[Array, " heads"]]:
+) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on two mesh axes; call inside ``jax.shard_map``.
 
     Args:
@@ -116,7 +116,7 @@ def usp_attention(
 def usp_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -130,7 +130,7 @@ def usp_attention_sharded(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
-) -> Float[Array, "heads seq d"] | tuple[Float[Array, "heads seq d"], Float[Array, " heads"]]:
+) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
     """:func:`usp_attention` on global arrays already in ``layout`` order over the ring degree
     ``b = mesh.shape[ring_axis]`` (``ringsplash.layouts.permute(x, layout, b)``), sharded
     along the sequence over ``(ring_axis, ulysses_axis)`` (ring-major). The mask is on
