@@ -21,7 +21,9 @@ so at most ``loss_chunk x vocab`` logits exist per device.
 
 Checkpoints (``ringsplash.checkpoints``: orbax, sharded, atomic) hold model, optimiser state, step and the data stream's
 position; batches are a pure function of (seed, step), so a resumed run is bit-identical to an
-uninterrupted one.
+uninterrupted one. ``fit`` restores straight into the plan's shardings (``restore_sharded_state``:
+orbax reads each device's shard; no host holds the whole state), and each process draws and
+places only the batch rows its devices hold (``stream_batch``).
 """
 
 import dataclasses
@@ -466,26 +468,13 @@ class TrainState(NamedTuple):
 
 
 def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
-    """A fresh run's state on the default device (one jitted init: the values of ``init_sharded_state``)."""
-    return _fresh_state(model_config, tc, data_seed)
-
-
-def _model_and_optimizer_state(model_config: TransformerConfig, tc: TrainConfig):
     model = Transformer(model_config, key=jax.random.key(tc.seed))
-    return model, make_optimizer(tc).init(eqx.filter(model, eqx.is_array))
+    opt_state = make_optimizer(tc).init(eqx.filter(model, eqx.is_array))
+    return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
 
 
 def _is_struct(x) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _fresh_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int, shardings=None) -> TrainState:
-    """Initialise under ``jit`` (``out_shardings=shardings``: each device computes only its shards;
-    jitted either way so that sharded and unsharded inits give the same bits)."""
-    _, static = eqx.partition(eqx.filter_eval_shape(_model_and_optimizer_state, model_config, tc), _is_struct)
-    arrays = lambda: eqx.filter(_model_and_optimizer_state(model_config, tc), eqx.is_array)
-    model, opt_state = eqx.combine(jax.jit(arrays, out_shardings=shardings)(), static)
-    return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
 
 
 def abstract_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
@@ -504,16 +493,6 @@ def abstract_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.s
     opt_state = jax.tree.map(with_sharding, jax.eval_shape(optimizer.init, params), opt_sh)
     return TrainState(eqx.combine(params, static), opt_state, np.asarray(0, np.int32),
                       np.asarray(data_seed, np.int32))
-
-
-def init_sharded_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
-                       plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
-    """``init_state``'s values created directly in the shardings of ``abstract_state``: each
-    device computes only its own shards, so no host ever holds the whole model or optimiser
-    state (a multi-process safe start)."""
-    like = abstract_state(model_config, tc, mesh, plan, data_seed)
-    shardings = jax.tree.map(lambda x: x.sharding, eqx.filter((like.model, like.opt_state), _is_struct))
-    return _fresh_state(model_config, tc, data_seed, shardings)
 
 
 def restore_sharded_state(path: str, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
@@ -720,14 +699,15 @@ def fit(
     check_run_config(config_path,
                      {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed},
                      ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
-    # Created / restored straight into the plan's shardings: no host holds the whole state.
     if resume and checkpoints.latest_step(ckpt) is not None:
+        # straight into the plan's shardings: each device reads its shards, no host holds the whole state
         state = restore_sharded_state(ckpt, model_config, tc, mesh, plan, stream.seed)
         if int(state.data_seed) != stream.seed:
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
+        model, opt_state = state.model, state.opt_state
     else:
-        state = init_sharded_state(model_config, tc, mesh, plan, stream.seed)
-    model, opt_state = state.model, state.opt_state
+        state = init_state(model_config, tc, stream.seed)
+        model, opt_state = place_state(state.model, state.opt_state, mesh, plan, optimizer)
     start = int(state.step)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     if jax.process_index() == 0:
