@@ -115,7 +115,10 @@ def _main_job_module():
 def test_main_job_two_processes_follow_the_single_process_loss_curve(tmp_path, two_process_run):
     """A ring over 4 devices spanning 2 processes (2 x 2) trains like 1 process x 4 devices
     (run here, in the test process: its first 4 of 8 simulated devices)."""
+    import jax
+
     run_dir, stdout = two_process_run
+    jax.devices()  # the 8 test devices exist before the job asks for 4 (it can no longer change them)
     job = _main_job_module()
     job.main(job.parse_args([*MAIN_JOB[1:], "--run-dir", str(tmp_path / "one")]))
     single, multi = _records(tmp_path / "one"), _records(run_dir)

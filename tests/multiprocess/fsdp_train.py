@@ -35,7 +35,7 @@ def setup():
         return task.batch(rng, n)
 
     blocks = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-    config = TransformerConfig(vocab_size=task.vocab_size, d_model=32, num_layers=2, num_heads=2, max_seq_len=SEQ,
+    config = TransformerConfig(vocab_size=task.vocab_size, d_model=16, num_layers=1, num_heads=2, max_seq_len=SEQ,
                                splash=blocks, attention="ring", ring_axis_name="context", ring_size=CONTEXT)
     tc = train.TrainConfig(steps=STEPS, batch_size=ROWS, data_parallel=DATA, context_parallel=CONTEXT,
                            warmup_steps=1, learning_rate=1e-2, log_every=1, progress=False)
