@@ -30,6 +30,7 @@ from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    interpreter_for_mesh,
     run_sharded,
     splash_local,
     vma,
@@ -74,6 +75,7 @@ def allgather_attention(
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     check_blocks(config, q_len=q_len, kv_len=seq_len, what="allgather_attention")
+    config = interpreter_for_mesh(config, "allgather_attention")
     common = {"q_shards": n, "kv_shards": 1, "q_positions": perm, "kv_positions": perm}
     info = build_mask_info(mask, config.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, config.block_shape_dkv, transpose=True,

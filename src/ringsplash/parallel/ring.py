@@ -47,6 +47,7 @@ from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
+from ringsplash.parallel._common import interpreter_for_mesh
 from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
@@ -388,6 +389,7 @@ def ring_attention(
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
                             segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name)
     seq_len = call.q_len * n
+    config = interpreter_for_mesh(config, "ring_attention")
     blocks = fit_ring_blocks(seq_len, n, layout, config)
     plan = ring_plan(mask, n, layout, config)
     ring = _make_ring(

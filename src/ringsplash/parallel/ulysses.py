@@ -32,6 +32,7 @@ from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    interpreter_for_mesh,
     local_head_mask,
     run_sharded,
     splash_local,
@@ -102,6 +103,7 @@ def ulysses_attention(
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     check_blocks(config, q_len=seq_len, kv_len=seq_len, what="ulysses_attention")
+    config = interpreter_for_mesh(config, "ulysses_attention")
     local_mask = local_head_mask(mask, split)
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, axis_name)
     common = {"q_positions": perm, "kv_positions": perm}

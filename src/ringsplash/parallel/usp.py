@@ -21,6 +21,7 @@ from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    interpreter_for_mesh,
     local_head_mask,
     run_sharded,
     ulysses_heads,
@@ -95,6 +96,7 @@ def usp_attention(
         logit_soft_cap=logit_soft_cap)
     split = _split(heads, kv_heads, a, b, ulysses_axis)
     fit_ring_blocks(q_len * a * b, b, layout, config)
+    config = interpreter_for_mesh(config, "usp_attention")  # the whole a x b mesh runs kernels
     local_mask = local_head_mask(mask, split)
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, ulysses_axis)
     out = ring_attention(q, k, v, local_mask, axis_name=ring_axis, segment_ids=segment_ids, layout=layout,

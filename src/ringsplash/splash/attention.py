@@ -27,7 +27,7 @@ from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash import xla as xla_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
-from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 
 # ----------------------------------------------------------------------------------------
 # "mosaic_tpu" guard: a no-op on TPU, a clear error when lowered for anything else
@@ -103,9 +103,13 @@ def _heads_to_list(info: MaskInfo, heads: int) -> np.ndarray:
 
 
 def _interpret(config: SplashConfig, backend: str):
-    if backend == "interpret":
-        return config.interpret_params if config.interpret_params is not None else pltpu.InterpretParams()
-    return False
+    """``pallas_call``'s ``interpret`` argument: False (Mosaic), True (the generic
+    interpreter) or the TPU interpreter's ``InterpretParams``."""
+    if backend != "interpret":
+        return False
+    if config.interpret_params == GENERIC_INTERPRETER:
+        return True
+    return config.interpret_params if config.interpret_params is not None else pltpu.InterpretParams()
 
 
 def _as_col(x):
