@@ -44,7 +44,7 @@ __all__ = ["allgather_attention", "allgather_attention_sharded"]
 def allgather_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     axis_name,
@@ -54,7 +54,7 @@ def allgather_attention(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -90,7 +90,7 @@ def allgather_attention(
 def allgather_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -101,7 +101,7 @@ def allgather_attention_sharded(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`allgather_attention` on global arrays already in ``layout`` order over
     ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
     sharded along the sequence over ``axis_name``. The mask is on original positions; the

@@ -14,8 +14,11 @@ float32 state by online softmax in natural log:
 Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
 so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
 and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see
-``_make_ring``: the interpreter needs every device in every kernel). Sinks join once, after
-the last step: ``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
+``_make_ring``: the interpreter needs every device in every kernel). With segment ids (and
+``SplashConfig.segment_skipping``), a pair is also skipped when no entry of its work list
+survives the segment refinement, decided per step from the kv segment ids that travel with
+K/V (``_shares_segment``). Sinks join once, after the last step:
+``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
 
 Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
 in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
@@ -52,6 +55,7 @@ from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 
 __all__ = ["RingBlocks", "RingPlan", "fit_ring_blocks", "ring_attention", "ring_attention_sharded", "ring_plan"]
 
@@ -191,6 +195,19 @@ def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, sc
     )
 
 
+def _shares_segment(plan, a, b, q_seg, kv_seg, config):
+    """Whether q shard ``a`` and kv shard ``b`` may hold a same-segment pair the mask allows:
+    some entry of the pair's static work list survives the segment refinement
+    (``splash/segment_blocks.py``; False proves the pair contributes nothing). ``kv_seg`` are
+    the ids that travelled with kv shard ``b``. True without segment ids or with
+    ``config.segment_skipping`` off."""
+    if q_seg is None or not config.segment_skipping:
+        return True
+    bq, bkv = plan.info.block_shape
+    kinds = refined_kinds(plan.info.schedule(a, b), block_segments(q_seg, bq), block_segments(kv_seg, bkv))
+    return jnp.any(kinds > 0)
+
+
 # ----------------------------------------------------------------------------------------
 # the ring
 
@@ -259,10 +276,11 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
                 o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
                 return o, new
 
-            o, lse = when_active(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
+            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config)
+            o, lse = when_active(pred, compute, lambda o, lse: (o, lse), o, lse)
             return (*nxt, o, lse), None
 
-        o = _varying(jnp.zeros(q.shape, jnp.float32), axis_name)
+        o = _varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
         lse = _varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
         carry = (k, v, kv_seg, o, lse)
         if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
@@ -296,7 +314,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
                 dq_t, dk_t, dv_t = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw)
                 return (dq + dq_t if "dq" in parts else dq), *((dk_t, dv_t) if "dkv" in parts else zero_kv())
 
-            return when_active(active[me, src], compute, lambda dq: (dq, *zero_kv()), dq)
+            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config)
+            return when_active(pred, compute, lambda dq: (dq, *zero_kv()), dq)
 
         def step(carry, t, *, last):
             k_t, v_t, seg_t, dq, dk, dv = carry
@@ -350,7 +369,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
 def ring_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     axis_name,
@@ -361,13 +380,14 @@ def ring_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
         q: this device's queries ``[heads, q_shard, d]``, floating point, in ``layout`` order.
         k: this device's keys ``[kv_heads, q_shard, d]``; ``kv_heads`` divides ``heads``.
-        v: this device's values, the shape of ``k``.
+        v: this device's values ``[kv_heads, q_shard, dv]``; ``dv`` may differ from d (they
+            travel with their own size).
         mask: the global ``(S, S)`` mask on original token positions, ``S = N * q_shard``.
         axis_name: the mesh axis (N devices) the sequence is sharded over; must be bound.
         segment_ids: this shard's ``SegmentIds(q=[q_shard], kv=[q_shard])`` (int32 inside
@@ -383,7 +403,7 @@ def ring_attention(
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
 
     Returns:
-        this device's output ``[heads, q_shard, d]`` in ``q.dtype``, ``layout`` order.
+        this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order.
     """
     n = _axis_size(axis_name)
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
@@ -418,7 +438,7 @@ def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap,
 def ring_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -430,7 +450,7 @@ def ring_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`ring_attention` on global arrays already in ``layout`` order, sharded along the
     sequence over ``mesh.shape[axis_name]`` devices.
 
@@ -438,7 +458,7 @@ def ring_attention_sharded(
         q: queries ``[heads, S, d]``, floating point, in ``layout`` order
             (``ringsplash.layouts.permute``).
         k: keys ``[kv_heads, S, d]`` in ``layout`` order; ``kv_heads`` divides ``heads``.
-        v: values, the shape of ``k``.
+        v: values ``[kv_heads, S, dv]`` in ``layout`` order (``dv`` may differ from d).
         mask: the ``(S, S)`` mask on original token positions.
         mesh: a ``jax.sharding.Mesh`` with the axis ``axis_name``.
         axis_name: the mesh axis (N devices) to shard the sequence over.
@@ -452,7 +472,7 @@ def ring_attention_sharded(
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
 
     Returns:
-        ``[heads, S, d]`` in ``q.dtype`` and ``layout`` order.
+        ``[heads, S, dv]`` in ``q.dtype`` and ``layout`` order.
     """
     call = _check_ring_call(q, k, v, mask, None, segment_ids, scale, logit_soft_cap, sinks, config,
                             local=False, axis_name=axis_name)

@@ -57,7 +57,7 @@ def _split(heads: int, kv_heads: int, a: int, b: int, ulysses_axis):
 def usp_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     ulysses_axis,
@@ -69,7 +69,7 @@ def usp_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on two mesh axes; call inside ``jax.shard_map``.
 
     Args:
@@ -107,7 +107,7 @@ def usp_attention(
 def usp_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -120,7 +120,7 @@ def usp_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`usp_attention` on global arrays already in ``layout`` order over the ring degree
     ``b = mesh.shape[ring_axis]`` (``ringsplash.layouts.permute(x, layout, b)``), sharded
     along the sequence over ``(ring_axis, ulysses_axis)`` (ring-major). The mask is on

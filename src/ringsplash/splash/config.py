@@ -59,6 +59,11 @@ class SplashConfig:
       With float32 inputs it changes nothing.
     * ``"float32"`` — P and dS stay float32 and the other operand is upcast: the numerics of
       the dense float32 oracle, at the float32 matmul rate on TPU.
+
+    ``segment_skipping`` (default True; only acts when segment ids are given) refines the
+    work lists per call from the segment ids: block pairs that share no segment are skipped
+    (``splash/segment_blocks.py``), in the kernels, the xla backend and the ring. False runs
+    the static lists (for comparison; results are equal either way).
     """
 
     block_q: int = 512
@@ -70,6 +75,7 @@ class SplashConfig:
     interpret_params: Any = None
     vmem_limit_bytes: int | None = None
     probs_dtype: ProbsDtype = "input"
+    segment_skipping: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
@@ -91,6 +97,8 @@ class SplashConfig:
                 or isinstance(self.interpret_params, pltpu.InterpretParams)):
             raise TypeError(f"interpret_params must be None, {GENERIC_INTERPRETER!r} or a "
                             f"jax.experimental.pallas.tpu.InterpretParams, got {self.interpret_params!r}")
+        if not isinstance(self.segment_skipping, bool):
+            raise TypeError(f"segment_skipping must be a bool, got segment_skipping={self.segment_skipping!r}")
 
     def matmul_dtype(self, input_dtype):
         """The dtype P and dS are rounded to before their matmuls (``probs_dtype``)."""
