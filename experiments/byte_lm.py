@@ -28,9 +28,18 @@ from ringsplash.cli import parse_config
 @dataclasses.dataclass(frozen=True)
 class Config:
     seq_len: int = 1024
+    # model: --preset NAME (ringsplash.model.presets) takes a preset's shape, any field still
+    # overridable by its own flag; the vocabulary is always the 256 byte values
+    preset: str = ""  # "": the fields below
     d_model: int = 128
     num_layers: int = 3
     num_heads: int = 4
+    num_kv_heads: int = 0  # 0: num_heads
+    head_dim: int = 0  # 0: d_model // num_heads
+    mlp_ratio: float = 8 / 3
+    mlp_multiple: int = 8
+    rope_theta: float = 10_000.0
+    remat: str = "none"  # none | full | save_attention | save_dots
     attention: str = "ring"
     layout: str = "zigzag"
     backend: str = "xla"
@@ -48,7 +57,26 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, description=__doc__)
+    from ringsplash.model.presets import PRESETS
+
+    return parse_config(Config, argv, description=__doc__, presets=PRESETS)
+
+
+def model_config(config: Config):
+    """The ``TransformerConfig`` of ``config`` (byte vocabulary)."""
+    from ringsplash.model import TransformerConfig
+    from ringsplash.splash import SplashConfig
+
+    ring = config.attention == "ring"
+    b = config.block
+    return TransformerConfig(
+        vocab_size=256, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads or None, head_dim=config.head_dim or None, mlp_ratio=config.mlp_ratio,
+        mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta, remat=config.remat,
+        max_seq_len=config.seq_len, attention=config.attention, ring_axis_name="context" if ring else None,
+        ring_layout=config.layout, ring_size=config.context_parallel if ring else 1,
+        splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
+    )
 
 
 def stdlib_documents():
@@ -79,20 +107,12 @@ def main(config: Config) -> dict:
     import optax
 
     from ringsplash import data, train
-    from ringsplash.model import TransformerConfig
-    from ringsplash.splash import SplashConfig
 
     t0 = time.perf_counter()
     run_dir = config.run_dir or os.path.join("runs", "byte_lm", time.strftime("%Y%m%d-%H%M%S"))
     train_docs, heldout_docs = stdlib_documents()
     ring = config.attention == "ring"
-    b = config.block
-    model_config = TransformerConfig(
-        vocab_size=256, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
-        max_seq_len=config.seq_len, attention=config.attention, ring_axis_name="context" if ring else None,
-        ring_layout=config.layout, ring_size=config.context_parallel if ring else 1,
-        splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
-    )
+    model_cfg = model_config(config)
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), data_parallel=config.data_parallel,
@@ -111,7 +131,7 @@ def main(config: Config) -> dict:
 
         return make
 
-    stream = data.DataStream(sample(train_docs), config.batch_size, config.seed)
+    stream = data.DataStream(sample(train_docs), config.batch_size, config.seed, per_row=True)  # rows drawn alone
     # held out: whole files from their start, so "position" is the true offset into the file
     heldout = data.DataStream(
         lambda rng, n, step: data.pack_documents(
@@ -121,14 +141,14 @@ def main(config: Config) -> dict:
     print(f"run directory: {run_dir}")
     print(f"{len(train_docs)} training files, {len(heldout_docs)} held out; {config.attention} over "
           f"{tc.context_parallel} device(s), seq_len={config.seq_len}", flush=True)
-    state = train.fit(model_config, tc, stream, run_dir, mesh=mesh)
+    state = train.fit(model_cfg, tc, stream, run_dir, mesh=mesh)
 
-    logits_fn = train.make_logits_fn(model_config, mesh)
+    logits_fn = train.make_logits_fn(model_cfg, mesh, plan=train.sharding_plan(model_cfg, mesh, tc.fsdp))
     sums = np.zeros(len(BUCKETS)), np.zeros(len(BUCKETS))
     for i in range(config.eval_batches):
         raw = heldout.batch(i)
-        laid = train.layout_batch(raw, model_config)
-        logits = np.asarray(logits_fn(state.model, train.shard_batch(raw, mesh, model_config)))
+        laid = train.layout_batch(raw, model_cfg)
+        logits = np.asarray(logits_fn(state.model, train.shard_batch(raw, mesh, model_cfg)))
         ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, laid.labels))
         bucket = np.searchsorted(BUCKETS, laid.positions, side="right") - 1
         for k in range(len(BUCKETS)):

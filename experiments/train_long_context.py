@@ -182,14 +182,16 @@ def main(config: Config) -> dict:
         progress=config.progress, log_max_logits=config.log_max_logits,
     )
     stages = curriculum(config)
+    # per_row: every row is its own draw, so each process draws only the rows its devices hold
     stream = data.DataStream(
         make=lambda rng, n, step: task.batch(rng, n, episode_len=episode_len_at(stages, step)),
-        batch_size=config.batch_size, seed=config.seed,
+        batch_size=config.batch_size, seed=config.seed, per_row=True,
     )
     heldout = data.DataStream(make=lambda rng, n, step: task.batch(rng, n), batch_size=config.batch_size,
-                              seed=config.seed + 1_000_003)
+                              seed=config.seed + 1_000_003, per_row=True)
     mesh = train.mesh_for(model_config, tc.data_parallel)
-    eval_step = train.make_eval_step(model_config, mesh)
+    # held-out evaluation on the parameters as training shards them (never a replicated copy)
+    eval_step = train.make_eval_step(model_config, mesh, plan=train.sharding_plan(model_config, mesh, tc.fsdp))
 
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0"))
 

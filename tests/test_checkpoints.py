@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import checkpoints, train
+from ringsplash import checkpoints, partitioning, train
 from test_train import _setup
 
 # Leaf name -> (shape, PartitionSpec on the data 2 x context 4 mesh): a different spec per leaf.
@@ -217,14 +217,43 @@ def test_metadata_is_readable_without_the_arrays(tmp_path, key):
     assert len(meta.leaves) == len(jax.tree.leaves(state))
 
 
-def test_resumed_fit_equals_uninterrupted(tmp_path):
+def test_resumed_fit_equals_uninterrupted(tmp_path, monkeypatch):
+    """... and ``fit`` restores straight into the FSDP shardings: the restore target is
+    abstract (``ShapeDtypeStruct``s carrying the plan's shardings, no array of the state made
+    before), and the restored arrays are the saved ones, in those shardings."""
     config, tc, stream = _setup(steps=8)
     tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "checkpoint_every": 2})
     full = train.fit(config, tc, stream, str(tmp_path / "full"))
-    train.fit(config, tc, stream, str(tmp_path / "resumed"), stop_after=3)  # "interrupted" after step 3
+    cut = train.fit(config, tc, stream, str(tmp_path / "resumed"), stop_after=3)  # "interrupted" after step 3
+    host = lambda t: [(np.asarray(x), getattr(x, "sharding", None)) for x in jax.tree.leaves(eqx.filter(t, eqx.is_array_like))]
+    cut = host(cut)
     ckpt = str(tmp_path / "resumed" / "checkpoints")
     assert checkpoints.all_steps(ckpt) == [2, 3]  # the periodic one and the one at the stop
+    seen = {}
+
+    def spy(directory, like, **kw):
+        seen["like"] = like
+        out = restore(directory, like, **kw)
+        seen["restored"] = host(out)  # before the first step donates it
+        return out
+
+    restore = checkpoints.restore_state
+    monkeypatch.setattr(checkpoints, "restore_state", spy)
     resumed = train.fit(config, tc, stream, str(tmp_path / "resumed"))  # restores step 3
+    mesh = train.make_mesh(2, 1)
+    plan = train.sharding_plan(config, mesh, fsdp=True)
+    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    like_arrays = lambda t: jax.tree.leaves(t, is_leaf=is_struct)  # every array-like leaf of the target
+    targets = like_arrays((seen["like"].model, seen["like"].opt_state))
+    assert targets and all(is_struct(t) for t in targets)  # nothing allocated before the restore
+    want = jax.tree.leaves(partitioning.shardings(plan.specs, mesh))
+    got = [t.sharding for t in like_arrays(seen["like"].model) if is_struct(t)]
+    assert got == want and any(partitioning.is_sharded(s.spec) for s in want)
+    assert len(seen["restored"]) == len(cut) == len(targets) + 2  # + step and data seed
+    for (value, sharding), (want_value, want_sharding) in zip(seen["restored"], cut, strict=True):
+        np.testing.assert_array_equal(value, want_value)
+        if value.ndim:  # parameters and optimiser state, sharded like the interrupted run's
+            assert sharding.is_equivalent_to(want_sharding, value.ndim), (sharding, want_sharding)
     assert int(resumed.step) == int(full.step) == 8
     assert checkpoints.all_steps(ckpt) == [4, 6, 8]  # keep=3
     for x, y in zip(jax.tree.leaves(eqx.filter(full, eqx.is_array)),

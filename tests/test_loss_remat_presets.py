@@ -123,6 +123,29 @@ def test_main_job_takes_a_preset_and_overrides():
             got.mlp_multiple, got.rope_theta) == (2048, 2, 16, 8, 128, 4.0, 256, 500000.0)
 
 
+def test_byte_lm_takes_a_preset_and_overrides():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
+    import byte_lm
+
+    default = byte_lm.parse_args([])
+    assert default == byte_lm.Config() and default.preset == ""  # no preset: the experiment's own model
+    mc = byte_lm.model_config(default)
+    assert (mc.vocab_size, mc.d_model, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim) == (256, 128, 3, 4,
+                                                                                                      4, 32)
+    got = byte_lm.parse_args(["--preset", "1b", "--num-layers", "2", "--rope-theta", "1000", "--seq-len", "512"])
+    assert (got.d_model, got.num_layers, got.num_heads, got.num_kv_heads, got.head_dim, got.mlp_ratio,
+            got.mlp_multiple, got.rope_theta) == (2048, 2, 16, 8, 128, 4.0, 256, 1000.0)
+    mc = byte_lm.model_config(got)
+    want = preset("1b", num_layers=2, rope_theta=1000.0, vocab_size=256, max_seq_len=512)
+    assert (mc.vocab_size, mc.d_model, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.mlp_hidden,
+            mc.rope_theta) == (want.vocab_size, want.d_model, 2, 16, 8, 128, 8192, 1000.0)
+    tiny = byte_lm.model_config(byte_lm.parse_args(["--preset", "tiny"]))
+    assert (tiny.vocab_size, tiny.d_model, tiny.num_layers, tiny.num_heads, tiny.mlp_ratio) == (256, 64, 2, 1, 2.0)
+
+
 def test_save_attention_does_not_rerun_the_ring_forward():
     """Under "full" the backward pass re-runs each layer, ring included (more collective-permutes
     in the compiled step); "save_attention" keeps the ring's named output / lse residuals, so its

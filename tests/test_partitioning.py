@@ -123,3 +123,48 @@ def test_fsdp_dim_never_splits_the_stacked_axis():
     assert partitioning.fsdp_dim((8, 3, 5), 8) == 0
     assert partitioning.fsdp_dim((4, 16, 32), 8, skip_leading=1) == 2
     assert partitioning.fsdp_dim((16, 16), 8) == 0  # ties: the first
+
+
+def _shard_map_inputs(fn, model, batch) -> list:
+    """The per-device shapes of the parameter inputs of the ``shard_map`` inside ``fn(model, batch)``."""
+    params, static = eqx.partition(model, eqx.is_array)
+    jaxpr = jax.make_jaxpr(lambda p, b: fn(eqx.combine(p, static), b))(params, batch).jaxpr
+
+    def shard_maps(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "shard_map":
+                yield eqn
+            for v in eqn.params.values():
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):
+                    yield from shard_maps(sub)
+
+    [eqn] = list(shard_maps(jaxpr))
+    fields = len(train.Batch._fields)  # inputs: hoisted constants (mask info), the parameters, the batch
+    return [v.aval.shape for v in eqn.params["jaxpr"].invars[-(len(_leaves(params)) + fields):-fields]]
+
+
+def test_eval_and_logits_run_on_the_sharded_parameters(runs):
+    """Held-out evaluation and logits take the FSDP layout as training does: each device
+    receives its parameter shards (never a replicated copy of the model), with the values of
+    the replicated evaluation."""
+    model, _ = runs[True]["final"]
+    plan = runs[True]["plan"]
+    config, mesh = _config(), train.make_mesh(DATA, CONTEXT)
+    stream = data.DataStream(make=lambda rng, n, step: TASK.batch(rng, n), batch_size=ROWS, seed=7)
+    batch = train.stream_batch(stream, 0, mesh, config)
+    sharded_eval = train.make_eval_step(config, mesh, plan=plan)
+    replicated_eval = train.make_eval_step(config, mesh)
+    params = eqx.filter(model, eqx.is_array)
+    local = partitioning.local_bytes(params, plan.specs, dict(mesh.shape)) // 4  # float32 elements per device
+    assert local * 4 < sum(x.size for x in _leaves(params))  # sharded: far below the whole model
+    for fn in (sharded_eval, train.make_logits_fn(config, mesh, plan=plan)):
+        assert sum(int(np.prod(s)) for s in _shard_map_inputs(fn, model, batch)) == local
+    assert sum(int(np.prod(s)) for s in _shard_map_inputs(replicated_eval, model, batch)) == model.num_params()
+    got, want = sharded_eval(model, batch), replicated_eval(model, batch)
+    # measured: identical (the gathered weights are the replicated ones; same per-device compute)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(float(g), float(w), rtol=1e-6, atol=0)
+    assert float(want[1]) > 0 and 0 < float(want[2]) < float(want[1])  # scored tokens, some (not all) correct
+    logits = np.asarray(train.make_logits_fn(config, mesh, plan=plan)(model, batch))
+    np.testing.assert_allclose(logits, np.asarray(train.make_logits_fn(config, mesh)(model, batch)), atol=1e-6, rtol=0)

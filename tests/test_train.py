@@ -118,6 +118,54 @@ def test_data_stream_is_a_function_of_seed_and_step():
     assert not np.array_equal(data.DataStream(stream.make, 2, seed=6).batch(7).tokens, want.tokens)
 
 
+def _recording_make(task, drawn):
+    """A ``make`` that records the seed of every generator it draws from: ``(seed, step, row)``
+    for a ``per_row`` stream."""
+    def make(rng, n, step):
+        drawn.append(tuple(int(e) for e in rng.bit_generator.seed_seq.entropy))
+        return task.batch(rng, n)
+    return make
+
+
+def test_data_stream_draws_only_the_rows_asked_for():
+    drawn = []
+    stream = data.DataStream(_recording_make(TASK, drawn), 4, seed=5, per_row=True)
+    full = stream.batch(7)
+    assert drawn == [(5, 7, 0), (5, 7, 1), (5, 7, 2), (5, 7, 3)]
+    drawn.clear()
+    part = stream.batch(7, rows=[3, 1])
+    assert drawn == [(5, 7, 3), (5, 7, 1)]  # the other rows are never drawn
+    for got, want in zip(part, full, strict=True):
+        np.testing.assert_array_equal(got, want[[3, 1]])
+    assert not np.array_equal(full.tokens[0], full.tokens[1])  # rows are independent draws
+    # a batch-seeded stream draws the whole batch, then selects
+    whole = data.DataStream(stream.make, 4, seed=5)
+    np.testing.assert_array_equal(whole.batch(7, rows=[2]).labels, whole.batch(7).labels[[2]])
+    with pytest.raises(ValueError, match=r"rows must be in \[0, batch_size=4\), got \[4, -1\]"):
+        stream.batch(7, rows=[0, 4, -1])
+
+
+def test_stream_batch_equals_shard_batch_of_the_whole_batch():
+    """One process: ``stream_batch`` (the process-local path) places exactly what
+    ``shard_batch`` places from the whole batch, in the same shardings."""
+    config, _, _ = _setup(seq=512, attention="ring", ring_axis_name="context", ring_size=4)
+    stream = data.DataStream(lambda rng, n, step: TASK.__class__(**{**TASK.__dict__, "seq_len": 512}).batch(rng, n),
+                             4, seed=2, per_row=True)
+    mesh = train.make_mesh(2, 4)
+    np.testing.assert_array_equal(train.process_rows(mesh, 4), [0, 1, 2, 3])
+    got, want = train.stream_batch(stream, 3, mesh, config), train.shard_batch(stream.batch(3), mesh, config)
+    for g, w in zip(got, want, strict=True):
+        assert g.sharding == w.sharding and g.shape == w.shape == (4, 512)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_make_mesh_rejects_a_process_count_that_does_not_divide_it(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"mesh data=1 x context=3 = 3 devices cannot be split evenly over 2 "
+                                         r"processes"):
+        train.make_mesh(1, 3)
+
+
 def test_resume_with_a_different_config_names_the_fields(tmp_path):
     config, tc, stream = _setup(steps=4)
     train.fit(config, tc, stream, str(tmp_path), stop_after=2)

@@ -34,7 +34,9 @@ per-layer maxima (``max_logit/layer<i>``, max over heads) and the number of clip
 
 Checkpoints (``ringsplash.checkpoints``: orbax, sharded, atomic) hold model, optimiser state, step and the data stream's
 position; batches are a pure function of (seed, step), so a resumed run is bit-identical to an
-uninterrupted one.
+uninterrupted one. ``fit`` restores straight into the plan's shardings (``restore_sharded_state``:
+orbax reads each device's shard; no host holds the whole state), and each process draws and
+places only the batch rows its devices hold (``stream_batch``).
 """
 
 import dataclasses
@@ -223,6 +225,36 @@ def shard_batch(batch: Batch, mesh: jax.sharding.Mesh, model_config: Transformer
     return Batch(*(_global_array(x, sharding) for x in layout_batch(batch, model_config)))
 
 
+def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> np.ndarray:
+    """The global rows of a ``batch_size``-row batch (rows sharded over the mesh's ``"data"``
+    axis, ``batch_spec``) that this process's devices hold shards of, ascending: all rows in a
+    single-process run, or when the processes split the mesh along ``"context"`` only."""
+    check_divides(DATA, mesh.shape[DATA], "batch_size", batch_size)
+    per_shard = batch_size // mesh.shape[DATA]
+    data_axis = mesh.axis_names.index(DATA)
+    mine = sorted({idx[data_axis] for idx, d in np.ndenumerate(mesh.devices) if d.process_index == jax.process_index()})
+    return np.concatenate([np.arange(i * per_shard, (i + 1) * per_shard) for i in mine])
+
+
+def stream_batch(stream: DataStream, step: int, mesh: jax.sharding.Mesh, model_config: TransformerConfig) -> Batch:
+    """Batch ``step`` of ``stream`` on the mesh, as ``shard_batch(stream.batch(step), ...)`` places
+    it, from this process's part only: the process draws (``stream.batch(step, rows=...)``) and
+    lays out only the rows of ``process_rows`` and fills only its addressable shards. With a
+    ``per_row`` stream no process touches another's rows; the global batch is the same whatever
+    the number of processes."""
+    rows = process_rows(mesh, stream.batch_size)
+    local = layout_batch(stream.batch(step, rows=rows), model_config)
+    where = np.full(stream.batch_size, -1)
+    where[rows] = np.arange(len(rows))  # global row -> row of ``local``
+    sharding = NamedSharding(mesh, batch_spec(model_config))
+
+    def place(x: np.ndarray) -> jax.Array:
+        shape = (stream.batch_size, *x.shape[1:])
+        return jax.make_array_from_callback(shape, sharding, lambda index: x[(where[index[0]], *index[1:])])
+
+    return Batch(*(place(np.asarray(x)) for x in local))
+
+
 def replicate(tree, mesh: jax.sharding.Mesh):
     """Every array leaf of ``tree`` replicated over the mesh."""
     sharding = NamedSharding(mesh, P())
@@ -330,6 +362,17 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
+def _gathered(p, plan: partitioning.ShardingPlan, dtype):
+    """Inside ``shard_map``, on local shards laid out by a sharded ``plan``: (the parameters with
+    every non-layer leaf gathered, a function gathering one layer's weights inside the scanned
+    layer step)."""
+    outer = eqx.tree_at(lambda s: s.layers, plan.specs,
+                        replace_fn=lambda t: jax.tree.map(lambda _: P(), t, is_leaf=_is_spec))
+    layer_specs = partitioning.unstacked(plan.specs.layers)
+    gather_layer = lambda layer: partitioning.gather(layer, layer_specs, plan.axes, dtype=dtype)
+    return partitioning.gather(p, outer, plan.axes, dtype=dtype), gather_layer
+
+
 def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None,
                  loss_chunk: int = 0, max_logits: bool = False):
     """``grad_fn(params, static, batch, key) -> (grads, metrics)``: exact gradient of the mean
@@ -353,13 +396,7 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
 
     def gathered(p):
         """(params with non-layer leaves gathered, gather function for one layer)."""
-        if not sharded:
-            return p, None
-        outer = eqx.tree_at(lambda s: s.layers, plan.specs,
-                            replace_fn=lambda t: jax.tree.map(lambda _: P(), t, is_leaf=_is_spec))
-        layer_specs = partitioning.unstacked(plan.specs.layers)
-        gather_layer = lambda layer: partitioning.gather(layer, layer_specs, plan.axes, dtype=cdt)
-        return partitioning.gather(p, outer, plan.axes, dtype=cdt), gather_layer
+        return _gathered(p, plan, cdt) if sharded else (p, None)
 
     def local(params, static, batch, key):
         def loss(p):
@@ -425,53 +462,78 @@ def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTr
     return step
 
 
-def make_eval_step(model_config: TransformerConfig, mesh):
-    """``evaluate(model, batch) -> (loss_sum, weight, correct)`` summed over the mesh (jitted)."""
+def make_eval_step(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None,
+                   loss_chunk: int = 0):
+    """``evaluate(model, batch) -> (loss_sum, weight, correct)`` summed over the mesh (jitted).
+
+    Args:
+        model_config: the model's config (checked against ``mesh``).
+        mesh: the ``(data, context)`` mesh.
+        plan: parameter layout (``sharding_plan``; the one the model was trained in). Sharded:
+            each device takes its parameter shards and gathers the weights as the train step
+            does (one layer at a time inside the scanned layer step), so no device ever holds a
+            replicated copy of the model. ``None`` or unsharded: replicated parameters.
+        loss_chunk: tokens per chunk of the cross-entropy (0: unchunked).
+    """
     check_mesh(model_config, mesh)
     axes = mesh_axes(mesh)
     spec = batch_spec(model_config)
+    sharded = plan is not None and plan.sharded
+    cdt = dtype_of(model_config.compute_dtype)
 
     @eqx.filter_jit
     def evaluate(model, batch):
         params, static = eqx.partition(model, eqx.is_array)
 
         def local(p, b):
-            return tuple(jax.lax.psum(x, axes) for x in _local_sums(eqx.combine(p, static), b, None))
+            p, gather_layer = _gathered(p, plan, cdt) if sharded else (p, None)
+            sums = _local_sums(eqx.combine(p, static), b, None, loss_chunk=loss_chunk, gather_layer=gather_layer)
+            return tuple(jax.lax.psum(x, axes) for x in sums)
 
         return jax.shard_map(
-            local, mesh=mesh, in_specs=(P(), Batch(*(spec,) * len(Batch._fields))), out_specs=P(), check_vma=False,
+            local, mesh=mesh, in_specs=(plan.specs if sharded else P(), Batch(*(spec,) * len(Batch._fields))),
+            out_specs=P(), check_vma=False,
         )(params, batch)
 
     return evaluate
 
 
-def make_logits_fn(model_config: TransformerConfig, mesh):
-    """``logits(model, batch) -> [batch, seq, vocab]`` in the layout order of ``batch`` (jitted)."""
+def make_logits_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None):
+    """``logits(model, batch) -> [batch, seq, vocab]`` in the layout order of ``batch`` (jitted).
+    ``plan``: the parameters' layout, as for ``make_eval_step`` (sharded: never replicated)."""
     check_mesh(model_config, mesh)
     spec = batch_spec(model_config)
+    sharded = plan is not None and plan.sharded
+    cdt = dtype_of(model_config.compute_dtype)
 
     @eqx.filter_jit
     def logits(model, batch):
         params, static = eqx.partition(model, eqx.is_array)
 
         def local(p, b):
+            p, gather_layer = _gathered(p, plan, cdt) if sharded else (p, None)
             m = eqx.combine(p, static)
-            return jax.vmap(m)(b.tokens, b.positions, b.segment_ids)
+            hidden = lambda t, q, s: m.hidden(t, q, s, gather_layer=gather_layer)
+            return (jax.vmap(hidden)(b.tokens, b.positions, b.segment_ids) @ m.unembedding_matrix()).astype(
+                jnp.float32)
 
         return jax.shard_map(
-            local, mesh=mesh, in_specs=(P(), Batch(*(spec,) * len(Batch._fields))),
+            local, mesh=mesh, in_specs=(plan.specs if sharded else P(), Batch(*(spec,) * len(Batch._fields))),
             out_specs=P(*spec, None), check_vma=False,
         )(params, batch)
 
     return logits
 
 
-def evaluate(model, stream: DataStream, num_batches: int, mesh, model_config: TransformerConfig, eval_step=None):
-    """Mean loss and accuracy (weighted by the loss mask) over ``num_batches`` of ``stream``."""
-    eval_step = eval_step or make_eval_step(model_config, mesh)
+def evaluate(model, stream: DataStream, num_batches: int, mesh, model_config: TransformerConfig, eval_step=None,
+             *, plan: partitioning.ShardingPlan | None = None):
+    """Mean loss and accuracy (weighted by the loss mask) over ``num_batches`` of ``stream``
+    (each process drawing only its rows, ``stream_batch``). ``plan``: the parameters' layout
+    for the default ``eval_step`` (``make_eval_step``)."""
+    eval_step = eval_step or make_eval_step(model_config, mesh, plan=plan)
     s = w = c = 0.0
     for i in range(num_batches):
-        ls, lw, lc = eval_step(model, shard_batch(stream.batch(i), mesh, model_config))
+        ls, lw, lc = eval_step(model, stream_batch(stream, i, mesh, model_config))
         s, w, c = s + float(ls), w + float(lw), c + float(lc)
     return {"loss": s / max(w, 1e-9), "accuracy": c / max(w, 1e-9)}
 
@@ -490,6 +552,37 @@ def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int 
     model = Transformer(model_config, key=jax.random.key(tc.seed))
     opt_state = make_optimizer(tc).init(eqx.filter(model, eqx.is_array))
     return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
+
+
+def _is_struct(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def abstract_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                   plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
+    """The ``TrainState`` that ``fit`` trains, with no array allocated: parameters and optimiser
+    state as ``jax.ShapeDtypeStruct``s carrying their shardings on ``mesh`` (parameters and AdamW
+    moments laid out by ``plan``, other optimiser leaves replicated), step and data seed as numpy
+    scalars (every process holds them). The target of a sharded restore (``restore_sharded_state``)."""
+    optimizer = make_optimizer(tc)
+    model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed))
+    params, static = eqx.partition(model, _is_struct)
+    param_sh = partitioning.shardings(plan.specs, mesh)
+    opt_sh = partitioning.optimizer_shardings(optimizer, params, param_sh, mesh)
+    with_sharding = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    params = jax.tree.map(with_sharding, params, param_sh)
+    opt_state = jax.tree.map(with_sharding, jax.eval_shape(optimizer.init, params), opt_sh)
+    return TrainState(eqx.combine(params, static), opt_state, np.asarray(0, np.int32),
+                      np.asarray(data_seed, np.int32))
+
+
+def restore_sharded_state(path: str, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                          plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
+    """The latest checkpoint under ``path`` restored straight into the shardings of
+    ``abstract_state`` (the saving mesh and process count may differ): orbax reads each
+    device's shard into place; no unsharded copy of the state is made on any host. Collective."""
+    state = checkpoints.restore_state(path, abstract_state(model_config, tc, mesh, plan, data_seed))
+    return state._replace(step=jnp.asarray(state.step, jnp.int32), data_seed=jnp.asarray(state.data_seed, jnp.int32))
 
 
 def save_checkpoint(path: str, state: TrainState, *, config: dict | None = None, keep: int | None = 3) -> None:
@@ -711,12 +804,15 @@ def fit(
     check_run_config(config_path,
                      {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed},
                      ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
-    state = init_state(model_config, tc, stream.seed)
     if resume and checkpoints.latest_step(ckpt) is not None:
-        state = load_checkpoint(ckpt, state)
+        # straight into the plan's shardings: each device reads its shards, no host holds the whole state
+        state = restore_sharded_state(ckpt, model_config, tc, mesh, plan, stream.seed)
         if int(state.data_seed) != stream.seed:
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
-    model, opt_state = place_state(state.model, state.opt_state, mesh, plan, optimizer)
+        model, opt_state = state.model, state.opt_state
+    else:
+        state = init_state(model_config, tc, stream.seed)
+        model, opt_state = place_state(state.model, state.opt_state, mesh, plan, optimizer)
     start = int(state.step)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     if jax.process_index() == 0:
@@ -729,12 +825,12 @@ def fit(
     bar = tqdm(total=end, initial=start, desc="train", disable=not tc.progress or jax.process_index() != 0,
                dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
-    next_batch = shard_batch(stream.batch(start), mesh, model_config) if start < end else None
+    next_batch = stream_batch(stream, start, mesh, model_config) if start < end else None
     for i in range(start, end):
         batch = next_batch
         model, opt_state, metrics = step_fn(model, opt_state, batch, jax.random.fold_in(base_key, i))
         if i + 1 < end:  # build the next batch on the host while the device works
-            next_batch = shard_batch(stream.batch(i + 1), mesh, model_config)
+            next_batch = stream_batch(stream, i + 1, mesh, model_config)
         window_steps += 1
         last = i + 1 == end
         if (i + 1) % tc.log_every == 0 or last or i == start:
