@@ -60,6 +60,9 @@ class SplashConfig:
     interpret_params: Any = None
     vmem_limit_bytes: int | None = None
     probs_dtype: ProbsDtype = "input"
+    #: bytes of scalar memory one kernel call's work list may take (longer lists run in pieces,
+    #: ``splash/work_pieces.py``); None = from the chip generation (kernel backends) / unlimited (xla)
+    smem_budget_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
@@ -77,6 +80,9 @@ class SplashConfig:
         if self.vmem_limit_bytes is not None:
             object.__setattr__(self, "vmem_limit_bytes", check_positive_int("vmem_limit_bytes", self.vmem_limit_bytes))
         check_choice("probs_dtype", self.probs_dtype, PROBS_DTYPES)
+        if self.smem_budget_bytes is not None:
+            object.__setattr__(self, "smem_budget_bytes",
+                               check_positive_int("smem_budget_bytes", self.smem_budget_bytes))
 
     def matmul_dtype(self, input_dtype):
         """The dtype P and dS are rounded to before their matmuls (``probs_dtype``)."""
