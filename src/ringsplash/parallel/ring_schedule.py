@@ -39,10 +39,10 @@ class RingSchedule:
         """``(PieceSchedules, PieceSchedules | None)`` of q shard ``q_shard`` (ignored when this is
         a per-device slice) against kv shard ``kv_shard`` (either may be traced)."""
         row = 0 if self.fwd[0][0].shape[1] == 1 else q_shard
-        fwd = work_pieces.pair_schedules(_Split(self.fwd_pieces), info.head_to_list, row, kv_shard, self.fwd)
+        fwd = work_pieces.pair_schedules(self.fwd_pieces, self.fwd, info.head_to_list, row, kv_shard)
         dkv = None
         if self.dkv is not None:
-            dkv = work_pieces.pair_schedules(_Split(self.dkv_pieces), info_dkv.head_to_list, row, kv_shard, self.dkv)
+            dkv = work_pieces.pair_schedules(self.dkv_pieces, self.dkv, info_dkv.head_to_list, row, kv_shard)
         return fwd, dkv
 
     def specs(self, axis_name):
@@ -57,13 +57,6 @@ class RingSchedule:
 
 
 jax.tree_util.register_dataclass(RingSchedule)
-
-
-class _Split:
-    """The static ``pieces`` of a split, for ``pair_schedules`` on traced arrays."""
-
-    def __init__(self, pieces):
-        self.pieces = pieces
 
 
 def schedule_from_splits(split: SplitLists, split_dkv: SplitLists | None, q_rows=None) -> RingSchedule:

@@ -214,26 +214,25 @@ class PieceSchedules(NamedTuple):
     schedules: tuple[BlockSchedule, ...]
 
 
-def pair_schedules(split: SplitLists, head_to_list, q_row, kv_shard, arrays=None) -> PieceSchedules:
+def pair_schedules(pieces: tuple[Piece, ...], arrays, head_to_list, q_row, kv_shard) -> PieceSchedules:
     """The pieces of shard pair (``q_row``, ``kv_shard``) (either may be traced).
 
     Args:
-        split: the host split.
+        pieces: the static ranges (``SplitLists.pieces``).
+        arrays: the piece arrays (``SplitLists.arrays`` layout, numpy constants or traced, possibly
+            only some q rows).
         head_to_list: the MaskInfo's ``head_to_list``.
         q_row: index along the arrays' q-shard axis (0 for a per-device row).
         kv_shard: the kv shard.
-        arrays: traced piece arrays (``split.arrays`` layout, possibly only some q rows);
-            None = ``split.arrays`` as constants.
     """
     import jax.numpy as jnp
 
-    arrays = split.arrays if arrays is None else arrays
     h2l = jnp.asarray(np.asarray(head_to_list).astype(np.int32))
     scheds = tuple(
         BlockSchedule(*(jnp.asarray(a)[:, q_row, kv_shard].astype(jnp.int32) for a in arrs), h2l)
         for arrs in arrays
     )
-    return PieceSchedules(split.pieces, scheds)
+    return PieceSchedules(tuple(pieces), scheds)
 
 
 # ----------------------------------------------------------------------------------------
@@ -311,11 +310,13 @@ def info_pieces(info: MaskInfo, config, heads: int, q_shard=0, kv_shard=0, devic
     """The forward / dq pieces of shard pair (``q_shard``, ``kv_shard``) under ``config``'s
     budget, from ``info``'s arrays as constants."""
     max_steps = forward_max_steps(list_budget_bytes(config, device_kind), info, heads)
-    return pair_schedules(split_work_lists(info, max_steps), info.head_to_list, q_shard, kv_shard)
+    split = split_work_lists(info, max_steps)
+    return pair_schedules(split.pieces, split.arrays, info.head_to_list, q_shard, kv_shard)
 
 
 def info_pieces_dkv(info_dkv: MaskInfo, config, heads: int, kv_heads: int, q_shard=0, kv_shard=0,
                     device_kind=None) -> PieceSchedules:
     """The dK/dV pieces of a shard pair (as :func:`info_pieces`, transposed view)."""
     max_steps = dkv_max_steps(list_budget_bytes(config, device_kind), info_dkv, heads, kv_heads)
-    return pair_schedules(split_work_lists(info_dkv, max_steps), info_dkv.head_to_list, q_shard, kv_shard)
+    split = split_work_lists(info_dkv, max_steps)
+    return pair_schedules(split.pieces, split.arrays, info_dkv.head_to_list, q_shard, kv_shard)
