@@ -231,15 +231,17 @@ def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, sc
     return out, lse
 
 
-def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config, sched=None):
-    """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b``."""
+def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config, sched=None,
+                    accumulate=None):
+    """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b`` (added into
+    ``accumulate``'s, piece by piece, when given)."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
     pieces, pieces_dkv = (None, None) if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)
     return splash_backward(
         q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
         q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
-        logit_soft_cap=cap, config=config, pieces=pieces, pieces_dkv=pieces_dkv,
+        logit_soft_cap=cap, config=config, pieces=pieces, pieces_dkv=pieces_dkv, accumulate=accumulate,
     )
 
 
@@ -289,6 +291,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
     # kernels; an inactive pair's work list is empty, giving o = 0, lse = MASKED_LSE (merge is
     # exact: weight 0) and zero dq / dK / dV.
     skip_inactive = config.backend != "interpret"
+    may_skip = skip_inactive and not bool(np.all(plan.active))  # a lax.cond is left after constant folding
 
     def when_active(pred, compute, skip, *args):
         return lax.cond(pred, compute, skip, *args) if skip_inactive else compute(*args)
@@ -337,19 +340,25 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
         zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), axis_name)
 
-        def contribution(k_t, v_t, seg_t, src, dq, *, parts=("dq", "dkv")):
-            """(dq + this step's dq, this step's dK, dV for kv shard `src`); skipped (zeros) for
-            an empty pair (computed, and zero, on the interpret backend). The received
-            accumulators are added outside, so their transfer only has to land after the kernel.
-            ``parts`` drops outputs that are not needed."""
-            zero_kv = lambda: (zeros(k_t), zeros(v_t))
+        def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
+            """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
+            empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
+            the sums that are needed (XLA drops the other kernel). Where no pair is skipped the
+            kernels' pieces are added into the accumulators as they are produced (no
+            whole-shard gradient temporaries); under a cond the received accumulators are added
+            outside it instead, so their transfer only has to land after the kernel."""
+            keep = lambda new, old: tuple(n if p in parts else o for n, o, p in zip(new, old, ("dq", "dkv", "dkv")))
 
-            def compute(dq):
-                dq_t, dk_t, dv_t = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw,
-                                                   sched=sched)
-                return (dq + dq_t if "dq" in parts else dq), *((dk_t, dv_t) if "dkv" in parts else zero_kv())
+            def compute(dq, dk, dv):
+                new = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw,
+                                      sched=sched, accumulate=(dq, dk, dv))
+                return keep(new, (dq, dk, dv))
 
-            return when_active(active[me, src], compute, lambda dq: (dq, *zero_kv()), dq)
+            if not may_skip:
+                return compute(dq, dk, dv)
+            zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
+            dq, dk_t, dv_t = lax.cond(active[me, src], lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
+            return (dq, dk + dk_t, dv + dv_t) if "dkv" in parts else (dq, dk, dv)
 
         def step(carry, t, *, last):
             k_t, v_t, seg_t, dq, dk, dv = carry
@@ -358,15 +367,15 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
             src = visiting(me, t)
             if last and split_last:
                 # the final hop needs only dK/dV: a separate cond lets the dq kernel hide it
-                _, dk_t, dv_t = contribution(k_t, v_t, seg_t, src, dq, parts=("dkv",))
-                dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, parts=("dq",))
+                _, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dkv",))
+                dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dq",))
             else:
-                dq, dk_t, dv_t = contribution(k_t, v_t, seg_t, src, dq)
-            return (*nxt, dq, dk + dk_t, dv + dv_t), None
+                dq, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv)
+            return (*nxt, dq, dk, dv), None
 
         # step 0: own kv shard; its accumulators start here
         nxt = send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
-        dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q))
+        dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q), zeros(k), zeros(v))
         if n > 1:
             carry = (*nxt, dq, dk, dv)
             if n > 2:

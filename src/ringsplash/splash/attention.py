@@ -229,11 +229,11 @@ def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype
 
 def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dtype,
                        pieces: work_pieces.PieceSchedules | None = None,
-                       pieces_dkv: work_pieces.PieceSchedules | None = None):
+                       pieces_dkv: work_pieces.PieceSchedules | None = None, accumulate=None):
     def xla_fn(x):
         if pieces is not None:  # the fused xla backward walks the forward view's pieces
             grads = work_pieces.dq_in_pieces(x, pieces, static.info.block_shape[0],
-                                             lambda s: xla_backend.backward(s, static))
+                                             lambda s: xla_backend.backward(s, static), acc=accumulate)
             return tuple(g.astype(grad_dtype) for g in grads)
         return tuple(g.astype(grad_dtype) for g in xla_backend.backward(x, static))
 
@@ -242,7 +242,10 @@ def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dt
             run = functools.partial(pallas_backward, static=static, backend=backend, grad_dtype=grad_dtype)
             return lambda x: work_pieces.kernels_in_pieces(
                 x, pieces, pieces_dkv, static.info.block_shape[0], static.info_dkv.block_shape[1],
-                lambda s: run(s, parts=("dq",)), lambda s: run(s, parts=("dkv",)))
+                lambda s: run(s, parts=("dq",)), lambda s: run(s, parts=("dkv",)), acc=accumulate)
+        if accumulate is not None:
+            return lambda x: tuple(a + g for a, g in zip(accumulate, pallas_backward(x, static, backend=backend,
+                                                                                     grad_dtype=grad_dtype)))
         return lambda x: pallas_backward(x, static, backend=backend, grad_dtype=grad_dtype)
 
     return _dispatch(static.config.backend, inputs, xla_fn, pallas_fn)
@@ -342,6 +345,7 @@ def splash_backward(
     config: SplashConfig = SplashConfig(),
     pieces: work_pieces.PieceSchedules | None = None,
     pieces_dkv: work_pieces.PieceSchedules | None = None,
+    accumulate: tuple | None = None,
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard d"]]:
     """float32 ``(dq, dk, dv)`` of one shard pair.
 
@@ -357,6 +361,8 @@ def splash_backward(
         config: as in :func:`splash_forward`.
         pieces: as in :func:`splash_forward`.
         pieces_dkv: likewise for ``info_dkv`` (None = ``info_dkv``'s, split under the budget).
+        accumulate: float32 ``(dq, dk, dv)`` to add this pair's gradients into (each piece as it
+            is computed: no whole-shard gradient temporaries); returned summed. None = fresh.
 
     Returns:
         float32 ``(dq [heads, q_shard, d], dk, dv [kv_heads, kv_shard, d])``.
@@ -378,7 +384,8 @@ def splash_backward(
     inputs = BackwardInputs(q, k, v, d_out, lse, delta, pieces.schedules[0], sched_dkv,
                             q_pos, kv_pos, q_seg, kv_seg)
     static = BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config)
-    return _dispatch_backward(inputs, static, grad_dtype=jnp.float32, pieces=pieces, pieces_dkv=pieces_dkv)
+    return _dispatch_backward(inputs, static, grad_dtype=jnp.float32, pieces=pieces, pieces_dkv=pieces_dkv,
+                              accumulate=accumulate)
 
 
 def _check_info(info, q_len, kv_len, *, transpose):

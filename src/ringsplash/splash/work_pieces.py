@@ -260,6 +260,24 @@ def forward_in_pieces(inputs, pieces: PieceSchedules, block_q: int, run):
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
 
+def _add_rows(acc, x, a, b):
+    """``acc`` with ``x`` added to rows ``[a, b)`` of axis 1 (in place under XLA), or ``x``
+    when there is no accumulator."""
+    if acc is None:
+        return x
+    x = x.astype(acc.dtype)
+    return acc + x if (a, b) == (0, acc.shape[1]) else acc.at[:, a:b].add(x)
+
+
+def _after(acc, inputs):
+    """``(acc, inputs)`` tied by an optimisation barrier: the next piece's kernel cannot start
+    before this piece's gradients are added (else XLA may run every piece first and keep all
+    their outputs alive, which is what accumulating per piece avoids)."""
+    from jax import lax
+
+    return lax.optimization_barrier((acc, inputs))
+
+
 def _q_slice(inputs, a, b, sched):
     return inputs._replace(
         q=inputs.q[:, a:b], d_out=inputs.d_out[:, a:b], lse=inputs.lse[:, a:b], delta=inputs.delta[:, a:b],
@@ -267,41 +285,67 @@ def _q_slice(inputs, a, b, sched):
     )
 
 
-def dq_in_pieces(inputs, pieces: PieceSchedules, block_q: int, run):
+def dq_in_pieces(inputs, pieces: PieceSchedules, block_q: int, run, acc=None):
     """``run(inputs) -> (dq, dk, dv)`` per piece of the forward view on its q rows: dq
-    concatenated along q, dK / dV summed (the fused xla backward, which walks the forward list)."""
+    concatenated along q, dK / dV summed (the fused xla backward, which walks the forward list).
+    With ``acc = (dq, dk, dv)`` float32 accumulators, each piece is added into them as soon as
+    it is computed (no whole-shard gradient temporaries) and the sums are returned."""
     import jax.numpy as jnp
 
-    if len(pieces.pieces) == 1:
+    if len(pieces.pieces) == 1 and acc is None:
         return run(inputs._replace(schedule=pieces.schedules[0]))
-    dqs, dk, dv = [], None, None
+    q_len = inputs.q.shape[1]
+    dqs, (dq, dk, dv) = [], (None, None, None) if acc is None else acc
     for (m0, m1), sched in zip(pieces.pieces, pieces.schedules):
-        dq_j, dk_j, dv_j = run(_q_slice(inputs, m0 * block_q, m1 * block_q, sched))
-        dqs.append(dq_j)
-        dk, dv = (dk_j, dv_j) if dk is None else (dk + dk_j, dv + dv_j)
-    return jnp.concatenate(dqs, axis=1), dk, dv
+        a, b = m0 * block_q, m1 * block_q
+        sub = inputs._replace(schedule=sched) if (a, b) == (0, q_len) else _q_slice(inputs, a, b, sched)
+        dq_j, dk_j, dv_j = run(sub)
+        if acc is None:
+            dqs.append(dq_j)
+        else:
+            dq = _add_rows(dq, dq_j, a, b)
+        dk, dv = _add_rows(dk, dk_j, 0, dk_j.shape[1]), _add_rows(dv, dv_j, 0, dv_j.shape[1])
+        if acc is not None and len(pieces.pieces) > 1:
+            (dq, dk, dv), inputs = _after((dq, dk, dv), inputs)
+    return (jnp.concatenate(dqs, axis=1) if acc is None else dq), dk, dv
 
 
 def kernels_in_pieces(inputs, pieces: PieceSchedules, pieces_dkv: PieceSchedules, block_q: int, block_kv: int,
-                      run_dq, run_dkv):
+                      run_dq, run_dkv, acc=None):
     """The Pallas backward in pieces: ``run_dq(inputs) -> dq`` per forward-view piece on its
-    q rows, ``run_dkv(inputs) -> (dk, dv)`` per transposed piece on its kv rows."""
+    q rows, ``run_dkv(inputs) -> (dk, dv)`` per transposed piece on its kv rows; with ``acc``
+    as in :func:`dq_in_pieces`."""
     import jax.numpy as jnp
 
-    dqs = [run_dq(_q_slice(inputs, m0 * block_q, m1 * block_q, s) if len(pieces.pieces) > 1
-                  else inputs._replace(schedule=s))
-           for (m0, m1), s in zip(pieces.pieces, pieces.schedules)]
-    dks, dvs = [], []
+    q_len, kv_len = inputs.q.shape[1], inputs.k.shape[1]
+    dq, dk, dv = (None, None, None) if acc is None else acc
+    dqs, dks, dvs = [], [], []
+    for (m0, m1), sched in zip(pieces.pieces, pieces.schedules):
+        a, b = m0 * block_q, m1 * block_q
+        piece = run_dq(inputs._replace(schedule=sched) if (a, b) == (0, q_len) else _q_slice(inputs, a, b, sched))
+        if acc is None:
+            dqs.append(piece)
+        else:
+            dq = _add_rows(dq, piece, a, b)
+            if len(pieces.pieces) > 1:
+                dq, inputs = _after(dq, inputs)
     for (m0, m1), sched in zip(pieces_dkv.pieces, pieces_dkv.schedules):
-        if len(pieces_dkv.pieces) == 1:
+        a, b = m0 * block_kv, m1 * block_kv
+        if (a, b) == (0, kv_len):
             sub = inputs._replace(schedule_dkv=sched)
         else:
-            a, b = m0 * block_kv, m1 * block_kv
             sub = inputs._replace(k=inputs.k[:, a:b], v=inputs.v[:, a:b], kv_pos=inputs.kv_pos[a:b],
                                   kv_seg=_slice_rows(inputs.kv_seg, a, b), schedule_dkv=sched)
-        dk, dv = run_dkv(sub)
-        dks.append(dk)
-        dvs.append(dv)
+        dk_j, dv_j = run_dkv(sub)
+        if acc is None:
+            dks.append(dk_j)
+            dvs.append(dv_j)
+        else:
+            dk, dv = _add_rows(dk, dk_j, a, b), _add_rows(dv, dv_j, a, b)
+            if len(pieces_dkv.pieces) > 1:
+                (dk, dv), inputs = _after((dk, dv), inputs)
+    if acc is not None:
+        return dq, dk, dv
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
     return cat(dqs), cat(dks), cat(dvs)
 
