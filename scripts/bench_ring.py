@@ -346,8 +346,9 @@ def table_memory_model(metadata_4m: dict | None, *, rel_tol: float = 0.25):
     for kind, topology, n, s, mem, tried in rows:
         tries = ", ".join(f"{t // K}K{'' if ok else '✗'}" for t, ok in tried)
         where = topology if kind == "ring" else "one chip of " + topology
-        print(f"| {kind} fwd+bwd | {where} | {n} | {s:,} | {_gib(mem['temp'])} / {_gib(mem['args'])} / "
-              f"{_gib(mem['out'])} | {_gib(mem['hbm'])} | {tries} |")
+        sizes = (f"{_gib(mem['temp'])} / {_gib(mem['args'])} / {_gib(mem['out'])} | {_gib(mem['hbm'])}"
+                 if "temp" in mem else f"— ({mem.get('error', '?')}) | —")
+        print(f"| {kind} fwd+bwd | {where} | {n} | {s:,} | {sizes} | {tries} |")
     checks = [("ring", "v5e:2x2", 1024 * K), ("ring", "v5e:4x4", 4096 * K), ("splash", "v5e:2x2", 256 * K)]
     fixed = {c: _compile(*c) for c in checks}
     found = {topology: s for kind, topology, n, s, mem, tried in rows if kind == "ring"}

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType
 
@@ -68,6 +68,7 @@ def _needed(q_block, kv_block, kind, partial, transpose):
     return np.stack([major[keep], minor[keep], kind[keep], partial[keep]]).astype(np.int64)
 
 
+@settings(max_examples=10)
 @given(kind=st.sampled_from(["causal", "local", "numpy", "multi_head"]), shards=st.sampled_from([1, 2, 4]),
        transpose=st.booleans(), layout=st.sampled_from(layouts.LAYOUTS), extra=st.integers(0, 6))
 def test_split_pieces_cover_fit_and_keep_every_entry(kind, shards, transpose, layout, extra):
@@ -85,14 +86,16 @@ def test_split_pieces_cover_fit_and_keep_every_entry(kind, shards, transpose, la
     assert all(steps <= max_steps for steps in split.steps)
     if info.max_steps > max_steps:
         assert len(split.pieces) > 1
-    for lst in range(info.num_lists):
-        for a in range(shards):
-            for b in range(shards):
+    for a in range(shards):
+        for b in range(shards):
+            pieces = work_pieces.pair_schedules(split.pieces, split.arrays, split.bounds, info.head_to_list, a, b,
+                                                transpose=transpose)
+            for lst in range(info.num_lists):
                 want = _needed(*(x[lst, a, b] for x in (info.q_block, info.kv_block, info.kind, info.partial_index)),
                                transpose)
                 got = []
-                for piece, arrs in zip(split.pieces, split.arrays):
-                    e = _needed(*(x[lst, a, b] for x in arrs), transpose)
+                for piece, sched in zip(pieces.pieces, pieces.schedules):
+                    e = _needed(*(np.asarray(x)[lst] for x in sched[:4]), transpose)
                     assert e[0].min() >= 0 and e[0].max() < piece.stop - piece.start
                     e[0] += piece.start
                     got.append(e)
@@ -102,8 +105,8 @@ def test_split_pieces_cover_fit_and_keep_every_entry(kind, shards, transpose, la
 def test_split_within_budget_is_the_info_itself():
     info = rs.build_mask_info(masks.CausalMask((512, 512)), (128, 128))
     split = work_pieces.split_work_lists(info, info.max_steps)
-    assert len(split.pieces) == 1 and split.arrays[0][0] is info.q_block
-    assert work_pieces.split_work_lists(info, None).arrays[0][2] is info.kind
+    assert len(split.pieces) == 1 and split.arrays[0] is info.q_block
+    assert work_pieces.split_work_lists(info, None).arrays[2] is info.kind
 
 
 # ----------------------------------------------------------------------------------------

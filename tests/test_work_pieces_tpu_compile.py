@@ -29,6 +29,14 @@ def _kernel_calls(hlo: str, name: str) -> int:
     return len(re.findall(rf"%{name}[.\d]* = .*custom-call", hlo))
 
 
+def _entry_parameters(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, per-device shape) of each parameter of the compiled ENTRY computation."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    found = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* parameter\((\d+)\)", entry)
+    return [(dt, tuple(int(x) for x in dims.split(",") if x)) for dt, dims, _ in found]
+
+
 def test_ring_compiles_in_pieces_with_per_device_schedule():
     s, topology = 16384, "v5e:2x2"  # zigzag blocks 512, 8 q blocks per shard
     devices = np.asarray(topologies.get_topology_desc(topology, "tpu").devices)
@@ -49,13 +57,21 @@ def test_ring_compiles_in_pieces_with_per_device_schedule():
 
     spec = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ctx")))
     compiled = jax.jit(fwd_bwd).lower(spec, spec, spec, spec, sched).compile()
-    mem = compiled.memory_analysis()
-    local_qkvd = 4 * HEADS * (s // n) * D * 2
+    hlo = compiled.as_text()
     whole_bytes = sum(x.nbytes for x in jax.tree.leaves(whole))
     assert whole.nbytes_per_device == whole_bytes // n
-    # per device: q, k, v, d_out and exactly its own row of the schedule (1/N of it)
-    assert mem.argument_size_in_bytes == local_qkvd + whole_bytes // n
-    hlo = compiled.as_text()
+    # the compiled per-device program's integer parameters are exactly this device's schedule
+    # row: [lists, 1, N, steps] each, 1/N of the schedule's bytes in all
+    params = _entry_parameters(hlo)
+    sched_params = [(dt, shape) for dt, shape in params if dt.startswith(("s8", "s16", "s32"))]
+    assert len(sched_params) == len(jax.tree.leaves(whole))
+    assert all(shape[1] == 1 and shape[2] == n for _, shape in sched_params)
+    itemsize = {"s8": 1, "s16": 2, "s32": 4}
+    assert sum(itemsize[dt] * int(np.prod(shape)) for dt, shape in sched_params) == whole_bytes // n
+    # and q, k, v, d_out are the other arguments: nothing else (no replicated schedule) is passed
+    local_qkvd = 4 * HEADS * (s // n) * D * 2
+    bf16 = [shape for dt, shape in params if dt == "bf16"]
+    assert len(params) == len(sched_params) + 4 and sum(2 * int(np.prod(x)) for x in bf16) == local_qkvd
     assert _kernel_calls(hlo, "splash_forward") >= len(sched.fwd_pieces)
 
 

@@ -481,9 +481,10 @@ def _check_schedule(schedule, plan: RingPlan, n: int) -> None:
     for arrays, pieces, info in views:
         n_major = info.kv_blocks_per_shard if info.transpose else info.q_blocks_per_shard
         ok = arrays is not None and pieces and pieces[0].start == 0 and pieces[-1].stop == n_major
-        ok = ok and all(a.stop == b.start for a, b in itertools.pairwise(pieces)) and len(arrays) == len(pieces)
+        ok = ok and all(a.stop == b.start for a, b in itertools.pairwise(pieces)) and len(arrays) == 5
         shapes = ((info.num_lists, 1, n), (info.num_lists, n, n))
-        ok = ok and all(x.shape[:3] in shapes for arrs in arrays for x in arrs)
+        ok = ok and all(x.shape[:3] in shapes for x in arrays) and arrays[4].shape[3] == len(pieces)
+        ok = ok and all(x.shape[3] == info.max_steps for x in arrays[:4])
         if not ok:
             raise ValueError(
                 f"schedule does not match this ring call ({n} shards, {info.num_lists} lists, {n_major} "

@@ -25,10 +25,11 @@ __all__ = ["PieceSchedules", "RingSchedule", "schedule_arrays", "schedule_from_s
 
 @dataclasses.dataclass(frozen=True)
 class RingSchedule:
-    """Work lists of a ring, in pieces: ``fwd[j]`` / ``dkv[j]`` are ``(q_block, kv_block, kind,
-    partial_index)`` arrays ``[lists, q_rows, N, steps_j]`` of the forward / dq view and of the
-    transposed dK/dV view (None for the xla backend); ``q_rows`` is N for the whole schedule
-    and 1 for one device's slice inside ``shard_map``."""
+    """Work lists of a ring with their SMEM pieces: ``fwd`` / ``dkv`` are ``(q_block, kv_block,
+    kind, partial_index, bounds)`` of the forward / dq view and of the transposed dK/dV view
+    (None for the xla backend): the MaskInfo's arrays ``[lists, q_rows, N, steps]`` and the
+    pieces' ``bounds`` ``[lists, q_rows, N, pieces, 2]`` (``work_pieces.SplitLists``); ``q_rows``
+    is N for the whole schedule and 1 for one device's slice inside ``shard_map``."""
 
     fwd: tuple
     dkv: tuple | None
@@ -38,11 +39,13 @@ class RingSchedule:
     def pair(self, info: MaskInfo, info_dkv: MaskInfo | None, q_shard, kv_shard):
         """``(PieceSchedules, PieceSchedules | None)`` of q shard ``q_shard`` (ignored when this is
         a per-device slice) against kv shard ``kv_shard`` (either may be traced)."""
-        row = 0 if self.fwd[0][0].shape[1] == 1 else q_shard
-        fwd = work_pieces.pair_schedules(self.fwd_pieces, self.fwd, info.head_to_list, row, kv_shard)
+        row = 0 if self.fwd[0].shape[1] == 1 else q_shard
+        fwd = work_pieces.pair_schedules(self.fwd_pieces, self.fwd[:4], self.fwd[4], info.head_to_list, row,
+                                         kv_shard, transpose=False)
         dkv = None
         if self.dkv is not None:
-            dkv = work_pieces.pair_schedules(self.dkv_pieces, self.dkv, info_dkv.head_to_list, row, kv_shard)
+            dkv = work_pieces.pair_schedules(self.dkv_pieces, self.dkv[:4], self.dkv[4], info_dkv.head_to_list, row,
+                                             kv_shard, transpose=True)
         return fwd, dkv
 
     def specs(self, axis_name):
@@ -62,7 +65,7 @@ jax.tree_util.register_dataclass(RingSchedule)
 def schedule_from_splits(split: SplitLists, split_dkv: SplitLists | None, q_rows=None) -> RingSchedule:
     """A numpy :class:`RingSchedule` of the q shards ``q_rows`` (None = all)."""
     rows = slice(None) if q_rows is None else np.asarray(q_rows)
-    take = lambda s: s.arrays if q_rows is None else s.rows(rows)
+    take = lambda sp: tuple(np.asarray(a)[:, rows] for a in (*sp.arrays, sp.bounds))
     return RingSchedule(
         fwd=take(split), dkv=None if split_dkv is None else take(split_dkv),
         fwd_pieces=split.pieces, dkv_pieces=None if split_dkv is None else split_dkv.pieces,

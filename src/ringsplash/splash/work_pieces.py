@@ -108,30 +108,30 @@ def _steps(budget, *, fixed, per_step, what) -> int | None:
 
 
 class Piece(NamedTuple):
-    """A range ``[start, stop)`` of major blocks (q blocks; kv blocks for a transposed view)."""
+    """A range ``[start, stop)`` of major blocks (q blocks; kv blocks for a transposed view) and
+    the ``width`` (steps) of its kernel call: the most entries any shard pair has there."""
 
     start: int
     stop: int
+    width: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SplitLists:
-    """A MaskInfo's work lists cut into pieces: ``arrays[j]`` holds ``(q_block, kv_block, kind,
-    partial_index)``, each ``[lists, q_shards, kv_shards, steps_j]`` in MaskInfo's compact
-    dtypes, major indices relative to ``pieces[j].start``. One piece covering every major
-    block is the MaskInfo's own arrays."""
+    """A MaskInfo's work lists cut into pieces. The lists stay as they are (``arrays``: the
+    MaskInfo's ``(q_block, kv_block, kind, partial_index)``, ``[lists, q_shards, kv_shards,
+    steps]``); ``bounds[..., j, :]`` (int32 ``[lists, q_shards, kv_shards, pieces, 2]``) holds
+    where piece ``j``'s entries start in each list and how many it has. A kernel call's piece
+    is cut out at run time (:func:`pair_schedules`), so nothing is padded twice."""
 
     pieces: tuple[Piece, ...]
-    arrays: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    bounds: np.ndarray
     transpose: bool
 
     @property
     def steps(self) -> tuple[int, ...]:
-        return tuple(a[2].shape[-1] for a in self.arrays)
-
-    def rows(self, q_rows) -> tuple[tuple[np.ndarray, ...], ...]:
-        """The arrays of q shards ``q_rows`` only (a per-device slice of the schedule)."""
-        return tuple(tuple(a[:, q_rows] for a in arrs) for arrs in self.arrays)
+        return tuple(p.width for p in self.pieces)
 
 
 _SPLIT_CACHE: "weakref.WeakKeyDictionary[MaskInfo, dict]" = weakref.WeakKeyDictionary()
@@ -152,24 +152,27 @@ def split_work_lists(info: MaskInfo, max_steps: int | None) -> SplitLists:
 def _split(info: MaskInfo, max_steps: int | None) -> SplitLists:
     arrays = (info.q_block, info.kv_block, info.kind, info.partial_index)
     n_major = info.kv_blocks_per_shard if info.transpose else info.q_blocks_per_shard
-    if max_steps is None or info.max_steps <= max_steps:
-        return SplitLists((Piece(0, n_major),), (arrays,), info.transpose)
-    major = (info.kv_block if info.transpose else info.q_block).astype(np.int64)
-    lead, steps = major.shape[:-1], major.shape[-1]
-    major = major.reshape(-1, steps)
+    lead, steps = info.kind.shape[:-1], info.max_steps
+    if max_steps is None or steps <= max_steps:
+        bounds = np.broadcast_to(np.asarray([0, steps], np.int32), (*lead, 1, 2))
+        return SplitLists((Piece(0, n_major, steps),), arrays, bounds, info.transpose)
+    major = (info.kv_block if info.transpose else info.q_block).reshape(-1, steps)
     kind = info.kind.reshape(-1, steps)
     rows = major.shape[0]
     # an entry is needed unless it repeats its major block with kind 0 (the trailing padding)
     new_run = np.ones(major.shape, bool)
     new_run[:, 1:] = major[:, 1:] != major[:, :-1]
     needed = (kind != EMPTY) | new_run
-    offset = (np.arange(rows, dtype=np.int64) * n_major)[:, None]
-    counts = np.bincount((major + offset)[needed], minlength=rows * n_major).reshape(rows, n_major)
-    every = np.bincount((major + offset).ravel(), minlength=rows * n_major).reshape(rows, n_major)
-    csum = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(counts, axis=1)], axis=1)
-    first = np.concatenate([np.zeros((rows, 1), np.int64), np.cumsum(every, axis=1)], axis=1)
+    flat = major.astype(np.int64) + (np.arange(rows, dtype=np.int64) * n_major)[:, None]
+    counts = np.bincount(flat[needed], minlength=rows * n_major).reshape(rows, n_major)
+    every = np.bincount(flat.ravel(), minlength=rows * n_major).reshape(rows, n_major)
+    del flat, needed, new_run
+    csum = np.zeros((rows, n_major + 1), np.int64)
+    np.cumsum(counts, axis=1, out=csum[:, 1:])
+    first = np.zeros((rows, n_major + 1), np.int64)
+    np.cumsum(every, axis=1, out=first[:, 1:])
 
-    pieces, out = [], []
+    pieces, bounds = [], []
     m0 = 0
     while m0 < n_major:
         span = csum[:, m0 + 1:] - csum[:, m0:m0 + 1]  # [rows, n_major - m0]: entries of [m0, m)
@@ -182,25 +185,12 @@ def _split(info: MaskInfo, max_steps: int | None) -> SplitLists:
                 f"use larger blocks"
             )
         m1 = m0 + fits
-        length = csum[:, m1] - csum[:, m0]  # [rows] needed entries of each row in the piece
-        width = int(length.max())
-        t = np.arange(width, dtype=np.int64)[None, :]
-        idx = first[:, m0:m0 + 1] + np.minimum(t, length[:, None] - 1)
-        pad = t >= length[:, None]
-        piece_arrays = []
-        for a in arrays:
-            p = np.take_along_axis(a.reshape(rows, steps), idx, axis=1)
-            if a is info.kind:
-                p = np.where(pad, 0, p).astype(a.dtype)
-            elif a is info.partial_index:
-                p = np.where(pad, -1, p).astype(a.dtype)
-            elif a is (info.kv_block if info.transpose else info.q_block):
-                p = (p - m0).astype(a.dtype)
-            piece_arrays.append(p.reshape(*lead, width))
-        pieces.append(Piece(m0, m1))
-        out.append(tuple(piece_arrays))
+        length = csum[:, m1] - csum[:, m0]  # needed entries of each list in the piece
+        pieces.append(Piece(m0, m1, int(length.max())))
+        bounds.append(np.stack([first[:, m0], length], axis=-1))
         m0 = m1
-    return SplitLists(tuple(pieces), tuple(out), info.transpose)
+    bounds = np.stack(bounds, axis=1).astype(np.int32).reshape(*lead, len(pieces), 2)
+    return SplitLists(tuple(pieces), arrays, bounds, info.transpose)
 
 
 # ----------------------------------------------------------------------------------------
@@ -214,25 +204,43 @@ class PieceSchedules(NamedTuple):
     schedules: tuple[BlockSchedule, ...]
 
 
-def pair_schedules(pieces: tuple[Piece, ...], arrays, head_to_list, q_row, kv_shard) -> PieceSchedules:
-    """The pieces of shard pair (``q_row``, ``kv_shard``) (either may be traced).
+def pair_schedules(pieces: tuple[Piece, ...], arrays, bounds, head_to_list, q_row, kv_shard, *,
+                   transpose: bool) -> PieceSchedules:
+    """The pieces of shard pair (``q_row``, ``kv_shard``) (either may be traced), cut out of
+    its lists: entry ``t`` of piece ``j`` is list entry ``start_j + t`` while ``t < count_j``,
+    then padding (the last entry again with kind 0: no compute, no new block fetched); major
+    indices become relative to the piece's first block.
 
     Args:
-        pieces: the static ranges (``SplitLists.pieces``).
-        arrays: the piece arrays (``SplitLists.arrays`` layout, numpy constants or traced, possibly
-            only some q rows).
+        pieces: the static ranges and widths (``SplitLists.pieces``).
+        arrays: ``(q_block, kv_block, kind, partial_index)`` (numpy constants or traced,
+            possibly only some q rows), ``[lists, rows, kv_shards, steps]``.
+        bounds: ``SplitLists.bounds`` for the same rows.
         head_to_list: the MaskInfo's ``head_to_list``.
         q_row: index along the arrays' q-shard axis (0 for a per-device row).
         kv_shard: the kv shard.
+        transpose: the lists are kv-major (the dK/dV view).
     """
     import jax.numpy as jnp
 
     h2l = jnp.asarray(np.asarray(head_to_list).astype(np.int32))
-    scheds = tuple(
-        BlockSchedule(*(jnp.asarray(a)[:, q_row, kv_shard].astype(jnp.int32) for a in arrs), h2l)
-        for arrs in arrays
-    )
-    return PieceSchedules(tuple(pieces), scheds)
+    rows = [jnp.asarray(a)[:, q_row, kv_shard].astype(jnp.int32) for a in arrays]  # [lists, steps]
+    if len(pieces) == 1 and pieces[0].width == rows[0].shape[-1]:
+        return PieceSchedules(tuple(pieces), (BlockSchedule(*rows, h2l),))
+    b = jnp.asarray(bounds)[:, q_row, kv_shard].astype(jnp.int32)  # [lists, pieces, 2]
+    last = rows[0].shape[-1] - 1
+    major_field = 1 if transpose else 0
+    scheds = []
+    for j, piece in enumerate(pieces):
+        start, count = b[:, j, 0:1], b[:, j, 1:2]
+        t = jnp.arange(piece.width, dtype=jnp.int32)[None, :]
+        idx = jnp.minimum(start + jnp.minimum(t, count - 1), last)
+        valid = t < count
+        q_block, kv_block, kind, partial = (jnp.take_along_axis(r, idx, axis=1) for r in rows)
+        fields = [q_block, kv_block]
+        fields[major_field] = fields[major_field] - piece.start
+        scheds.append(BlockSchedule(*fields, jnp.where(valid, kind, 0), jnp.where(valid, partial, -1), h2l))
+    return PieceSchedules(tuple(pieces), tuple(scheds))
 
 
 # ----------------------------------------------------------------------------------------
@@ -250,7 +258,7 @@ def forward_in_pieces(inputs, pieces: PieceSchedules, block_q: int, run):
     if len(pieces.pieces) == 1:
         return run(inputs._replace(schedule=pieces.schedules[0]))
     outs, lses = [], []
-    for (m0, m1), sched in zip(pieces.pieces, pieces.schedules):
+    for (m0, m1, _), sched in zip(pieces.pieces, pieces.schedules):
         a, b = m0 * block_q, m1 * block_q
         sub = inputs._replace(q=inputs.q[:, a:b], q_pos=inputs.q_pos[a:b], q_seg=_slice_rows(inputs.q_seg, a, b),
                               schedule=sched)
@@ -296,7 +304,7 @@ def dq_in_pieces(inputs, pieces: PieceSchedules, block_q: int, run, acc=None):
         return run(inputs._replace(schedule=pieces.schedules[0]))
     q_len = inputs.q.shape[1]
     dqs, (dq, dk, dv) = [], (None, None, None) if acc is None else acc
-    for (m0, m1), sched in zip(pieces.pieces, pieces.schedules):
+    for (m0, m1, _), sched in zip(pieces.pieces, pieces.schedules):
         a, b = m0 * block_q, m1 * block_q
         sub = inputs._replace(schedule=sched) if (a, b) == (0, q_len) else _q_slice(inputs, a, b, sched)
         dq_j, dk_j, dv_j = run(sub)
@@ -320,7 +328,7 @@ def kernels_in_pieces(inputs, pieces: PieceSchedules, pieces_dkv: PieceSchedules
     q_len, kv_len = inputs.q.shape[1], inputs.k.shape[1]
     dq, dk, dv = (None, None, None) if acc is None else acc
     dqs, dks, dvs = [], [], []
-    for (m0, m1), sched in zip(pieces.pieces, pieces.schedules):
+    for (m0, m1, _), sched in zip(pieces.pieces, pieces.schedules):
         a, b = m0 * block_q, m1 * block_q
         piece = run_dq(inputs._replace(schedule=sched) if (a, b) == (0, q_len) else _q_slice(inputs, a, b, sched))
         if acc is None:
@@ -329,7 +337,7 @@ def kernels_in_pieces(inputs, pieces: PieceSchedules, pieces_dkv: PieceSchedules
             dq = _add_rows(dq, piece, a, b)
             if len(pieces.pieces) > 1:
                 dq, inputs = _after(dq, inputs)
-    for (m0, m1), sched in zip(pieces_dkv.pieces, pieces_dkv.schedules):
+    for (m0, m1, _), sched in zip(pieces_dkv.pieces, pieces_dkv.schedules):
         a, b = m0 * block_kv, m1 * block_kv
         if (a, b) == (0, kv_len):
             sub = inputs._replace(schedule_dkv=sched)
@@ -355,7 +363,8 @@ def info_pieces(info: MaskInfo, config, heads: int, q_shard=0, kv_shard=0, devic
     budget, from ``info``'s arrays as constants."""
     max_steps = forward_max_steps(list_budget_bytes(config, device_kind), info, heads)
     split = split_work_lists(info, max_steps)
-    return pair_schedules(split.pieces, split.arrays, info.head_to_list, q_shard, kv_shard)
+    return pair_schedules(split.pieces, split.arrays, split.bounds, info.head_to_list, q_shard, kv_shard,
+                          transpose=False)
 
 
 def info_pieces_dkv(info_dkv: MaskInfo, config, heads: int, kv_heads: int, q_shard=0, kv_shard=0,
@@ -363,4 +372,5 @@ def info_pieces_dkv(info_dkv: MaskInfo, config, heads: int, kv_heads: int, q_sha
     """The dK/dV pieces of a shard pair (as :func:`info_pieces`, transposed view)."""
     max_steps = dkv_max_steps(list_budget_bytes(config, device_kind), info_dkv, heads, kv_heads)
     split = split_work_lists(info_dkv, max_steps)
-    return pair_schedules(split.pieces, split.arrays, info_dkv.head_to_list, q_shard, kv_shard)
+    return pair_schedules(split.pieces, split.arrays, split.bounds, info_dkv.head_to_list, q_shard, kv_shard,
+                          transpose=True)
