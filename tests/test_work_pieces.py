@@ -68,7 +68,7 @@ def _needed(q_block, kv_block, kind, partial, transpose):
     return np.stack([major[keep], minor[keep], kind[keep], partial[keep]]).astype(np.int64)
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(kind=st.sampled_from(["causal", "local", "numpy", "multi_head"]), shards=st.sampled_from([1, 2, 4]),
        transpose=st.booleans(), layout=st.sampled_from(layouts.LAYOUTS), extra=st.integers(0, 6))
 def test_split_pieces_cover_fit_and_keep_every_entry(kind, shards, transpose, layout, extra):
@@ -169,7 +169,7 @@ def _assert_split_matches(split, whole, want, *, exact):
 
 @pytest.mark.parametrize("kind", ["causal", "multi_head"])
 def test_single_device_xla_tiny_budget_equals_unsplit_and_reference(key, kind):
-    s, heads, kv_heads = 512, 4, 2
+    s, heads, kv_heads = 384, 4, 2
     q, k, v, d_out, _ = inputs(key, heads, kv_heads, s, s, d=32)
     mask = make_mask(kind, s, heads)
     whole = SplashConfig(**B128, backend="xla")
@@ -183,13 +183,13 @@ def test_single_device_xla_tiny_budget_equals_unsplit_and_reference(key, kind):
 
 def test_single_device_interpret_tiny_budget_equals_unsplit_and_reference(key):
     """GQA, causal: forward, dq and dK/dV kernels each run in several pieces (bit-exact)."""
-    s, heads, kv_heads = 512, 2, 1
+    s, heads, kv_heads = 384, 2, 1
     q, k, v, d_out, _ = inputs(key, heads, kv_heads, s, s, d=32)
     mask = masks.CausalMask((s, s))
     whole = SplashConfig(**B128, backend="interpret")
-    split = dataclasses.replace(whole, smem_budget_bytes=budget_for(5, heads))  # pieces (2, 1, 1 q blocks)
+    split = dataclasses.replace(whole, smem_budget_bytes=budget_for(5, heads))  # q blocks [0, 2), [2, 3)
     info_t = rs.build_mask_info(mask, (128, 128), transpose=True)
-    assert len(work_pieces.split_work_lists(info_t, work_pieces.dkv_max_steps(
+    assert len(work_pieces.split_work_lists(info_t, work_pieces.dkv_max_steps(  # kv blocks [0, 1), [1, 3)
         split.smem_budget_bytes, info_t, heads, kv_heads)).pieces) > 1
     f = jax.jit(_single, static_argnums=(4, 5))
     got, base = f(q, k, v, d_out, mask, split), f(q, k, v, d_out, mask, whole)

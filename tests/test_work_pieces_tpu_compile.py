@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import masks
+from ringsplash.splash import work_pieces
 from ringsplash.splash.config import SplashConfig
 
 pytestmark = pytest.mark.tpu_compile
@@ -26,7 +27,7 @@ HEADS, D = 8, 128
 
 def _kernel_calls(hlo: str, name: str) -> int:
     """Mosaic kernel calls named ``name`` in compiled HLO text."""
-    return len(re.findall(rf"%{name}[.\d]* = .*custom-call", hlo))
+    return len(re.findall(rf"%\w*{name}\w*[.\d]* = .*custom-call", hlo))
 
 
 def _entry_parameters(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -90,4 +91,12 @@ def test_single_device_splash_compiles_in_pieces():
 
     spec = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     hlo = jax.jit(fwd_bwd).lower(spec, spec, spec, spec).compile().as_text()
-    assert _kernel_calls(hlo, "splash_forward") >= 3
+    fwd = work_pieces.split_work_lists(info, work_pieces.forward_max_steps(config.smem_budget_bytes, info, HEADS))
+    info_t = rs.build_mask_info(mask, (512, 512), transpose=True)
+    dkv = work_pieces.split_work_lists(info_t, work_pieces.dkv_max_steps(config.smem_budget_bytes, info_t, HEADS,
+                                                                         HEADS))
+    assert len(fwd.pieces) > 2 and len(dkv.pieces) > 2
+    # one Mosaic kernel per piece: forward and dq per q-block range, dK/dV per kv-block range
+    assert _kernel_calls(hlo, "splash_forward") == len(fwd.pieces)
+    assert _kernel_calls(hlo, "splash_dq") == len(fwd.pieces)
+    assert _kernel_calls(hlo, "splash_dkv") == len(dkv.pieces)
