@@ -159,14 +159,18 @@ def _split(info: MaskInfo, max_steps: int | None) -> SplitLists:
     major = (info.kv_block if info.transpose else info.q_block).reshape(-1, steps)
     kind = info.kind.reshape(-1, steps)
     rows = major.shape[0]
-    # an entry is needed unless it repeats its major block with kind 0 (the trailing padding)
-    new_run = np.ones(major.shape, bool)
-    new_run[:, 1:] = major[:, 1:] != major[:, :-1]
-    needed = (kind != EMPTY) | new_run
-    flat = major.astype(np.int64) + (np.arange(rows, dtype=np.int64) * n_major)[:, None]
-    counts = np.bincount(flat[needed], minlength=rows * n_major).reshape(rows, n_major)
+    flat = major.astype(np.int32) + (np.arange(rows, dtype=np.int32) * n_major)[:, None]
     every = np.bincount(flat.ravel(), minlength=rows * n_major).reshape(rows, n_major)
-    del flat, needed, new_run
+    del flat
+    # An entry is needed unless it repeats its major block with kind 0: only the trailing
+    # padding (repeating the last entry), which the last major block's count loses.
+    needed = kind != EMPTY
+    needed[:, 1:] |= major[:, 1:] != major[:, :-1]
+    needed[:, 0] = True
+    padding = np.argmax(needed[:, ::-1], axis=1)  # entries after the last needed one
+    counts = every.copy()
+    counts[np.arange(rows), major[:, -1].astype(np.int64)] -= padding
+    del needed
     csum = np.zeros((rows, n_major + 1), np.int64)
     np.cumsum(counts, axis=1, out=csum[:, 1:])
     first = np.zeros((rows, n_major + 1), np.int64)
