@@ -1,13 +1,16 @@
 """One model, one batch, every attention strategy: do they compute the same function?
 
 Runs the same parameters on the same batch (two packed documents per row, GQA, sinks,
-logit soft-cap) under ``reference`` (dense oracle), ``splash`` (block-sparse, one device) and
-``ring`` over N = 2, 4, 8 simulated devices (tokens laid out once by the ring layout; logits
-mapped back to original order), through the trainer's own sharded gradient function, and
-prints the max abs difference of logits and of gradients against the reference.
+logit soft-cap) under ``reference`` (dense oracle), ``splash`` (block-sparse, one device) and,
+over N = 2, 4, 8 simulated devices, ``ring``, ``allgather``, ``ulysses`` (when the heads split
+over N) and ``usp`` (every (ulysses, ring) factorisation of N with both degrees > 1 that the
+heads allow), with tokens laid out once by the strategy's layout and logits mapped back to
+original order, through the trainer's own mesh (``train.mesh_for``) and sharded gradient
+function; prints the max abs difference of logits and of gradients against the reference.
 
     python experiments/strategy_equivalence.py
-    python experiments/strategy_equivalence.py --layout striped --ring-sizes 2,4
+    python experiments/strategy_equivalence.py --layout striped --ring-sizes 2,4 --strategies ring,usp
+    python experiments/strategy_equivalence.py --preset 1b --num-layers 1 --seq-len 1024 --ring-sizes 4
 """
 
 import dataclasses
@@ -24,21 +27,54 @@ from ringsplash.cli import parse_config
 @dataclasses.dataclass(frozen=True)
 class Config:
     seq_len: int = 2048
-    ring_sizes: str = "2,4,8"
+    ring_sizes: str = "2,4,8"  # N: devices the sequence is sharded over
+    strategies: str = "ring,allgather,ulysses,usp"  # the sequence-parallel ones (reference, splash always run)
     layout: str = "zigzag"
     backend: str = "xla"
     block: int = 128
+    # model (--preset NAME takes a ringsplash.model.presets shape; any field still overridable)
+    preset: str = ""
     vocab_size: int = 64
     d_model: int = 64
     num_layers: int = 2
-    num_heads: int = 4
+    num_heads: int = 8
     num_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // num_heads
+    mlp_ratio: float = 8 / 3
+    mlp_multiple: int = 8
+    rope_theta: float = 10_000.0
     batch_size: int = 2
     seed: int = 0
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, description=__doc__)
+    from ringsplash.model.presets import PRESETS
+
+    return parse_config(Config, argv, description=__doc__, presets=PRESETS)
+
+
+def strategy_configs(base, strategies, n: int, layout: str) -> list[tuple[str, object]]:
+    """(label, model config or the reason it cannot run) for each sequence-parallel strategy on N devices."""
+    from ringsplash.parallel._common import usp_factorisations, valid_ulysses_degrees
+
+    h, kv = base.num_heads, base.num_kv_heads
+    out = []
+    for name in strategies:
+        common = dict(attention=name, ring_layout=layout)
+        if name in ("ring", "allgather"):
+            out.append((f"{name}/{layout}", base.replace(ring_axis_name="context", ring_size=n, **common)))
+        elif name == "ulysses":
+            ok = n in valid_ulysses_degrees(h, kv)
+            out.append((f"ulysses/{layout}", base.replace(ulysses_axis_name="context", ulysses_size=n, **common)
+                        if ok else f"heads {h}/{kv} kv cannot split over {n}"))
+        elif name == "usp":
+            for a, b in usp_factorisations(n, h, kv):
+                if 1 < a < n:
+                    out.append((f"usp {a}x{b}/{layout}", base.replace(
+                        ring_axis_name="context", ring_size=b, ulysses_axis_name="ulysses", ulysses_size=a, **common)))
+        else:
+            raise ValueError(f"unknown strategy {name!r} in --strategies: choose among ring, allgather, ulysses, usp")
+    return out
 
 
 def main(config: Config) -> list[dict]:
@@ -57,7 +93,9 @@ def main(config: Config) -> list[dict]:
     S, b = config.seq_len, config.block
     base = TransformerConfig(
         vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
-        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, max_seq_len=S, sinks=True, logit_soft_cap=30.0,
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim or None,
+        mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
+        max_seq_len=S, sinks=True, logit_soft_cap=30.0,
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
     )
     model = Transformer(base, key=jax.random.key(config.seed))
@@ -68,8 +106,7 @@ def main(config: Config) -> list[dict]:
     batch = data.pack_documents([x for d, c in zip(docs, cut) for x in (d[:c], d[c:])], S, config.batch_size)
 
     def run(cfg):
-        n = cfg.ring_size
-        mesh = train.make_mesh(1, n)
+        mesh = train.mesh_for(cfg)
         m = model.with_config(cfg)
         params, static = eqx.partition(m, eqx.is_array)
         params = train.replicate(params, mesh)
@@ -78,30 +115,35 @@ def main(config: Config) -> list[dict]:
         logits = np.asarray(train.make_logits_fn(cfg, mesh)(eqx.combine(params, static), sharded))
         grads, metrics = jax.jit(lambda p, bb: train.make_grad_fn(cfg, mesh)(p, static, bb))(params, sharded)
         grads = jax.device_get(grads)
-        if cfg.attention == "ring":
-            logits = layouts.unpermute(logits, cfg.ring_layout, n, axis=1)
+        if cfg.context_shards > 1:
+            logits = layouts.unpermute(logits, cfg.ring_layout, cfg.layout_shards, axis=1)
         return logits, grads, float(metrics["loss"]), time.perf_counter() - t0
 
     ref_logits, ref_grads, ref_loss, t = run(base)
     rows = [dict(strategy="reference", n=1, logits=0.0, grads=0.0, loss=ref_loss, seconds=t)]
     configs = [("splash", base.replace(attention="splash"))]
     for n in sizes:
-        configs.append((f"ring/{config.layout}", base.replace(
-            attention="ring", ring_axis_name="context", ring_size=n, ring_layout=config.layout)))
+        configs += strategy_configs(base, [x for x in config.strategies.split(",") if x], n, config.layout)
     for name, cfg in configs:
+        if isinstance(cfg, str):  # a strategy the heads do not allow at this N
+            rows.append(dict(strategy=name, n=0, skipped=cfg))
+            continue
         logits, grads, loss, t = run(cfg)
         gdiff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
                     for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True))
-        rows.append(dict(strategy=name, n=cfg.ring_size, logits=float(np.max(np.abs(logits - ref_logits))),
+        rows.append(dict(strategy=name, n=cfg.context_shards, logits=float(np.max(np.abs(logits - ref_logits))),
                          grads=gdiff, loss=loss, seconds=t))
     gmax = max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(ref_grads))
     print(f"seq_len={S}, batch={config.batch_size} (2 packed documents per row), heads={config.num_heads}/"
           f"{config.num_kv_heads} kv, sinks + soft-cap, backend={config.backend}, block={b}")
     print(f"max |logit| = {np.max(np.abs(ref_logits)):.3g}, max |grad| = {gmax:.3g}")
-    print(f"{'strategy':<16}{'N':>3}  {'max|Δlogits|':>13}  {'max|Δgrads|':>12}  {'loss':>9}  "
+    print(f"{'strategy':<22}{'N':>3}  {'max|Δlogits|':>13}  {'max|Δgrads|':>12}  {'loss':>9}  "
           f"{'s (CPU, compile incl.)':>22}")
     for r in rows:
-        print(f"{r['strategy']:<16}{r['n']:>3}  {r['logits']:>13.2e}  {r['grads']:>12.2e}  {r['loss']:>9.5f}  "
+        if "skipped" in r:
+            print(f"{r['strategy']:<22}  -  n/a: {r['skipped']}")
+            continue
+        print(f"{r['strategy']:<22}{r['n']:>3}  {r['logits']:>13.2e}  {r['grads']:>12.2e}  {r['loss']:>9.5f}  "
               f"{r['seconds']:>22.1f}")
     return rows
 

@@ -72,14 +72,16 @@ class Config:
     mlp_multiple: int = 8
     rope_theta: float = 10_000.0
     remat: str = "none"  # none | full | save_attention | save_dots
-    # attention
+    # attention: reference | splash (one device) | ring | allgather | ulysses (over the context axis) |
+    # usp (ring over context_parallel devices, Ulysses over ulysses_parallel devices inside)
     attention: str = "ring"
     layout: str = "zigzag"
     backend: str = "xla"
     block: int = 128
-    # parallelism (on CPU: simulated devices = data_parallel * context_parallel)
+    # parallelism (on CPU: simulated devices = data_parallel * context_parallel * ulysses_parallel)
     data_parallel: int = 1
     context_parallel: int = 4
+    ulysses_parallel: int = 1  # attention="usp" only
     # optimisation
     steps: int = 700
     batch_size: int = 8
@@ -113,6 +115,18 @@ def curriculum(config: Config) -> list[tuple[int, int]]:
     return stages
 
 
+def context_fields(config: Config) -> dict:
+    """The model's context-parallel fields for ``config.attention`` on the trainer's mesh axes."""
+    ring = dict(ring_axis_name="context", ring_size=config.context_parallel)
+    if config.attention in ("ring", "allgather"):
+        return ring
+    if config.attention == "ulysses":
+        return dict(ulysses_axis_name="context", ulysses_size=config.context_parallel)
+    if config.attention == "usp":
+        return dict(ring, ulysses_axis_name="ulysses", ulysses_size=config.ulysses_parallel)
+    return {}
+
+
 def episode_len_at(stages, step: int) -> int:
     return [length for first, length in stages if first <= step][-1]
 
@@ -126,7 +140,8 @@ def main(config: Config) -> dict:
         # simulated devices (the local launcher gives each process its own); impossible (and
         # unnecessary if there are enough) once JAX has started
         with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_num_cpu_devices", config.data_parallel * config.context_parallel)
+            jax.config.update("jax_num_cpu_devices",
+                              config.data_parallel * config.context_parallel * config.ulysses_parallel)
 
     from ringsplash import checkpoints, data, train
     from ringsplash.model import TransformerConfig
@@ -142,21 +157,21 @@ def main(config: Config) -> dict:
         seq_len=config.seq_len, num_pairs=config.num_pairs, num_queries=config.num_queries,
         num_keys=config.num_keys, num_values=config.num_values, num_filler=config.num_filler,
     )
-    ring = config.attention == "ring"
     b = config.block
     model_config = TransformerConfig(
         vocab_size=task.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim or None,
         mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
         remat=config.remat, max_seq_len=config.seq_len,
-        attention=config.attention, ring_axis_name="context" if ring else None, ring_layout=config.layout,
-        ring_size=config.context_parallel if ring else 1,
+        attention=config.attention, ring_layout=config.layout, **context_fields(config),
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
     )
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), weight_decay=config.weight_decay,
-        data_parallel=config.data_parallel, context_parallel=config.context_parallel if ring else 1,
+        data_parallel=config.data_parallel,
+        context_parallel=config.context_parallel if config.attention not in ("reference", "splash") else 1,
+        ulysses_parallel=config.ulysses_parallel,
         seed=config.seed, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
         progress=config.progress,
     )
@@ -167,7 +182,7 @@ def main(config: Config) -> dict:
     )
     heldout = data.DataStream(make=lambda rng, n, step: task.batch(rng, n), batch_size=config.batch_size,
                               seed=config.seed + 1_000_003)
-    mesh = train.make_mesh(tc.data_parallel, tc.context_parallel)
+    mesh = train.mesh_for(model_config, tc.data_parallel)
     eval_step = train.make_eval_step(model_config, mesh)
 
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0"))
@@ -189,7 +204,8 @@ def main(config: Config) -> dict:
     resuming = checkpoints.latest_step(os.path.join(run_dir, "checkpoints")) is not None
     say(f"run directory: {run_dir}" + (" (resuming from its checkpoint)" if resuming else ""))
     say(f"devices: {len(mesh.devices.flat)} x {jax.devices()[0].platform} (data={tc.data_parallel}, "
-          f"context={tc.context_parallel}); attention={config.attention} layout={config.layout} "
+          f"context={tc.context_parallel}, ulysses={tc.ulysses_parallel}); attention={config.attention} "
+          f"layout={config.layout} "
           f"backend={config.backend}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
     state = train.fit(model_config, tc, stream, run_dir, mesh=mesh, on_log=on_log)
     final = train.evaluate(state.model, heldout, config.eval_batches, mesh, model_config, eval_step)

@@ -12,7 +12,9 @@ strategy (USP: the (ulysses, ring) factorisation with the smallest modelled time
   all-to-all / reduce-scatter count the (g - 1) / g of the data that crosses devices, an
   all-reduce 2 (g - 1) / g, a collective permute its whole buffer); the two must agree within
   10%. The all-gather backward's reduce-scatter of dK/dV is lowered by libtpu as an
-  all-reduce + slice (twice the bytes), and the analytic model counts it that way;
+  all-reduce + slice (twice the bytes), and on v5p:4x4x4 (64 chips) the forward all-gather
+  too, as an all-reduce of a zero-padded buffer (read from the compiled HLO); the analytic
+  model counts both that way;
 * per-device compiled temp memory of forward + backward;
 * critical-path active-block work: the busiest device's non-empty 512 x 512 blocks summed
   over heads (and over ring steps, taking the busiest device at each step);
@@ -22,7 +24,9 @@ strategy (USP: the (ulysses, ring) factorisation with the smallest modelled time
   all-gather / all-to-all collectives do not (sum). A model, not a measurement.
 
 Topologies: v5p:2x2x2 (8 chips), v5p:2x2x4 (16), v5p:4x4x4 (64). Every compile runs in a
-fresh subprocess with a timeout; a row that does not compile prints the reason.
+fresh subprocess with a timeout; a row that does not compile prints the reason. ``--cache FILE``
+keeps each compiled row's counts (JSON, keyed by strategy, S, N, Ulysses degree), so a rerun
+only compiles what is missing.
 """
 
 import argparse
@@ -50,6 +54,9 @@ TOPOLOGY = {8: "v5p:2x2x2", 16: "v5p:2x2x4", 64: "v5p:4x4x4"}
 STRATEGIES = ("ring", "allgather", "ulysses", "usp")
 #: libtpu lowers the dK/dV reduce-scatter as an all-reduce + slice (v5p), moving twice the bytes
 RS_AS_ALL_REDUCE = 2
+#: ... and on v5p:4x4x4 the forward all-gather as a zero-padded all-reduce (compiled HLO: a
+#: dynamic-update-slice into zeros, then all-reduce over the 64 chips), also twice the bytes
+AG_AS_ALL_REDUCE = {64: 2}
 BWD_FLOP_RATIO = 3.5  # dq kernel 3 matmuls + dK/dV kernel 4 matmuls vs the forward's 2
 
 
@@ -84,7 +91,7 @@ def analytic(strategy: str, s: int, n: int, a: int = 1):
         return fwd, bwd, HEADS * ring_critical(pair_work(s, n)), fwd + bwd
     if strategy == "allgather":
         kv = 2 * KV_HEADS * s * D * BYTES * (n - 1) // n  # gather K, V; reduce-scatter dK, dV (bf16)
-        return kv, kv * RS_AS_ALL_REDUCE, HEADS * int(pair_work(s, n).sum(1).max()), 0
+        return kv * AG_AS_ALL_REDUCE.get(n, 1), kv * RS_AS_ALL_REDUCE, HEADS * int(pair_work(s, n).sum(1).max()), 0
     b = n // a
     per = (2 * HEADS + 2 * KV_HEADS * kv_repeat(a)) * local * D * BYTES * (a - 1) // a  # q, k, v, out / grads
     if strategy == "ulysses":
@@ -229,7 +236,15 @@ def compile_child(strategy: str, s: int, n: int, a: int) -> None:
                       "compile_s": time.perf_counter() - t0}))
 
 
-def compile_row(strategy, s, n, a, timeout):
+def compile_row(strategy, s, n, a, timeout, cache: str | None = None):
+    """The child's counts (dict), or the reason it did not compile (str); cached in ``cache``."""
+    key = f"{strategy} {s} {n} {a}"
+    stored = {}
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            stored = json.load(f)
+    if key in stored:
+        return stored[key]
     cmd = [sys.executable, __file__, "--child", strategy, str(s), str(n), str(a)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -238,8 +253,14 @@ def compile_row(strategy, s, n, a, timeout):
     if r.returncode:
         lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
         err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "?")
-        return f"compile failed: {err.strip()[:160]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
+        result = f"compile failed: {err.strip()[:200]}"
+    else:
+        result = json.loads(r.stdout.strip().splitlines()[-1])
+    if cache:  # failures too: they are deterministic (timeouts are not cached)
+        stored[key] = result
+        with open(cache, "w") as f:
+            json.dump(stored, f, indent=1)
+    return result
 
 
 # ----------------------------------------------------------------------------------------
@@ -280,6 +301,7 @@ def main():
     p.add_argument("--timeout", type=int, default=600, help="seconds per compile subprocess")
     p.add_argument("--peak-tflops", type=float, default=459.0, help="chip peak bf16 TFLOP/s (v5p: 459)")
     p.add_argument("--link-gbs", type=float, default=90.0, help="per-device interconnect GB/s used by the model")
+    p.add_argument("--cache", default=None, help="JSON file keeping compiled rows between runs")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -291,12 +313,16 @@ def main():
           f"blocks {BLOCK}; model: peak {args.peak_tflops:.0f} TFLOP/s, link {args.link_gbs:.0f} GB/s per device "
           f"(a model from compiled programs, not a TPU measurement; compiled on a shared 2-core CPU host)\n")
     print("| S | N (topology) | strategy | fwd MiB/dev (analytic / compiled) | bwd MiB/dev (analytic / compiled) "
-          "| temp MiB/dev | critical blocks | model ms | pick |")
+          "| temp MiB/dev (compile s) | critical blocks | model ms | pick |")
     print("|---|---|---|---|---|---:|---:|---:|---|")
     for s in seqs:
         for n in [int(x) for x in args.devices.split(",")]:
             table = rows(s, n, peak, link)
-            valid = [r for r in table if len(r) == 4]
+            compiled = {r[0]: ("not compiled" if args.no_compile
+                               else compile_row(r[0].split()[0], s, n, r[1], args.timeout, args.cache))
+                        for r in table if len(r) == 4}
+            # the pick: the fastest modelled strategy among those that compile (all with --no-compile)
+            valid = [r for r in table if len(r) == 4 and (args.no_compile or isinstance(compiled[r[0]], dict))]
             pick = min(valid, key=lambda r: r[3])[0] if valid else "-"
             for r in table:
                 head = f"| {fmt_size(s)} | {n} ({TOPOLOGY[n]}) | {r[0]} |"
@@ -304,16 +330,27 @@ def main():
                     print(f"{head} {r[2]} | | | | | |", flush=True)
                     continue
                 label, a, (fwd, bwd, blocks, _), t = r
-                comp = "not compiled" if args.no_compile else compile_row(label.split()[0], s, n, a, args.timeout)
+                comp = compiled[label]
                 mib = lambda x: f"{x / 2**20:.0f}"
                 if isinstance(comp, dict):
                     agree = all(abs(c - x) <= 0.1 * max(x, 1) for c, x in ((comp["fwd"], fwd), (comp["bwd"], bwd)))
                     cf, cb = mib(comp["fwd"]), mib(comp["bwd"]) + ("" if agree else " (DISAGREE >10%)")
-                    temp = mib(comp["temp"])
+                    temp = f"{mib(comp['temp'])} ({comp['compile_s']:.0f} s)"
                 else:
-                    cf, cb, temp = comp, "", ""
+                    cf, cb, temp = short_reason(comp), "-", "-"
                 print(f"{head} {mib(fwd)} / {cf} | {mib(bwd)} / {cb} | {temp} | {blocks} | {t * 1e3:.1f} | "
                       f"{'**pick**' if label == pick else ''} |", flush=True)
+
+
+def short_reason(reason: str) -> str:
+    """A table-sized version of a compile failure (the SMEM work-list wall named as such)."""
+    if m := re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\).*space=smem", reason):
+        return (f"no compile: SMEM wall, a {int(m.group(1)) / 2**10:.1f} KiB work-list buffer > "
+                f"{int(m.group(2)) / 2**10:.0f} KiB SMEM")
+    if m := re.search(r"Ran out of memory in memory space smem\. Used ([\d.]+\w) of ([\d.]+\w) smem\. "
+                      r"Exceeded smem capacity by ([\d.]+\w)", reason):
+        return f"no compile: SMEM wall, {m.group(3)} over the {m.group(2)} SMEM"
+    return reason
 
 
 if __name__ == "__main__":

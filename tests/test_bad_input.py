@@ -176,7 +176,7 @@ def test_qkv_rank_and_kv_shape_checks():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"q must be \[heads, length, head_dim\]"):
         _checks.check_attention_inputs(q[0], k, v)
-    with pytest.raises(ValueError, match=r"v must have the shape of k"):
+    with pytest.raises(ValueError, match=r"v must be \[kv_heads, kv_len, head_dim_v\] with k's kv_heads and kv_len"):
         _checks.check_attention_inputs(q, k, v[:, :4])
     with pytest.raises(ValueError, match=r"kv_heads=3 must divide heads=4"):
         _checks.check_attention_inputs(q, jnp.zeros((3, 8, 16)), jnp.zeros((3, 8, 16)))

@@ -163,6 +163,13 @@ BAD = {
     "q_rank": Bad(None, lambda: (_qkv()[0][0], *_qkv()[1:]), {}, ValueError, r"q must be \[heads, length, head_dim\]"),
     "gqa": Bad(None, lambda: (jnp.ones((3, S, D)), jnp.ones((2, S, D)), jnp.ones((2, S, D))), {}, ValueError,
                r"kv_heads=2 must divide heads=3"),
+    # v has a head size of its own (MLA), but k's kv_heads and kv_len; the error names both shapes
+    "v_kv_len": Bad(None, lambda: (*_qkv()[:2], jnp.ones((KV_HEADS, S // 2, 2 * D))), {}, ValueError,
+                    rf"v must be \[kv_heads, kv_len, head_dim_v\] with k's kv_heads and kv_len: k has shape "
+                    rf"\({KV_HEADS}, (\d+), {D}\) = \[kv_heads={KV_HEADS}, kv_len=\1, head_dim={D}\], "
+                    rf"got v\.shape=\({KV_HEADS}, \d+, {2 * D}\)"),  # lengths: local ones in shard_map
+    "v_kv_heads": Bad(None, lambda: (*_qkv()[:2], jnp.ones((KV_HEADS + 1, S, D // 2))), {}, ValueError,
+                      rf"k's kv_heads and kv_len: .*, got v\.shape=\({KV_HEADS + 1}, \d+, {D // 2}\)"),
     # defect 3: logit_soft_cap 0 / negative / non-finite (uniform attention, NaN at a zero logit)
     "soft_cap_zero": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap=0), ValueError,
                          r"logit_soft_cap must be > 0, got logit_soft_cap=0\.0"),

@@ -22,8 +22,6 @@ REJECTED = [
     (dict(attention="ring", ring_size=4), ["attention='ring' needs ring_axis_name", "ring_axis_name='context'"]),
     (dict(attention="ring", ring_axis_name="", ring_size=4), ["needs ring_axis_name"]),
     (dict(num_heads=4, num_kv_heads=3), ["num_heads=4 must be divisible by num_kv_heads=3", "num_kv_heads"]),
-    (dict(attention="splash", d_model=256, num_heads=4, splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="mosaic_tpu")),
-     ["head_dim=64 must be a multiple of 128", "mosaic_tpu", "head_dim=128"]),
     (dict(attention="splash", max_seq_len=1000),
      ["sequence length must be divisible by the block sizes", "max_seq_len=1000", "block_q=128"]),
     # the ring shrinks blocks to its shards; a shard it cannot tile names the config / S that would
@@ -87,6 +85,12 @@ def test_config_rejects_unknown_mode_string(changes, field, value):
         dict(mask="full"),
         dict(num_kv_heads=1, sinks=True, logit_soft_cap=30.0, remat="save_dots", param_dtype="bfloat16"),
         dict(attention="splash", d_model=512, num_heads=4, splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="mosaic_tpu")),
+        # head sizes other than 128 on the TPU kernels (compiled for v5e: tests/test_head_dims_tpu_compile.py)
+        dict(attention="splash", d_model=256, num_heads=4, splash=SplashConfig(backend="mosaic_tpu", block_q=128,
+                                                                              block_kv=128, block_q_dkv=128,
+                                                                              block_kv_dkv=128)),
+        dict(attention="ring", ring_axis_name="context", ring_size=4, head_dim=96,
+             splash=SplashConfig(backend="mosaic_tpu")),
     ],
 )
 def test_config_accepts_valid(changes):

@@ -7,6 +7,8 @@ cotangent) and compares out, dq, dk, dv (and d_sinks) in original order with
 backend (fast on CPU); one per strategy uses the Pallas TPU interpreter.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,15 +178,26 @@ def test_strategy_eight_devices_all_features(key, name, degrees, layout, heads, 
 # the Pallas TPU kernels (interpreter), tiny
 
 
-# USP with zigzag: with an empty shard pair (causal + contiguous) the ring skips the kernel on
-# some devices only, and the interpreter's cross-device kernel barrier then deadlocks (the
-# ring's interpret-backend issue, fixed separately in ring.py)
+# USP contiguous: causal gives its inner ring an empty shard pair, which the ring computes (as
+# zeros) on the interpret backend instead of skipping (the interpreter needs every device in
+# every kernel), so this also covers that path inside USP
 @pytest.mark.parametrize("name, degrees", [("allgather", None), ("ulysses", None), ("usp", (2, 2))])
 def test_strategy_interpret_backend_matches_reference(key, name, degrees):
-    s, layout = (256, "contiguous") if name != "usp" else (512, "zigzag")  # one 128-block per (half-)shard
+    s, layout = 256, "contiguous"  # one 128-block per shard (USP: per ring member)
     got, want = run_both(key, name, make_mask("causal", s, 4, 1), layout=layout, n=2, degrees=degrees,
                          heads=4, kv_heads=2, s=s, d=128, segments=True, sinks=True, config=INTERPRET)
     assert_close(got, want)
+
+
+def test_usp_refuses_the_tpu_interpreter_on_its_whole_mesh():
+    """The ring axis has 4 devices, but all 2 x 4 run kernels: refused (it would deadlock)."""
+    s = 1024
+    q, k, v = (jnp.ones((h, s, 32)) for h in (4, 2, 2))
+    fn = functools.partial(rs.usp_attention_sharded, mask=masks.CausalMask((s, s)),
+                           mesh=usp_mesh(2, 4, devices=jax.devices()[:8]), ulysses_axis="ulysses", ring_axis="ring",
+                           config=INTERPRET)
+    with pytest.raises(ValueError, match=r"usp_attention: .*deadlocks on a mesh of 8 >= 8"):
+        jax.eval_shape(fn, q, k, v)
 
 
 # ----------------------------------------------------------------------------------------

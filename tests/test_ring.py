@@ -215,6 +215,56 @@ def test_ring_scores_spread_over_all_shards_need_every_step(key):
     assert_close(got, want)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_non_finite_values_at_unattended_positions_never_leak(key, layout):
+    """The masked-values contract through the ring: K / V at positions no query attends (the
+    last quarter is a padding segment, so with the contiguous layout one device's whole kv
+    shard is poison, plus masked columns inside live shards) are NaN / +-Inf while they rotate
+    past every device. Every output and gradient equals the reference on clean inputs, rows
+    of the padding segment return exactly 0, and the poisoned positions get dk = dv = 0."""
+    n, s, heads, d = 4, 1024, 2, 32
+    arr = np.tril(np.ones((s, s), bool))
+    arr[:, 100:140] = False  # columns nobody attends, inside a live shard
+    arr[np.arange(s), np.arange(s)] = True
+    arr[:, 100:140] = False
+    seg = np.repeat([3, 7, -1], [400, 368, 256]).astype(np.int32)  # -1: padding, its own segment
+    seg_q = np.where(seg < 0, -2, seg).astype(np.int32)  # padding queries match no key
+    attended = arr & (seg_q[:, None] == seg[None, :])
+    unattended = ~attended.any(0)
+    assert unattended[768:].all() and unattended[100:140].all()
+    mask = masks.NumpyMask(arr)
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (heads, s, d), jnp.float32)
+    k, v = (jax.random.normal(x, (1, s, d), jnp.float32) for x in (kk, kv))
+    d_out = jax.random.normal(kd, (heads, s, d), jnp.float32)
+    poison = jnp.asarray(np.resize([np.nan, np.inf, -np.inf], (1, s, d)), jnp.float32)
+    bad = jnp.asarray(unattended)[None, :, None]
+    k_bad, v_bad = jnp.where(bad, poison, k), jnp.where(bad, poison[:, ::-1], v)
+    lay = lambda x: layouts.permute(x, layout, n, axis=0 if x.ndim == 1 else 1)
+    unlay = lambda x: layouts.unpermute(x, layout, n, axis=1)
+
+    def ring(q, k, v):
+        ids = rs.SegmentIds(q=lay(jnp.asarray(seg_q)), kv=lay(jnp.asarray(seg)))
+        fn = lambda q, k, v: ring_attention_sharded(q, k, v, mask, mesh=mesh(n), axis_name="ctx", layout=layout,
+                                                    segment_ids=ids, logit_soft_cap=6.0, config=XLA)
+        out, vjp = jax.vjp(fn, lay(q), lay(k), lay(v))
+        return tuple(unlay(x) for x in (out, *vjp(lay(d_out))))
+
+    def ref(q, k, v):
+        ids = rs.SegmentIds(q=jnp.asarray(seg_q), kv=jnp.asarray(seg))
+        fn = lambda q, k, v: rs.reference_attention(q, k, v, mask, segment_ids=ids, logit_soft_cap=6.0)
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(d_out))
+
+    got, want = jax.jit(ring)(q, k_bad, v_bad), jax.jit(ref)(q, k, v)  # reference on clean inputs
+    for name, a in zip(("out", "dq", "dk", "dv"), got):
+        assert bool(jnp.all(jnp.isfinite(a))), f"{name} has non-finite values"
+    assert_close(got, (*want, None))
+    out, _, dk, dv = got
+    assert bool(jnp.all(out[:, seg_q < 0] == 0)), "padding rows attend nothing: exactly 0"
+    assert bool(jnp.all(dk[:, unattended] == 0)) and bool(jnp.all(dv[:, unattended] == 0))
+
+
 # ----------------------------------------------------------------------------------------
 # Pallas TPU kernels (interpreter) inside the ring. The interpreter synchronises all devices
 # at every kernel call, so a ring whose devices run different numbers of kernels hangs (issue
@@ -224,10 +274,13 @@ def test_ring_scores_spread_over_all_shards_need_every_step(key):
 INTERPRET_TIMEOUT_S = 900  # a case takes 1-3 min on the shared 2-core machine, up to ~5 under heavy load
 
 
-def interpret_case_errors(kind: str, n: int, layout: str, s: int, sinks: bool, segments: bool) -> dict:
-    """Max abs errors (out, dq, dk, dv, d_sinks) of the interpret-backend ring vs the reference."""
+def interpret_case_errors(kind: str, n: int, layout: str, s: int, sinks: bool, segments: bool,
+                          tpu_interpreter: bool = True) -> dict:
+    """Max abs errors (out, dq, dk, dv, d_sinks) of the interpret-backend ring vs the reference:
+    the Pallas TPU interpreter (unwritten memory reads as NaN), or the default (the generic one)."""
+    params = pltpu.InterpretParams(uninitialized_memory="nan") if tpu_interpreter else None
     cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
-                       interpret_params=pltpu.InterpretParams(uninitialized_memory="nan"))
+                       interpret_params=params)
     key = jax.random.key(zlib.crc32(f"{kind}-{n}-{layout}".encode()))
     got, want = run_both(key, make_mask(kind, s, 2), n=n, layout=layout, heads=2, kv_heads=1, s=s, d=64,
                          segments=segments, sinks=sinks, config=cfg)
@@ -259,6 +312,7 @@ class InterpretCase(NamedTuple):
     s: int
     sinks: bool
     segments: bool
+    tpu_interpreter: bool = True
 
 
 INTERPRET_CASES = {
@@ -269,6 +323,9 @@ INTERPRET_CASES = {
     "contiguous_causal_n4": InterpretCase("causal", 4, "contiguous", 512, sinks=True, segments=False),
     "contiguous_prefix_lm_n4": InterpretCase("prefix_lm", 4, "contiguous", 512, sinks=False, segments=False),
     "contiguous_local_n4": InterpretCase("local", 4, "contiguous", 512, sinks=False, segments=True),
+    # 8 devices: the TPU interpreter deadlocks here (hung before the generic-interpreter default)
+    "striped_causal_n8_default": InterpretCase("causal", 8, "striped", 1024, sinks=True, segments=True,
+                                               tpu_interpreter=False),
 }
 
 
@@ -325,6 +382,16 @@ def test_ring_rejects_lengths_no_block_tiles(layout, n, s, match):
     with pytest.raises(ValueError, match=match):
         ring_attention_sharded(q, k, v, masks.CausalMask((s, s)), mesh=mesh(n), axis_name="ctx", layout=layout,
                                config=XLA)
+
+
+def test_ring_refuses_the_tpu_interpreter_on_eight_devices():
+    """It would deadlock (see parallel/_common.py); the error names the working alternative."""
+    q, k, v = _qkv()
+    cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
+                       interpret_params=pltpu.InterpretParams())
+    with pytest.raises(ValueError, match=r"ring_attention: .*TPU interpreter.*8 >= 8 .*interpret_params='generic'"):
+        jax.eval_shape(functools.partial(ring_attention_sharded, mask=masks.CausalMask((1024, 1024)), mesh=mesh(8),
+                                         axis_name="ctx", config=cfg), q, k, v)
 
 
 def test_ring_rejects_unknown_layout():

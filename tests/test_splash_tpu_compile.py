@@ -124,3 +124,29 @@ def test_splash_128k_causal_work_lists_fit_smem_and_compile():
     assert found == {"splash_forward": expected, "splash_dq": expected, "splash_dkv": expected}
     compiled = jax.jit(grad).lower(x, x, x, x).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_splash_segment_skipping_kernels_compile_for_v5e_at_32k():
+    """Segment-refined dynamic work lists (issue 13): forward + backward with segment ids at
+    S=32K, bfloat16, on v5e. The refined lists are computed on device and walked on the static
+    grid: the kernels prefetch the static-length lists (2080 causal entries at blocks 512)."""
+    s, target = 32768, "v5e:2x2"
+    mask = masks.CausalMask((s, s))
+    config = rs.SplashConfig(backend="mosaic_tpu")
+    assert config.segment_skipping
+    sharding = jax.sharding.SingleDeviceSharding(device(target))
+    x = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=sharding)
+    ids = jax.ShapeDtypeStruct((s,), jnp.int32, sharding=sharding)
+
+    def loss(q, k, v, w, seg):
+        out = rs.splash_attention(q, k, v, mask, segment_ids=rs.SegmentIds(seg, seg), config=config)
+        return jnp.vdot(out.astype(jnp.float32), w.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    blocks = s // 512
+    expected = 2 * (blocks * (blocks + 1) // 2) * 4 + HEADS * 4
+    found = _prefetch_bytes(jax.make_jaxpr(grad)(x, x, x, x, ids).jaxpr, {})
+    assert found == {"splash_forward": expected, "splash_dq": expected, "splash_dkv": expected}
+    compiled = jax.jit(grad).lower(x, x, x, x, ids).compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes <= 2 * HEADS * s * D * 4  # as the 8K budget above

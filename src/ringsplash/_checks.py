@@ -58,6 +58,7 @@ class AttentionCall(NamedTuple):
     scale: float  # resolved: ``1 / sqrt(head_dim)`` when the caller passed None
     logit_soft_cap: float | None
     segment_ids: SegmentIds | None  # int32, equal exactly where the given ids are equal
+    head_dim_v: int | None = None  # v's head size (the output's); may differ from head_dim (MLA)
 
 
 def check_attention_call(
@@ -82,7 +83,8 @@ def check_attention_call(
     """Validate one call of an attention entry point; raise a clear error naming the argument.
 
     Args:
-        q, k, v: per-example ``[heads, q_len, d]`` / ``[kv_heads, kv_len, d]`` floating arrays.
+        q, k, v: per-example ``[heads, q_len, d]`` / ``[kv_heads, kv_len, d]`` /
+            ``[kv_heads, kv_len, dv]`` floating arrays (v's head size ``dv`` may differ from d).
         mask: a ``Mask`` / ``MultiHeadMask`` or None (``mask_required`` rejects None).
         mask_shape: the ``(q_len, kv_len)`` the mask must have (default: q's and k's lengths;
             the ring passes the global ``(S, S)``), ``mask_hint`` is appended to the error.
@@ -117,12 +119,14 @@ def check_attention_call(
             if not segment_hint:
                 raise
             raise ValueError(f"{e} ({segment_hint})") from None
-    return AttentionCall(heads, kv_heads, q_len, kv_len, d, scale, logit_soft_cap, segment_ids)
+    return AttentionCall(heads, kv_heads, q_len, kv_len, d, scale, logit_soft_cap, segment_ids, int(v.shape[-1]))
 
 
 def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, same_dtype=False,
                            mask_shape=None, mask_hint=""):
-    """Shape / dtype checks of per-example attention inputs; returns (heads, kv_heads, q_len, kv_len, head_dim)."""
+    """Shape / dtype checks of per-example attention inputs; returns (heads, kv_heads, q_len, kv_len, head_dim).
+
+    ``v`` is ``[kv_heads, kv_len, head_dim_v]``: its head size may differ from q's and k's."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 3:
             raise ValueError(
@@ -135,8 +139,11 @@ def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, 
     kv_heads, kv_len, dk = k.shape
     if dk != d:
         raise ValueError(f"head_dim mismatch: q has head_dim={d}, k has head_dim={dk}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"v must be [kv_heads, kv_len, head_dim_v] with k's kv_heads and kv_len: k has shape "
+            f"{tuple(k.shape)} = [kv_heads={kv_heads}, kv_len={kv_len}, head_dim={dk}], got v.shape={tuple(v.shape)}"
+        )
     if heads % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads} (GQA groups)")
     if same_dtype and not (q.dtype == k.dtype == v.dtype):

@@ -44,6 +44,9 @@ class BlockSchedule(NamedTuple):
     kind: object
     partial_index: object
     head_to_list: object  # [mask_heads]
+    # int32 [lists]: entries to walk per list, the rest repeat the last one with kind 0
+    # (segment-refined, compacted lists: ``splash/segment_blocks.py``); None = every entry
+    num_steps: object = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

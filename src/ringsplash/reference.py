@@ -15,7 +15,7 @@ MASKED_LSE = -1e30
 def reference_attention(
     q: Float[Array, "heads q_len d"],
     k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len d"],
+    v: Float[Array, "kv_heads kv_len dv"],
     mask: masks_lib.AnyMask | None = None,
     *,
     segment_ids: SegmentIds | None = None,
@@ -31,7 +31,8 @@ def reference_attention(
     Args:
         q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
         k: keys ``[kv_heads, kv_len, d]``; ``kv_heads`` divides ``heads`` (GQA; 1 = MQA).
-        v: values, the shape of ``k``.
+        v: values ``[kv_heads, kv_len, dv]``; their head size ``dv`` may differ from ``d``
+            (the output has it).
         mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one
             per head), or None to attend everything.
         segment_ids: ``SegmentIds(q=[q_len], kv=[kv_len])`` integer ids; a query attends only
@@ -48,7 +49,7 @@ def reference_attention(
         dropout_key: a ``jax.random`` key, needed when ``dropout_rate > 0``.
 
     Returns:
-        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
+        ``out`` (``q.dtype``, ``[heads, q_len, dv]``) or ``(out, lse)``.
 
     Masked values (the contract every strategy follows): K and V at a kv position that no
     query row attends (of any q head sharing its kv head: masked out everywhere, or a
@@ -99,7 +100,7 @@ def reference_attention(
         keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, p.shape)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     pv = jnp.einsum("hgqk,hkd->hgqd", p.reshape(kv_heads, group, q_len, kv_len), v)
-    out = pv.reshape(heads, q_len, d) / safe_l[..., None]
+    out = pv.reshape(heads, q_len, v.shape[-1]) / safe_l[..., None]
     out = out.astype(q.dtype)
     if not return_residuals:
         return out

@@ -4,7 +4,11 @@ The mesh has axes ``("data", "context")``. Under ``attention="ring"`` the ring r
 ``"context"``: every ``[batch, seq]`` field of a batch (tokens, labels, loss mask, positions,
 segment ids) is permuted **once**, on the host, into the model's ring layout and sharded as
 ``P("data", "context")``; the model then sees local shards of layout-ordered tokens with their
-true positions. Other strategies need ``context == 1``.
+true positions. The all-gather strategy shards the same way over ``"context"``, Ulysses too (its all-to-all
+runs over ``"context"``); USP adds a third axis, ``("data", "context", "ulysses")`` (``make_mesh(...,
+ulysses=a)``): the ring across ``"context"``, Ulysses inside over ``"ulysses"``, batches permuted
+over the ring degree and sharded ``P("data", ("context", "ulysses"))``. Reference and splash need
+``context == 1``.
 
 One train step = one ``shard_map`` over the mesh in which each device takes the gradient of its
 own (unnormalised) loss; the ring's custom VJP returns every device the gradient of the
@@ -48,6 +52,7 @@ from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.model.config import dtype_of
 
 DATA, CONTEXT = "data", "context"
+ULYSSES = "ulysses"  # USP's inner (all-to-all) axis, present only when make_mesh(..., ulysses=a) asks for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +76,10 @@ class TrainConfig:
     progress: bool = True
     fsdp: bool = True  # shard params + optimiser state over data x context (a no-op on one device)
     loss_chunk: int = 0  # tokens per chunk of the cross-entropy (0: all local tokens at once)
+    ulysses_parallel: int = 1  # USP: devices on the mesh's "ulysses" axis (inside each of the context ring's members)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every"):
+        for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every", "ulysses_parallel"):
             check_positive_int(name, getattr(self, name))
         check_divides("data_parallel", self.data_parallel, "batch_size", self.batch_size)
         if not 0 <= check_int("warmup_steps", self.warmup_steps) <= self.steps:
@@ -96,9 +102,17 @@ def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
     )
 
 
-def make_mesh(data: int = 1, context: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A ``(data, context)`` mesh over the first ``data * context`` devices."""
+def make_mesh(data: int = 1, context: int = 1, devices=None, *, ulysses: int | None = None) -> jax.sharding.Mesh:
+    """A ``(data, context)`` mesh over the first ``data * context`` devices; with ``ulysses``, a
+    ``(data, context, ulysses)`` mesh over ``data * context * ulysses`` (for ``attention="usp"``:
+    the ring over ``context``, the all-to-all over the innermost ``ulysses``)."""
     devices = jax.devices() if devices is None else devices
+    if ulysses is not None:
+        check_positive_int("ulysses", ulysses)
+        context_total = context * ulysses
+        mesh = make_mesh(data, context_total, devices)  # the same device checks, on data x (context x ulysses)
+        return jax.make_mesh((data, context, ulysses), (DATA, CONTEXT, ULYSSES), devices=list(mesh.devices.flat),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 3)
     processes = jax.process_count()
     if processes > 1 and (data * context) % processes:
         raise ValueError(
@@ -121,30 +135,67 @@ def make_mesh(data: int = 1, context: int = 1, devices=None) -> jax.sharding.Mes
     )
 
 
+def mesh_for(model_config: TransformerConfig, data: int = 1, devices=None) -> jax.sharding.Mesh:
+    """The trainer's mesh for ``model_config``'s strategy: ``(data, context)`` with ``context`` the
+    ring / all-gather / Ulysses degree (1 for reference and splash), or ``(data, context, ulysses)``
+    for USP (``ring_size`` x ``ulysses_size``)."""
+    c = model_config
+    if c.attention == "usp":
+        return make_mesh(data, c.ring_size, devices, ulysses=c.ulysses_size)
+    return make_mesh(data, c.context_shards, devices)
+
+
+def _trainer_axes(model_config: TransformerConfig) -> dict[str, str]:
+    """Config field -> the trainer mesh axis it must name, for the configured strategy."""
+    return {"ring": {"ring_axis_name": CONTEXT}, "allgather": {"ring_axis_name": CONTEXT},
+            "ulysses": {"ulysses_axis_name": CONTEXT},
+            "usp": {"ring_axis_name": CONTEXT, "ulysses_axis_name": ULYSSES}}.get(model_config.attention, {})
+
+
 def check_mesh(model_config: TransformerConfig, mesh: jax.sharding.Mesh) -> None:
-    context = mesh.shape[CONTEXT]
-    if model_config.attention == "ring":
-        if model_config.ring_axis_name != CONTEXT:
-            raise ValueError(f"the trainer runs the ring over {CONTEXT!r}: set ring_axis_name={CONTEXT!r}")
-        if model_config.ring_size != context:
-            raise ValueError(f"ring_size={model_config.ring_size} must equal the mesh's context axis ({context})")
-    elif context != 1:
-        raise ValueError(f"context_parallel={context} needs attention='ring' (or context_parallel=1)")
+    """The model's context-parallel axes must be the trainer mesh's axes, with the same sizes."""
+    c, shape = model_config, dict(mesh.shape)
+    fields = _trainer_axes(c)
+    for field, axis in fields.items():
+        if getattr(c, field) != axis:
+            raise ValueError(f"the trainer runs attention={c.attention!r} over {axis!r}: set {field}={axis!r}")
+        size_field = field.replace("axis_name", "size")
+        if axis not in shape:
+            raise ValueError(
+                f"attention={c.attention!r} needs a {axis!r} mesh axis of {size_field}={getattr(c, size_field)} "
+                f"devices; the mesh has {shape}: build it with train.make_mesh(data, context, ulysses=...)"
+            )
+    for field, axis in fields.items():
+        size_field = field.replace("axis_name", "size")
+        if getattr(c, size_field) != shape[axis]:
+            raise ValueError(f"{size_field}={getattr(c, size_field)} must equal the mesh's {axis} axis ({shape[axis]})")
+    for axis, flag in ((CONTEXT, "context_parallel"), (ULYSSES, "ulysses_parallel")):
+        if shape.get(axis, 1) != 1 and axis not in fields.values():
+            needs = "attention='usp'" if axis == ULYSSES else "attention='ring', 'allgather', 'ulysses' or 'usp'"
+            raise ValueError(f"{flag}={shape[axis]} needs {needs} (or {flag}=1)")
+
+
+def mesh_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+    """Every axis of the trainer's mesh: ``("data", "context")`` (plus ``"ulysses"`` for USP)."""
+    return tuple(mesh.axis_names)
 
 
 # ----------------------------------------------------------------------------- batches
 
 
 def layout_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
-    """Permute every field along the sequence into the ring layout (identity otherwise)."""
-    if model_config.attention != "ring":
+    """Permute every field along the sequence into the strategy's layout (``ring_layout`` over
+    ``layout_shards``: the ring degree for ring / all-gather / USP, the Ulysses degree for
+    Ulysses); identity without context parallelism."""
+    if not _trainer_axes(model_config):
         return batch
     c = model_config
-    return Batch(*(layouts.permute(np.asarray(x), c.ring_layout, c.ring_size, axis=1) for x in batch))
+    return Batch(*(layouts.permute(np.asarray(x), c.ring_layout, c.layout_shards, axis=1) for x in batch))
 
 
 def batch_spec(model_config: TransformerConfig) -> P:
-    return P(DATA, CONTEXT if model_config.attention == "ring" else None)
+    axes = tuple(_trainer_axes(model_config).values())  # USP: ring-major (context, ulysses)
+    return P(DATA, None if not axes else axes[0] if len(axes) == 1 else axes)
 
 
 def _global_array(x, sharding: NamedSharding) -> jax.Array:
@@ -246,7 +297,7 @@ def _device_key(key):
     return jax.random.fold_in(jax.random.fold_in(key, jax.lax.axis_index(DATA)), jax.lax.axis_index(CONTEXT))
 
 
-FSDP_AXES = (DATA, CONTEXT)
+FSDP_AXES = (DATA, CONTEXT)  # (+ ULYSSES on a USP mesh: sharding_plan shards over every mesh axis)
 
 
 def sharding_plan(model_config: TransformerConfig, mesh, fsdp: bool) -> partitioning.ShardingPlan:
@@ -254,7 +305,7 @@ def sharding_plan(model_config: TransformerConfig, mesh, fsdp: bool) -> partitio
     ``("data", "context")`` (stacked layer axes kept whole) or replicated."""
     model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(0))
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return partitioning.plan_sharding(params, dict(mesh.shape), fsdp=fsdp, axes=FSDP_AXES,
+    return partitioning.plan_sharding(params, dict(mesh.shape), fsdp=fsdp, axes=mesh_axes(mesh),
                                       stacked=lambda path: path.startswith("layers."))
 
 
@@ -275,7 +326,7 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
         loss_chunk: tokens per chunk of the cross-entropy (0: unchunked).
     """
     check_mesh(model_config, mesh)
-    axes = (DATA, CONTEXT)
+    axes = mesh_axes(mesh)
     dropout = model_config.attention_dropout > 0
     spec = batch_spec(model_config)
     sharded = plan is not None and plan.sharded
@@ -347,7 +398,7 @@ def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTr
 def make_eval_step(model_config: TransformerConfig, mesh):
     """``evaluate(model, batch) -> (loss_sum, weight, correct)`` summed over the mesh (jitted)."""
     check_mesh(model_config, mesh)
-    axes = (DATA, CONTEXT)
+    axes = mesh_axes(mesh)
     spec = batch_spec(model_config)
 
     @eqx.filter_jit
@@ -591,7 +642,8 @@ def fit(
     """
     from tqdm.auto import tqdm
 
-    mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel)
+    usp = model_config.attention == "usp" or tc.ulysses_parallel > 1
+    mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel, ulysses=tc.ulysses_parallel if usp else None)
     optimizer = make_optimizer(tc)
     plan = sharding_plan(model_config, mesh, tc.fsdp)
     step_fn = make_train_step(model_config, optimizer, mesh, plan=plan, loss_chunk=tc.loss_chunk)

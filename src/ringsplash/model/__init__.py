@@ -1,4 +1,5 @@
-"""Equinox transformer whose attention runs under a selectable strategy (reference / splash / ring)."""
+"""Equinox transformer whose attention runs under a selectable strategy (reference / splash / ring / allgather /
+ulysses / usp)."""
 
 from ringsplash.model.attention import Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
-from ringsplash.model.config import TransformerConfig, dtype_of
+from ringsplash.model.config import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, TransformerConfig, dtype_of
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
 
@@ -36,22 +36,23 @@ def attend(
     config: TransformerConfig,
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     segment_ids: Int[Array, " seq"] | None,
     sinks: Float[Array, " heads"] | None,
     *,
     key: jax.Array | None = None,
-) -> Float[Array, "heads seq d"]:
-    """Run the configured strategy on one example (under ``"ring"``: one local shard)."""
+) -> Float[Array, "heads seq dv"]:
+    """Run the configured strategy on one example (sequence-parallel strategies: one local shard)."""
     seq = q.shape[1]
-    if config.attention == "ring":
-        ring_size = jax.lax.axis_size(config.ring_axis_name)
-        if ring_size != config.ring_size:
+    axes = context_axes(config)
+    for axis_name, size in axes.items():
+        actual = jax.lax.axis_size(axis_name)
+        if actual != size:
+            field = "ring_size" if axis_name == config.ring_axis_name else "ulysses_size"
             raise ValueError(
-                f"mesh axis {config.ring_axis_name!r} has {ring_size} devices but the config says "
-                f"ring_size={config.ring_size}"
+                f"mesh axis {axis_name!r} has {actual} devices but the config says {field}={size}"
             )
-        seq = seq * ring_size
+        seq = seq * actual
     mask = config.make_mask(seq)
     seg = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
     common = dict(segment_ids=seg, scale=None, logit_soft_cap=config.logit_soft_cap, sinks=sinks)
@@ -63,11 +64,27 @@ def attend(
         from ringsplash.splash import splash_attention  # import at call: kernels are a lower layer
 
         return splash_attention(q, k, v, mask, config=config.splash, **common)
-    from ringsplash.parallel.ring import ring_attention
+    from ringsplash import parallel
 
-    return ring_attention(
-        q, k, v, mask, axis_name=config.ring_axis_name, layout=config.ring_layout, config=config.splash, **common
-    )
+    common.update(layout=config.ring_layout, config=config.splash)
+    if config.attention == "usp":
+        return parallel.usp_attention(q, k, v, mask, ulysses_axis=config.ulysses_axis_name,
+                                      ring_axis=config.ring_axis_name, **common)
+    if config.attention == "ulysses":
+        return parallel.ulysses_attention(q, k, v, mask, axis_name=config.ulysses_axis_name, **common)
+    fn = parallel.ring_attention if config.attention == "ring" else parallel.allgather_attention
+    return fn(q, k, v, mask, axis_name=config.ring_axis_name, **common)
+
+
+def context_axes(config: TransformerConfig) -> dict[str, int]:
+    """The mesh axes the configured strategy shards the sequence over, with their sizes (ring axis
+    first: USP's local shards are ring-major); empty without context parallelism."""
+    axes = {}
+    if config.attention in RING_AXIS_STRATEGIES:
+        axes[config.ring_axis_name] = config.ring_size
+    if config.attention in ULYSSES_AXIS_STRATEGIES:
+        axes[config.ulysses_axis_name] = config.ulysses_size
+    return axes
 
 
 class Attention(eqx.Module):
@@ -75,8 +92,8 @@ class Attention(eqx.Module):
 
     wq: Float[Array, "d_model heads_x_d"]
     wk: Float[Array, "d_model kv_heads_x_d"]
-    wv: Float[Array, "d_model kv_heads_x_d"]
-    wo: Float[Array, "heads_x_d d_model"]
+    wv: Float[Array, "d_model kv_heads_x_dv"]
+    wo: Float[Array, "heads_x_dv d_model"]
     sinks: Float[Array, " heads"] | None
     config: TransformerConfig = eqx.field(static=True)
 
@@ -90,8 +107,8 @@ class Attention(eqx.Module):
 
         self.wq = init(kq, c.d_model, c.num_heads * c.head_dim)
         self.wk = init(kk, c.d_model, c.num_kv_heads * c.head_dim)
-        self.wv = init(kv, c.d_model, c.num_kv_heads * c.head_dim)
-        self.wo = init(ko, c.num_heads * c.head_dim, c.d_model, gain=(2 * c.num_layers) ** -0.5)
+        self.wv = init(kv, c.d_model, c.num_kv_heads * c.v_head_dim)
+        self.wo = init(ko, c.num_heads * c.v_head_dim, c.d_model, gain=(2 * c.num_layers) ** -0.5)
         self.sinks = jnp.zeros((c.num_heads,), jnp.float32) if c.sinks else None
         self.config = config
 
@@ -108,14 +125,14 @@ class Attention(eqx.Module):
         seq = x.shape[0]
         x = x.astype(cdt)
 
-        def heads(w, n):
-            return (x @ w.astype(cdt)).reshape(seq, n, c.head_dim).transpose(1, 0, 2)
+        def heads(w, n, dim=c.head_dim):
+            return (x @ w.astype(cdt)).reshape(seq, n, dim).transpose(1, 0, 2)
 
         q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta)
         k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
-        v = heads(self.wv, c.num_kv_heads)
+        v = heads(self.wv, c.num_kv_heads, c.v_head_dim)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key)
-        if c.attention != "ring":  # the ring names its own residual (naming it twice would save it twice)
+        if c.attention not in ("ring", "usp"):  # the ring names its own residual (naming it twice would save it twice)
             out = checkpoint_name(out, ATTENTION_OUT)
-        out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.head_dim)
+        out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.v_head_dim)
         return out @ self.wo.astype(cdt)

@@ -11,10 +11,11 @@ from typing import Literal
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_choice, check_float, check_int, check_positive_int, literal_choices
+from ringsplash.parallel._common import usp_factorisations, valid_ulysses_degrees
 from ringsplash.parallel.ring import fit_ring_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
-Strategy = Literal["reference", "splash", "ring"]
+Strategy = Literal["reference", "splash", "ring", "allgather", "ulysses", "usp"]
 MaskKind = Literal["causal", "local", "chunked", "prefix_lm", "full"]
 DType = Literal["float32", "bfloat16", "float16"]
 STRATEGIES: tuple[str, ...] = literal_choices(Strategy)
@@ -27,6 +28,9 @@ DTYPES: tuple[str, ...] = literal_choices(DType)
 #: matmul result without batch dimensions plus the attention outputs.
 RematPolicy = Literal["none", "full", "save_attention", "save_dots"]
 REMAT_POLICIES: tuple[str, ...] = literal_choices(RematPolicy)
+#: strategies that shard the sequence over ``ring_axis_name`` / over ``ulysses_axis_name``
+RING_AXIS_STRATEGIES = ("ring", "allgather", "usp")
+ULYSSES_AXIS_STRATEGIES = ("ulysses", "usp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +44,18 @@ class TransformerConfig:
     * ``"splash"`` — block-sparse Splash attention on one device (``splash_attention``);
     * ``"ring"`` — ring attention over the mesh axis ``ring_axis_name`` of ``ring_size``
       devices; the model must then be called inside ``shard_map`` on the local shard of tokens
-      laid out by ``ring_layout`` (the mask is evaluated on original positions).
+      laid out by ``ring_layout`` (the mask is evaluated on original positions);
+    * ``"allgather"`` — the Llama-3 method over ``ring_axis_name`` (``ring_size`` devices): K/V
+      all-gathered, local queries; same local shards and layout as the ring;
+    * ``"ulysses"`` — DeepSpeed-Ulysses over ``ulysses_axis_name`` (``ulysses_size`` devices,
+      which must split the heads: ``num_heads`` divisible by it, ``num_kv_heads`` dividing or
+      divisible by it); local shards laid out by ``ring_layout`` over ``ulysses_size``;
+    * ``"usp"`` — Ulysses over ``ulysses_axis_name`` (``ulysses_size``, inside) and the ring over
+      ``ring_axis_name`` (``ring_size``, across): local shard ``r * ulysses_size + u`` of the
+      sequence laid out by ``ring_layout`` over ``ring_size`` (not over the product).
+
+    Every sequence-parallel strategy is called inside ``shard_map`` on local shards
+    (``context_shards`` of them, ``layout_shards`` for the layout permutation).
 
     ``mask`` picks the attention mask over the sequence: ``"causal"``, ``"local"`` (causal
     sliding window: a query sees itself and the ``local_window`` previous tokens),
@@ -49,8 +64,10 @@ class TransformerConfig:
     ids passed at call time.
 
     ``max_seq_len`` is the (global) training length, checked against the ring size and the
-    Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; the SwiGLU hidden
-    width is ``mlp_ratio * d_model`` rounded up to a multiple of ``mlp_multiple``.
+    Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; ``v_head_dim`` is
+    the value (and attention output) head size, ``None`` = ``head_dim`` (MLA-style models use
+    e.g. q/k 192, v 128); the SwiGLU hidden width is ``mlp_ratio * d_model`` rounded up to a
+    multiple of ``mlp_multiple``.
     """
 
     vocab_size: int
@@ -71,6 +88,8 @@ class TransformerConfig:
     ring_axis_name: str | None = None
     ring_layout: layouts.Layout = "zigzag"
     ring_size: int = 1
+    ulysses_axis_name: str | None = None
+    ulysses_size: int = 1
     logit_soft_cap: float | None = None
     sinks: bool = False
     attention_dropout: float = 0.0
@@ -79,9 +98,11 @@ class TransformerConfig:
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     splash: SplashConfig = SplashConfig()
+    v_head_dim: int | None = None  # None = head_dim
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple"):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple",
+                     "ulysses_size"):
             check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
@@ -101,6 +122,9 @@ class TransformerConfig:
         check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs): use an even head_dim")
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        check_positive_int("v_head_dim", self.v_head_dim)
         check_float("mlp_ratio", self.mlp_ratio, positive=True)
         check_float("rope_theta", self.rope_theta, positive=True)
 
@@ -117,30 +141,16 @@ class TransformerConfig:
         if not isinstance(self.splash, SplashConfig):
             raise TypeError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
 
-        kernels = self.attention in ("splash", "ring")
+        kernels = self.attention != "reference"
         if kernels and self.attention_dropout > 0:
             raise ValueError(
                 f"attention_dropout={self.attention_dropout} is not supported by the splash/ring kernels: "
                 f"use attention='reference' or attention_dropout=0"
             )
-        if self.attention == "ring":
-            if not self.ring_axis_name:
-                raise ValueError(
-                    "attention='ring' needs ring_axis_name (the mesh axis the ring runs over, "
-                    "e.g. ring_axis_name='context')"
-                )
-            check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
-        elif self.ring_size != 1:
-            raise ValueError(
-                f"ring_size={self.ring_size} needs attention='ring' (the other strategies run on "
-                f"the whole sequence): set attention='ring' or ring_size=1"
-            )
-        if kernels and self.splash.backend == "mosaic_tpu" and self.head_dim % NUM_LANES:
-            raise ValueError(
-                f"head_dim={self.head_dim} must be a multiple of {NUM_LANES} for the TPU kernels "
-                f"(splash.backend='mosaic_tpu'): use head_dim={NUM_LANES * math.ceil(self.head_dim / NUM_LANES)} "
-                f"or backend 'xla'/'interpret'"
-            )
+        self._check_parallel()
+        # Any head size runs on the TPU kernels (64, 96, 128, 192, 256 and v != q/k compile for v5e in
+        # tests/test_head_dims_tpu_compile.py); a block x head size x dtype that overflows the chip's VMEM
+        # is rejected when lowered for that chip (ringsplash.splash.vmem), the chip being unknown here.
         if kernels:
             self._check_lengths()
 
@@ -160,13 +170,74 @@ class TransformerConfig:
         if self.mask == "prefix_lm" and self.prefix_len > self.max_seq_len:
             raise ValueError(f"prefix_len={self.prefix_len} must be <= max_seq_len={self.max_seq_len}")
 
+    def _check_parallel(self) -> None:
+        """The mesh axes and sizes each strategy needs (``ring_*``: ring / all-gather / USP's ring,
+        ``ulysses_*``: Ulysses / USP's all-to-all); unused ones must stay at their defaults."""
+        a = self.attention
+        if a in RING_AXIS_STRATEGIES:
+            if not self.ring_axis_name:
+                what = "the ring axis across" if a == "usp" else "the mesh axis the sequence is sharded over"
+                raise ValueError(
+                    f"attention={a!r} needs ring_axis_name ({what}, e.g. ring_axis_name='context')"
+                )
+        elif self.ring_size != 1:
+            raise ValueError(
+                f"ring_size={self.ring_size} needs attention='ring' (or 'allgather' / 'usp', which also shard the "
+                f"sequence over ring_axis_name; attention={a!r} does not): set one of them or ring_size=1"
+            )
+        if a in ULYSSES_AXIS_STRATEGIES:
+            if not self.ulysses_axis_name:
+                raise ValueError(
+                    f"attention={a!r} needs ulysses_axis_name (the mesh axis of the all-to-all, e.g. "
+                    f"ulysses_axis_name={'ulysses' if a == 'usp' else 'context'!r})"
+                )
+            h, kv, u = self.num_heads, self.num_kv_heads, self.ulysses_size
+            ok = valid_ulysses_degrees(h, kv)
+            if u not in ok:
+                why = (f"num_heads={h} is not divisible by ulysses_size={u}" if h % u else
+                       f"num_kv_heads={kv} neither divides nor is divisible by ulysses_size={u}")
+                alt = ""
+                if a == "usp":
+                    n = u * self.ring_size
+                    alt = (f"; (ulysses_size, ring_size) factorisations of the {n} devices that work: "
+                           f"{usp_factorisations(n, h, kv)}")
+                raise ValueError(f"attention={a!r}: {why} (Ulysses gives each device num_heads / ulysses_size q "
+                                 f"heads): use ulysses_size in {ok}{alt}")
+        elif self.ulysses_size != 1:
+            raise ValueError(
+                f"ulysses_size={self.ulysses_size} needs attention='ulysses' or 'usp' (attention={a!r}): "
+                f"set one of them or ulysses_size=1"
+            )
+        if a == "usp" and self.ring_axis_name == self.ulysses_axis_name:
+            raise ValueError(
+                f"attention='usp' needs two different mesh axes: ring_axis_name and ulysses_axis_name are both "
+                f"{self.ring_axis_name!r} (e.g. ring_axis_name='context', ulysses_axis_name='ulysses')"
+            )
+        if a in RING_AXIS_STRATEGIES + ULYSSES_AXIS_STRATEGIES:
+            check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
+
     def _check_lengths(self) -> None:
-        if self.attention == "ring":  # the ring shrinks blocks to its shards, or says which config fits
+        if self.attention in ("ring", "usp"):  # the ring shrinks blocks to its shards, or says which config fits
+            if self.max_seq_len % self.context_shards:
+                raise ValueError(
+                    f"max_seq_len={self.max_seq_len} must be divisible by ring_size x ulysses_size = "
+                    f"{self.ring_size} x {self.ulysses_size} = {self.context_shards} (one shard per device)"
+                )
             fit_ring_blocks(self.max_seq_len, self.ring_size, self.ring_layout, self.splash)
             return
+        if self.attention in ("allgather", "ulysses"):
+            layouts.check_layout(self.ring_layout, self.max_seq_len, self.layout_shards)
         s = self.splash
         blocks = {name: getattr(s, name) for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv")}
+        q_len = self.max_seq_len // (self.ring_size if self.attention == "allgather" else 1)
         for name, block in blocks.items():
+            if self.attention == "allgather" and name in ("block_q", "block_q_dkv") and q_len % block:
+                raise ValueError(
+                    f"attention='allgather' runs the kernels on each device's max_seq_len / ring_size = "
+                    f"{self.max_seq_len} / {self.ring_size} = {q_len} queries, which splash.{name}={block} "
+                    f"does not divide: use a {name} (multiple of {NUM_LANES}) dividing {q_len}, or a max_seq_len "
+                    f"divisible by {self.ring_size} x {block} = {self.ring_size * block}"
+                )
             if self.max_seq_len % block:
                 raise ValueError(
                     f"sequence length must be divisible by the block sizes: max_seq_len={self.max_seq_len} "
@@ -180,6 +251,17 @@ class TransformerConfig:
     def mlp_hidden(self) -> int:
         hidden = math.ceil(self.mlp_ratio * self.d_model)
         return self.mlp_multiple * math.ceil(hidden / self.mlp_multiple)
+
+    @property
+    def context_shards(self) -> int:
+        """Devices the sequence is sharded over (``ring_size * ulysses_size``; 1 without context parallelism)."""
+        return self.ring_size * self.ulysses_size
+
+    @property
+    def layout_shards(self) -> int:
+        """Shards of the ``ring_layout`` permutation of the sequence: ``ring_size`` for the ring,
+        all-gather and USP (whose inner ring sees ``ring_size`` shards), ``ulysses_size`` for Ulysses."""
+        return self.ulysses_size if self.attention == "ulysses" else self.ring_size
 
     @property
     def group_size(self) -> int:
@@ -222,4 +304,5 @@ def dtype_of(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
 
 
-__all__ = ["DTYPES", "MASKS", "REMAT_POLICIES", "STRATEGIES", "RematPolicy", "TransformerConfig", "dtype_of"]
+__all__ = ["DTYPES", "MASKS", "REMAT_POLICIES", "RING_AXIS_STRATEGIES", "STRATEGIES", "ULYSSES_AXIS_STRATEGIES",
+           "RematPolicy", "TransformerConfig", "dtype_of"]

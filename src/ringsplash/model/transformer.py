@@ -5,8 +5,9 @@ The loss path calls ``model.hidden(...)`` (final-normed hidden states) and proje
 tokens with ``model.unembedding_matrix()`` itself, so full ``[seq, vocab]`` logits never exist.
 Layers are one stacked ``Block`` (built with ``eqx.filter_vmap``) run by ``lax.scan``, so the
 compile time does not grow with depth; ``config.remat`` names the ``jax.checkpoint`` policy of
-the scanned block (``remat_policy``). Under ``attention="ring"`` call it inside ``shard_map`` on
-the local shard of layout-ordered tokens with their original positions.
+the scanned block (``remat_policy``). Under a sequence-parallel strategy (``"ring"``,
+``"allgather"``, ``"ulysses"``, ``"usp"``) call it inside ``shard_map`` on the local shard of
+layout-ordered tokens with their original positions.
 
 ``hidden(..., gather_layer=f)`` applies ``f`` to each layer's parameters inside the scanned step
 just before use (sharded-parameter training gathers that layer's weights there); its results

@@ -16,7 +16,7 @@ from ringsplash._checks import check_attention_call, check_divides
 from ringsplash.mask_info import MaskInfo
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
-from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 
 # ----------------------------------------------------------------------------------------
 # mesh axes
@@ -74,6 +74,33 @@ def check_blocks(config: SplashConfig, *, q_len: int, kv_len: int, what: str) ->
                                 ("block_kv", kv_len, "kv_len"), ("block_kv_dkv", kv_len, "kv_len")):
         check_divides(f"config.{name}", getattr(config, name), f"{what} {lname}", length,
                       hint="pick smaller blocks or a longer sequence")
+
+
+#: Devices from which the Pallas TPU interpreter deadlocks inside a multi-device program on
+#: the CPU client: it waits on a barrier of every simulated device at each kernel, while its
+#: io_callbacks copy their operands to CPU device 0 and wait for the copy, which queues behind
+#: the device programs parked in that barrier (reproduced at 8 devices on this 2-core host).
+TPU_INTERPRETER_DEVICE_LIMIT = 8
+
+
+def interpreter_for_mesh(config: SplashConfig, what: str) -> SplashConfig:
+    """The ``"interpret"`` backend inside a strategy's ``shard_map``: ``interpret_params=None``
+    becomes the generic interpreter (no barrier, any number of devices, same numerics); an
+    explicit TPU interpreter is refused on a mesh of ``TPU_INTERPRETER_DEVICE_LIMIT`` or more
+    devices instead of hanging. Other backends pass through."""
+    if config.backend != "interpret":
+        return config
+    if config.interpret_params is None:
+        return dataclasses.replace(config, interpret_params=GENERIC_INTERPRETER)
+    devices = jax.sharding.get_abstract_mesh().size
+    if config.interpret_params != GENERIC_INTERPRETER and devices >= TPU_INTERPRETER_DEVICE_LIMIT:
+        raise ValueError(
+            f"{what}: config.interpret_params={config.interpret_params!r} runs the Pallas TPU interpreter, "
+            f"which deadlocks on a mesh of {devices} >= {TPU_INTERPRETER_DEVICE_LIMIT} simulated devices; "
+            f"pass interpret_params={GENERIC_INTERPRETER!r} (or None) for the generic interpreter, or use "
+            f"fewer than {TPU_INTERPRETER_DEVICE_LIMIT} devices"
+        )
+    return config
 
 
 # ----------------------------------------------------------------------------------------
@@ -253,6 +280,7 @@ __all__ = [
     "check_global_inputs",
     "check_local_inputs",
     "check_mesh_axis",
+    "interpreter_for_mesh",
     "local_head_mask",
     "run_sharded",
     "splash_local",

@@ -30,6 +30,7 @@ from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    interpreter_for_mesh,
     run_sharded,
     splash_local,
     vma,
@@ -43,7 +44,7 @@ __all__ = ["allgather_attention", "allgather_attention_sharded"]
 def allgather_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     axis_name,
@@ -53,7 +54,7 @@ def allgather_attention(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -74,6 +75,7 @@ def allgather_attention(
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     check_blocks(config, q_len=q_len, kv_len=seq_len, what="allgather_attention")
+    config = interpreter_for_mesh(config, "allgather_attention")
     common = {"q_shards": n, "kv_shards": 1, "q_positions": perm, "kv_positions": perm}
     info = build_mask_info(mask, config.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, config.block_shape_dkv, transpose=True,
@@ -88,7 +90,7 @@ def allgather_attention(
 def allgather_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -99,7 +101,7 @@ def allgather_attention_sharded(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`allgather_attention` on global arrays already in ``layout`` order over
     ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
     sharded along the sequence over ``axis_name``. The mask is on original positions; the

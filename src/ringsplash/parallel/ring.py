@@ -14,8 +14,11 @@ float32 state by online softmax in natural log:
 Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
 so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
 and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see
-``_make_ring``: the interpreter needs every device in every kernel). Sinks join once, after
-the last step: ``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
+``_make_ring``: the interpreter needs every device in every kernel). With segment ids (and
+``SplashConfig.segment_skipping``), a pair is also skipped when no entry of its work list
+survives the segment refinement, decided per step from the kv segment ids that travel with
+K/V (``_shares_segment``). Sinks join once, after the last step:
+``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
 
 Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
 in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
@@ -49,12 +52,14 @@ from ringsplash._checks import check_attention_call
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.parallel import ring_schedule as schedule_lib
+from ringsplash.parallel._common import interpreter_for_mesh
 from ringsplash.parallel.ring_schedule import RingSchedule
 from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash import work_pieces
 from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 
 __all__ = ["RingBlocks", "RingPlan", "RingSchedule", "fit_ring_blocks", "ring_attention", "ring_attention_sharded",
            "ring_plan", "ring_schedule"]
@@ -245,6 +250,27 @@ def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, sc
     )
 
 
+def _shares_segment(plan, a, b, q_seg, kv_seg, config, sched=None):
+    """Whether q shard ``a`` and kv shard ``b`` may hold a same-segment pair the mask allows:
+    some entry of the pair's static work list survives the segment refinement
+    (``splash/segment_blocks.py``; False proves the pair contributes nothing). ``kv_seg`` are
+    the ids that travelled with kv shard ``b``. True without segment ids or with
+    ``config.segment_skipping`` off. ``sched``: the (per-device) ``RingSchedule`` to read the
+    pair's lists from, piece by piece (None = the plan's whole lists)."""
+    if q_seg is None or not config.segment_skipping:
+        return True
+    bq, bkv = plan.info.block_shape
+    kv_blocks = block_segments(kv_seg, bkv)
+    if sched is None:
+        return jnp.any(refined_kinds(plan.info.schedule(a, b), block_segments(q_seg, bq), kv_blocks) > 0)
+    pieces, _ = sched.pair(plan.info, plan.info_dkv, a, b)
+    hit = False
+    for piece, schedule in zip(pieces.pieces, pieces.schedules):
+        q_blocks = block_segments(q_seg[piece.start * bq:piece.stop * bq], bq)
+        hit = hit | jnp.any(refined_kinds(schedule, q_blocks, kv_blocks) > 0)
+    return hit
+
+
 # ----------------------------------------------------------------------------------------
 # the ring
 
@@ -291,7 +317,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
     # kernels; an inactive pair's work list is empty, giving o = 0, lse = MASKED_LSE (merge is
     # exact: weight 0) and zero dq / dK / dV.
     skip_inactive = config.backend != "interpret"
-    may_skip = skip_inactive and not bool(np.all(plan.active))  # a lax.cond is left after constant folding
+    all_active = bool(np.all(plan.active))  # then, without segment ids, XLA folds every cond away
 
     def when_active(pred, compute, skip, *args):
         return lax.cond(pred, compute, skip, *args) if skip_inactive else compute(*args)
@@ -314,10 +340,11 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
                 o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
                 return o, new
 
-            o, lse = when_active(active[me, src], compute, lambda o, lse: (o, lse), o, lse)
+            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
+            o, lse = when_active(pred, compute, lambda o, lse: (o, lse), o, lse)
             return (*nxt, o, lse), None
 
-        o = _varying(jnp.zeros(q.shape, jnp.float32), axis_name)
+        o = _varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
         lse = _varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
         carry = (k, v, kv_seg, o, lse)
         if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
@@ -354,10 +381,11 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
                                       sched=sched, accumulate=(dq, dk, dv))
                 return keep(new, (dq, dk, dv))
 
-            if not may_skip:
+            shares = _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
+            if not skip_inactive or (all_active and shares is True):  # no cond left: accumulate in place
                 return compute(dq, dk, dv)
             zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
-            dq, dk_t, dv_t = lax.cond(active[me, src], lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
+            dq, dk_t, dv_t = lax.cond(active[me, src] & shares, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
             return (dq, dk + dk_t, dv + dv_t) if "dkv" in parts else (dq, dk, dv)
 
         def step(carry, t, *, last):
@@ -412,7 +440,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
 def ring_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     axis_name,
@@ -424,13 +452,14 @@ def ring_attention(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     schedule: RingSchedule | None = None,
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
         q: this device's queries ``[heads, q_shard, d]``, floating point, in ``layout`` order.
         k: this device's keys ``[kv_heads, q_shard, d]``; ``kv_heads`` divides ``heads``.
-        v: this device's values, the shape of ``k``.
+        v: this device's values ``[kv_heads, q_shard, dv]``; ``dv`` may differ from d (they
+            travel with their own size).
         mask: the global ``(S, S)`` mask on original token positions, ``S = N * q_shard``.
         axis_name: the mesh axis (N devices) the sequence is sharded over; must be bound.
         segment_ids: this shard's ``SegmentIds(q=[q_shard], kv=[q_shard])`` (int32 inside
@@ -449,12 +478,13 @@ def ring_attention(
             its own rows; None = the whole schedule, a constant replicated on every device.
 
     Returns:
-        this device's output ``[heads, q_shard, d]`` in ``q.dtype``, ``layout`` order.
+        this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order.
     """
     n = _axis_size(axis_name)
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
                             segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name)
     seq_len = call.q_len * n
+    config = interpreter_for_mesh(config, "ring_attention")
     blocks = fit_ring_blocks(seq_len, n, layout, config)
     plan = ring_plan(mask, n, layout, config)
     ring = _make_ring(
@@ -515,7 +545,7 @@ def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap,
 def ring_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -528,7 +558,7 @@ def ring_attention_sharded(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     schedule: RingSchedule | None = None,
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`ring_attention` on global arrays already in ``layout`` order, sharded along the
     sequence over ``mesh.shape[axis_name]`` devices.
 
@@ -536,7 +566,7 @@ def ring_attention_sharded(
         q: queries ``[heads, S, d]``, floating point, in ``layout`` order
             (``ringsplash.layouts.permute``).
         k: keys ``[kv_heads, S, d]`` in ``layout`` order; ``kv_heads`` divides ``heads``.
-        v: values, the shape of ``k``.
+        v: values ``[kv_heads, S, dv]`` in ``layout`` order (``dv`` may differ from d).
         mask: the ``(S, S)`` mask on original token positions.
         mesh: a ``jax.sharding.Mesh`` with the axis ``axis_name``.
         axis_name: the mesh axis (N devices) to shard the sequence over.
@@ -554,7 +584,7 @@ def ring_attention_sharded(
             replicated on every device).
 
     Returns:
-        ``[heads, S, d]`` in ``q.dtype`` and ``layout`` order.
+        ``[heads, S, dv]`` in ``q.dtype`` and ``layout`` order.
     """
     call = _check_ring_call(q, k, v, mask, None, segment_ids, scale, logit_soft_cap, sinks, config,
                             local=False, axis_name=axis_name)

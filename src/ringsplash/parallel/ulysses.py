@@ -32,6 +32,7 @@ from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    interpreter_for_mesh,
     local_head_mask,
     run_sharded,
     splash_local,
@@ -67,7 +68,7 @@ def heads_to_sequence(out, axis_name):
 def ulysses_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     axis_name,
@@ -77,7 +78,7 @@ def ulysses_attention(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -102,6 +103,7 @@ def ulysses_attention(
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     check_blocks(config, q_len=seq_len, kv_len=seq_len, what="ulysses_attention")
+    config = interpreter_for_mesh(config, "ulysses_attention")
     local_mask = local_head_mask(mask, split)
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, axis_name)
     common = {"q_positions": perm, "kv_positions": perm}
@@ -118,7 +120,7 @@ def ulysses_attention(
 def ulysses_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -129,7 +131,7 @@ def ulysses_attention_sharded(
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`ulysses_attention` on global arrays already in ``layout`` order over
     ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
     sharded along the sequence over ``axis_name``. The mask is on original positions; the

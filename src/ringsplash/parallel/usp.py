@@ -21,6 +21,7 @@ from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    interpreter_for_mesh,
     local_head_mask,
     run_sharded,
     ulysses_heads,
@@ -56,7 +57,7 @@ def _split(heads: int, kv_heads: int, a: int, b: int, ulysses_axis):
 def usp_attention(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     mask: masks_lib.AnyMask,
     *,
     ulysses_axis,
@@ -68,7 +69,7 @@ def usp_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads q_shard d"]:
+) -> Float[Array, "heads q_shard dv"]:
     """Exact attention over a sequence sharded on two mesh axes; call inside ``jax.shard_map``.
 
     Args:
@@ -95,6 +96,7 @@ def usp_attention(
         logit_soft_cap=logit_soft_cap)
     split = _split(heads, kv_heads, a, b, ulysses_axis)
     fit_ring_blocks(q_len * a * b, b, layout, config)
+    config = interpreter_for_mesh(config, "usp_attention")  # the whole a x b mesh runs kernels
     local_mask = local_head_mask(mask, split)
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, ulysses_axis)
     out = ring_attention(q, k, v, local_mask, axis_name=ring_axis, segment_ids=segment_ids, layout=layout,
@@ -105,7 +107,7 @@ def usp_attention(
 def usp_attention_sharded(
     q: Float[Array, "heads seq d"],
     k: Float[Array, "kv_heads seq d"],
-    v: Float[Array, "kv_heads seq d"],
+    v: Float[Array, "kv_heads seq dv"],
     mask: masks_lib.AnyMask,
     *,
     mesh: jax.sharding.Mesh,
@@ -118,7 +120,7 @@ def usp_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
-) -> Float[Array, "heads seq d"]:
+) -> Float[Array, "heads seq dv"]:
     """:func:`usp_attention` on global arrays already in ``layout`` order over the ring degree
     ``b = mesh.shape[ring_axis]`` (``ringsplash.layouts.permute(x, layout, b)``), sharded
     along the sequence over ``(ring_axis, ulysses_axis)`` (ring-major). The mask is on

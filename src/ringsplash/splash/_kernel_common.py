@@ -4,7 +4,8 @@ Packed work lists: scalar prefetch (SMEM, 1 MiB on TPU) holds the work lists *pa
 int32 words per entry::
 
     blocks word: bits  0-15 q block, bits 16-31 kv block   (both local to the shard)
-    kind word:   bits  0-1  kind (0 none, 1 partial, 2 full), bits 2-31 partial_index + 1
+    kind word:   bits  0-1  kind (0 none, 1 partial, 2 full, 3 full inside one shared
+                 segment: no segment compare), bits 2-31 partial_index + 1
 
 so a 128K causal list at blocks 512 (32,896 entries) takes 257 KiB. Kernel bodies and index
 maps decode with ``q_block_of`` / ``kv_block_of`` / ``kind_of`` / ``partial_of`` (shifts and
@@ -149,7 +150,7 @@ def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, mask
             mask = jnp.where(partial >= 0, stored, fn_mask)
         else:
             mask = stored if stored is not None else fn_mask
-    if q_seg is not None:
+    if q_seg is not None and kind != "full_same":  # full_same: one shared segment (segment_blocks)
         same = q_seg == kv_seg
         mask = same if mask is None else mask & same
     return mask
@@ -210,8 +211,15 @@ def run_edges(blocks_ref, row, i, num_steps, block_of):
     return first, last
 
 
-def dispatch_kinds(kind, compute):
-    """``compute("full")`` / ``compute("partial")`` under the entry's kind (0: nothing)."""
+def dispatch_kinds(kind, compute, *, segments=False):
+    """``compute("full")`` / ``compute("partial")`` under the entry's kind (0: nothing); with
+    ``segments`` (segment ids given) also ``compute("full_same")`` for kind 3 (a full block
+    inside one shared segment, from ``segment_blocks.refine_schedule``)."""
+    if segments:
+
+        @pl.when(kind == 3)
+        def _full_same():
+            compute("full_same")
 
     @pl.when(kind == 2)
     def _full():

@@ -24,10 +24,11 @@ from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks import PARTIAL
 from ringsplash.segment_ids import SegmentIds
-from ringsplash.splash import kernel_backward, kernel_forward, work_pieces
+from ringsplash.splash import kernel_backward, kernel_forward, segment_blocks, work_pieces
 from ringsplash.splash import xla as xla_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
-from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
+from ringsplash.splash.vmem import forward_vmem, vmem_guard
 
 # ----------------------------------------------------------------------------------------
 # "mosaic_tpu" guard: a no-op on TPU, a clear error when lowered for anything else
@@ -103,9 +104,13 @@ def _heads_to_list(info: MaskInfo, heads: int) -> np.ndarray:
 
 
 def _interpret(config: SplashConfig, backend: str):
-    if backend == "interpret":
-        return config.interpret_params if config.interpret_params is not None else pltpu.InterpretParams()
-    return False
+    """``pallas_call``'s ``interpret`` argument: False (Mosaic), True (the generic
+    interpreter) or the TPU interpreter's ``InterpretParams``."""
+    if backend != "interpret":
+        return False
+    if config.interpret_params == GENERIC_INTERPRETER:
+        return True
+    return config.interpret_params if config.interpret_params is not None else pltpu.InterpretParams()
 
 
 def _as_col(x):
@@ -143,6 +148,9 @@ def pallas_forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str
     q, config, info = inputs.q, static.config, static.info
     if backend == "mosaic_tpu":
         q = mosaic_tpu_guard(q)
+        q = vmem_guard(q, forward_vmem(q, inputs.k, inputs.v, info.block_shape, out_dtype=out_dtype,
+                                       vmem_limit_bytes=config.vmem_limit_bytes,
+                                       mask_blocks=_static_operands(info).blocks is not None))
     return kernel_forward.splash_forward_kernel(
         q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
         **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
@@ -210,17 +218,30 @@ def _dispatch(backend: str, inputs, xla_fn, pallas_fn):
     return jax.lax.platform_dependent(inputs, tpu=pallas_fn("mosaic_tpu"), default=xla_fn)
 
 
+def _refine(schedule, info, q_seg, kv_seg, config):
+    """``schedule`` refined by the segment ids and compacted (``splash/segment_blocks.py``),
+    or unchanged without segment ids / with ``config.segment_skipping`` off."""
+    if schedule is None or info is None or q_seg is None or not config.segment_skipping:
+        return schedule
+    return segment_blocks.refine_schedule(schedule, q_seg, kv_seg, info.block_shape, transpose=info.transpose)
+
+
 def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None,
                       pieces: work_pieces.PieceSchedules | None = None):
+    # each piece is refined on its own q rows (work_pieces.py: the piece's sliced inputs)
+    refine = lambda x: x._replace(schedule=_refine(x.schedule, static.info, x.q_seg, x.kv_seg, static.config))
+    if pieces is None:
+        inputs = refine(inputs)
+
     def xla_fn(x):
         if pieces is not None:  # work lists beyond the budget: one call per piece (work_pieces.py)
-            run = lambda s: xla_backend.forward(s, static, out_dtype=out_dtype)
+            run = lambda s: xla_backend.forward(refine(s), static, out_dtype=out_dtype)
             return work_pieces.forward_in_pieces(x, pieces, static.info.block_shape[0], run)
         return xla_backend.forward(x, static, out_dtype=out_dtype)
 
     def pallas_fn(backend):
         if pieces is not None:
-            run = lambda s: pallas_forward(s, static, backend=backend, out_dtype=out_dtype)
+            run = lambda s: pallas_forward(refine(s), static, backend=backend, out_dtype=out_dtype)
             return lambda x: work_pieces.forward_in_pieces(x, pieces, static.info.block_shape[0], run)
         return lambda x: pallas_forward(x, static, backend=backend, out_dtype=out_dtype)
 
@@ -230,10 +251,17 @@ def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype
 def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dtype,
                        pieces: work_pieces.PieceSchedules | None = None,
                        pieces_dkv: work_pieces.PieceSchedules | None = None, accumulate=None):
+    # each piece is refined on its own rows (work_pieces.py: the piece's sliced inputs)
+    refine_q = lambda x: x._replace(schedule=_refine(x.schedule, static.info, x.q_seg, x.kv_seg, static.config))
+    refine_kv = lambda x: x._replace(schedule_dkv=_refine(x.schedule_dkv, static.info_dkv, x.q_seg, x.kv_seg,
+                                                          static.config))
+    if pieces is None:
+        inputs = refine_kv(refine_q(inputs))
+
     def xla_fn(x):
         if pieces is not None:  # the fused xla backward walks the forward view's pieces
             grads = work_pieces.dq_in_pieces(x, pieces, static.info.block_shape[0],
-                                             lambda s: xla_backend.backward(s, static), acc=accumulate)
+                                             lambda s: xla_backend.backward(refine_q(s), static), acc=accumulate)
             return tuple(g.astype(grad_dtype) for g in grads)
         return tuple(g.astype(grad_dtype) for g in xla_backend.backward(x, static))
 
@@ -242,7 +270,8 @@ def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dt
             run = functools.partial(pallas_backward, static=static, backend=backend, grad_dtype=grad_dtype)
             return lambda x: work_pieces.kernels_in_pieces(
                 x, pieces, pieces_dkv, static.info.block_shape[0], static.info_dkv.block_shape[1],
-                lambda s: run(s, parts=("dq",)), lambda s: run(s, parts=("dkv",)), acc=accumulate)
+                lambda s: run(refine_q(s), parts=("dq",)), lambda s: run(refine_kv(s), parts=("dkv",)),
+                acc=accumulate)
         if accumulate is not None:
             return lambda x: tuple(a + g for a, g in zip(accumulate, pallas_backward(x, static, backend=backend,
                                                                                      grad_dtype=grad_dtype)))
@@ -272,7 +301,7 @@ def _segments(segment_ids):
 def splash_forward(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
     info: MaskInfo,
     *,
     q_shard=0,
@@ -285,13 +314,13 @@ def splash_forward(
     config: SplashConfig = SplashConfig(),
     out_dtype=None,
     pieces: work_pieces.PieceSchedules | None = None,
-) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "heads q_shard"]]:
+) -> tuple[Float[Array, "heads q_shard dv"], Float[Array, "heads q_shard"]]:
     """Sink-free ``(out, lse)`` of the local q shard against the local kv shard.
 
     Args:
         q: local queries ``[heads, q_shard, d]``, floating point.
         k: local keys ``[kv_heads, kv_shard, d]``, the dtype of ``q``.
-        v: local values, the shape and dtype of ``k``.
+        v: local values ``[kv_heads, kv_shard, dv]``, the dtype of ``k``; ``dv`` may differ from d.
         info: ``MaskInfo`` built with ``(config.block_q, config.block_kv)`` for these shards.
         q_shard: which q shard of ``info`` this is (int or traced int).
         kv_shard: which kv shard of ``info`` this is (int or traced int).
@@ -309,7 +338,7 @@ def splash_forward(
             ring's per-device schedule); None = ``info``'s, split under ``config``'s budget.
 
     Returns:
-        ``(out [heads, q_shard, d], lse float32 [heads, q_shard])``.
+        ``(out [heads, q_shard, dv], lse float32 [heads, q_shard])``.
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
                                 config=config, config_type=SplashConfig, same_dtype=True)
@@ -328,8 +357,8 @@ def splash_forward(
 def splash_backward(
     q: Float[Array, "heads q_shard d"],
     k: Float[Array, "kv_heads kv_shard d"],
-    v: Float[Array, "kv_heads kv_shard d"],
-    d_out: Float[Array, "heads q_shard d"],
+    v: Float[Array, "kv_heads kv_shard dv"],
+    d_out: Float[Array, "heads q_shard dv"],
     lse: Float[Array, "heads q_shard"],
     delta: Float[Array, "heads q_shard"],
     info: MaskInfo,
@@ -346,12 +375,12 @@ def splash_backward(
     pieces: work_pieces.PieceSchedules | None = None,
     pieces_dkv: work_pieces.PieceSchedules | None = None,
     accumulate: tuple | None = None,
-) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard d"]]:
+) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard dv"]]:
     """float32 ``(dq, dk, dv)`` of one shard pair.
 
     Args:
         q, k, v: the local shards, as in :func:`splash_forward`.
-        d_out: cotangent of the *final* output ``[heads, q_shard, d]`` (cast to q's dtype).
+        d_out: cotangent of the *final* output ``[heads, q_shard, dv]`` (cast to q's dtype).
         lse: float32 ``[heads, q_shard]`` log-sum-exp of the *final* output (sinks included).
         delta: float32 ``[heads, q_shard]``, ``rowsum(d_out * out)`` of the final output.
         info: forward ``MaskInfo`` (``config.block_shape``), as in :func:`splash_forward`.
@@ -365,7 +394,7 @@ def splash_backward(
             is computed: no whole-shard gradient temporaries); returned summed. None = fresh.
 
     Returns:
-        float32 ``(dq [heads, q_shard, d], dk, dv [kv_heads, kv_shard, d])``.
+        float32 ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])``.
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
                                 config=config, config_type=SplashConfig, same_dtype=True)
@@ -460,7 +489,7 @@ def _effective_block(block: int, length: int) -> int:
 def splash_attention(
     q: Float[Array, "heads q_len d"],
     k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len d"],
+    v: Float[Array, "kv_heads kv_len dv"],
     mask: masks_lib.AnyMask | None = None,
     *,
     segment_ids: SegmentIds | None = None,
@@ -478,7 +507,8 @@ def splash_attention(
     Args:
         q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
         k: keys ``[kv_heads, kv_len, d]``, the dtype of ``q``; ``kv_heads`` divides ``heads``.
-        v: values, the shape and dtype of ``k``.
+        v: values ``[kv_heads, kv_len, dv]``, the dtype of ``k``; ``dv`` (the output's head size)
+            may differ from ``d`` (e.g. MLA: q/k 192, v 128).
         mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one
             per head), or None to attend everything.
         segment_ids: ``SegmentIds(q=[q_len], kv=[kv_len])`` integer ids; a query attends only
@@ -493,7 +523,7 @@ def splash_attention(
             included); ``lse`` is differentiable too.
 
     Returns:
-        ``out`` (``q.dtype``, ``[heads, q_len, d]``) or ``(out, lse)``.
+        ``out`` (``q.dtype``, ``[heads, q_len, dv]``) or ``(out, lse)``.
     """
     call = check_attention_call(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale,
                                 logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,

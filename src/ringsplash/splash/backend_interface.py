@@ -7,11 +7,11 @@ Both backends (``pallas_forward`` / ``pallas_backward`` in ``splash/attention.py
     forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None) -> (out, lse)
     backward(inputs: BackwardInputs, static: BackendStatic) -> (dq, dk, dv)   # float32
 
-``out`` is ``[heads, q_len, d]`` in ``out_dtype`` (None = q's dtype), ``lse`` float32
-``[heads, q_len]`` (sink-free). The input records are pytrees whose leaves are all traced
-(absent segment ids / transposed schedule are None, an empty subtree), so a dispatcher can
-pass them through ``jax.lax.platform_dependent`` whole; everything static lives in
-``BackendStatic``.
+``out`` is ``[heads, q_len, dv]`` (v's head size, which may differ from q's) in ``out_dtype``
+(None = q's dtype), ``lse`` float32 ``[heads, q_len]`` (sink-free). The input records are
+pytrees whose leaves are all traced (absent segment ids / transposed schedule are None, an
+empty subtree), so a dispatcher can pass them through ``jax.lax.platform_dependent`` whole;
+everything static lives in ``BackendStatic``.
 """
 
 import dataclasses
@@ -27,7 +27,7 @@ class ForwardInputs(NamedTuple):
 
     q: Float[Array, "heads q_len d"]
     k: Float[Array, "kv_heads kv_len d"]
-    v: Float[Array, "kv_heads kv_len d"]
+    v: Float[Array, "kv_heads kv_len dv"]
     schedule: BlockSchedule  # the pair's work lists (``info.schedule(q_shard, kv_shard)``)
     q_pos: Int[Array, " q_len"]  # original positions of the local rows
     kv_pos: Int[Array, " kv_len"]  # ... and columns
@@ -41,8 +41,8 @@ class BackwardInputs(NamedTuple):
 
     q: Float[Array, "heads q_len d"]
     k: Float[Array, "kv_heads kv_len d"]
-    v: Float[Array, "kv_heads kv_len d"]
-    d_out: Float[Array, "heads q_len d"]
+    v: Float[Array, "kv_heads kv_len dv"]
+    d_out: Float[Array, "heads q_len dv"]
     lse: Float[Array, "heads q_len"]
     delta: Float[Array, "heads q_len"]
     schedule: BlockSchedule

@@ -3,8 +3,11 @@
 Backends:
 
 * ``"mosaic_tpu"`` — the Pallas TPU kernels compiled by Mosaic (TPU lowering only);
-* ``"interpret"`` — the same kernels run by the Pallas TPU interpreter (any platform; slow,
-  for numerics);
+* ``"interpret"`` — the same kernels run by a Pallas interpreter (any platform; for
+  numerics): the TPU interpreter (``pltpu.InterpretParams``: simulates TPU memory, so reads of
+  unwritten memory can show as NaN; slow) or the generic one (``interpret_params="generic"``:
+  the kernel body discharged to plain JAX ops; fast, no memory model). See
+  ``SplashConfig.interpret_params``;
 * ``"xla"`` — the same block-sparse algorithm in plain jnp (``splash/xla.py``);
 * ``"auto"`` — ``"mosaic_tpu"`` when the computation is *lowered* for TPU, ``"xla"``
   otherwise. The choice is made at lowering time (``jax.lax.platform_dependent``), so
@@ -15,12 +18,14 @@ import dataclasses
 from typing import Any, Literal
 
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._scalar_checks import check_choice, check_positive_int, check_positive_multiple, literal_choices
 
 Backend = Literal["auto", "mosaic_tpu", "interpret", "xla"]
 BACKENDS: tuple[str, ...] = literal_choices(Backend)
 ProbsDtype = Literal["input", "float32"]
+GENERIC_INTERPRETER = "generic"
 PROBS_DTYPES: tuple[str, ...] = literal_choices(ProbsDtype)
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -33,9 +38,14 @@ class SplashConfig:
     ``block_q`` x ``block_kv`` is the forward / dq tile (one MaskInfo block); the forward
     walks each kv block in ``block_kv_compute`` slices to bound the size of the score tile.
     ``block_q_dkv`` x ``block_kv_dkv`` is the dK/dV tile (the transposed MaskInfo).
-    ``interpret_params`` (a ``pltpu.InterpretParams``) tunes the ``"interpret"`` backend;
-    ``None`` uses ``InterpretParams()``. Blocks longer than a sequence shrink to its length
-    in ``splash_attention``.
+    ``interpret_params`` picks the interpreter of the ``"interpret"`` backend: a
+    ``pltpu.InterpretParams`` (the Pallas TPU interpreter), ``"generic"`` (Pallas' generic
+    interpreter), or ``None``: the TPU interpreter with default parameters for single-device
+    calls, the generic one inside the context-parallel strategies (``ringsplash.parallel``).
+    The TPU interpreter synchronises every simulated device at each kernel; on the CPU client
+    that deadlocks with 8 or more devices, so the strategies refuse it there (use
+    ``"generic"``; both interpreters give the same numerics). Blocks longer than a sequence
+    shrink to its length in ``splash_attention``.
 
     ``probs_dtype`` is the input dtype of the matmuls that take probabilities or score
     gradients, the same rule in every backend (``interpret`` / ``mosaic_tpu`` / ``xla`` agree
@@ -45,10 +55,15 @@ class SplashConfig:
       (``dS @ K``, ``dS.T @ Q``) are rounded to q's dtype, and so is the other operand.
       With bfloat16 inputs this is the MXU's native bf16 x bf16 -> f32 path on TPU (the fast
       one; several times the float32 matmul rate) at the cost of one bf16 rounding of P and
-      dS (relative 2^-9 per entry; outputs move by about a bf16 unit, gradients by a few).
+      dS (relative <= 2^-8, bf16's unit roundoff, per entry; outputs move by about a bf16 unit, gradients by a few).
       With float32 inputs it changes nothing.
     * ``"float32"`` — P and dS stay float32 and the other operand is upcast: the numerics of
       the dense float32 oracle, at the float32 matmul rate on TPU.
+
+    ``segment_skipping`` (default True; only acts when segment ids are given) refines the
+    work lists per call from the segment ids: block pairs that share no segment are skipped
+    (``splash/segment_blocks.py``), in the kernels, the xla backend and the ring. False runs
+    the static lists (for comparison; results are equal either way).
     """
 
     block_q: int = 512
@@ -60,6 +75,7 @@ class SplashConfig:
     interpret_params: Any = None
     vmem_limit_bytes: int | None = None
     probs_dtype: ProbsDtype = "input"
+    segment_skipping: bool = True
     #: bytes of scalar memory one kernel call's work list may take (longer lists run in pieces,
     #: ``splash/work_pieces.py``); None = from the chip generation (kernel backends) / unlimited (xla)
     smem_budget_bytes: int | None = None
@@ -80,6 +96,12 @@ class SplashConfig:
         if self.vmem_limit_bytes is not None:
             object.__setattr__(self, "vmem_limit_bytes", check_positive_int("vmem_limit_bytes", self.vmem_limit_bytes))
         check_choice("probs_dtype", self.probs_dtype, PROBS_DTYPES)
+        if not (self.interpret_params is None or self.interpret_params == GENERIC_INTERPRETER
+                or isinstance(self.interpret_params, pltpu.InterpretParams)):
+            raise TypeError(f"interpret_params must be None, {GENERIC_INTERPRETER!r} or a "
+                            f"jax.experimental.pallas.tpu.InterpretParams, got {self.interpret_params!r}")
+        if not isinstance(self.segment_skipping, bool):
+            raise TypeError(f"segment_skipping must be a bool, got segment_skipping={self.segment_skipping!r}")
         if self.smem_budget_bytes is not None:
             object.__setattr__(self, "smem_budget_bytes",
                                check_positive_int("smem_budget_bytes", self.smem_budget_bytes))

@@ -122,7 +122,7 @@ def _dq_kernel(
         dq_scr[...] += lax.dot_general(ds.astype(probs_dtype), k.astype(probs_dtype), NN_DIMS,
                                        preferred_element_type=jnp.float32)
 
-    dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
     @pl.when(last)
     def _finalise():
@@ -192,7 +192,7 @@ def _dkv_kernel(
         dk_scr[...] += lax.dot_general(ds.astype(probs_dtype), q.astype(probs_dtype), NN_DIMS,
                                        preferred_element_type=jnp.float32)
 
-    dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
     @pl.when(last)
     def _finalise():
@@ -297,10 +297,11 @@ def splash_dq_kernel(
 ):
     """dq over the forward work list. ``lse, delta: [heads, q_len]`` float32; the other
     arguments as in ``splash_forward_kernel`` (``probs_dtype``: operand dtype of ``dS @ K``).
-    Returns ``dq [heads, q_len, d]`` in
+    ``v`` and ``d_out`` have v's head size ``dv`` (which may differ from d). Returns ``dq [heads, q_len, d]`` in
     ``out_dtype`` (and the per-head count of computing steps with ``count_steps``)."""
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
+    dv = v.shape[-1]
     bq, bkv = block_shape
     num_steps = schedule.kind.shape[-1]
     kv_map_g = functools.partial(kv_map, group=heads // kv_heads)
@@ -314,8 +315,8 @@ def splash_dq_kernel(
     in_specs = [
         pl.BlockSpec((None, bq, d), q_map),
         pl.BlockSpec((None, bkv, d), kv_map_g),
-        pl.BlockSpec((None, bkv, d), kv_map_g),
-        pl.BlockSpec((None, bq, d), q_map),
+        pl.BlockSpec((None, bkv, dv), kv_map_g),
+        pl.BlockSpec((None, bq, dv), q_map),
         pl.BlockSpec((None, 1, bq), row_map),
         pl.BlockSpec((None, 1, bq), row_map),
     ]
@@ -371,12 +372,13 @@ def splash_dkv_kernel(
     steps]``, for groups whose heads have different masks). Positions / segment ids: q side
     int32 ``[1, q_len]`` rows, kv side ``[kv_len, 1]`` columns. ``mask_blocks_t`` holds the
     partial blocks transposed, int8 ``[num_partials, bkv, bq]``. ``probs_dtype`` (None = q's
-    dtype) is the operand dtype of ``P.T @ dO`` and ``dS.T @ Q``. Returns ``dk, dv [kv_heads,
-    kv_len, d]`` in ``out_dtype`` (and the per-kv-head count of computing steps with
-    ``count_steps``).
+    dtype) is the operand dtype of ``P.T @ dO`` and ``dS.T @ Q``. Returns ``dk [kv_heads,
+    kv_len, d]`` and ``dv [kv_heads, kv_len, dv]`` (v's head size) in ``out_dtype`` (and the
+    per-kv-head count of computing steps with ``count_steps``).
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
+    dv = v.shape[-1]
     group = heads // kv_heads
     bq, bkv = block_shape
     blocks, kinds = pack_schedule(
@@ -401,8 +403,8 @@ def splash_dkv_kernel(
     in_specs = [
         pl.BlockSpec((None, bq, d), maps["q"]),
         pl.BlockSpec((None, bkv, d), maps["kv"]),
-        pl.BlockSpec((None, bkv, d), maps["kv"]),
-        pl.BlockSpec((None, bq, d), maps["q"]),
+        pl.BlockSpec((None, bkv, dv), maps["kv"]),
+        pl.BlockSpec((None, bq, dv), maps["q"]),
         pl.BlockSpec((None, 1, bq), maps["row"]),
         pl.BlockSpec((None, 1, bq), maps["row"]),
     ]
@@ -413,8 +415,8 @@ def splash_dkv_kernel(
         (kv_seg, pl.BlockSpec((bkv, 1), maps["kv_col"])),
         (mask_blocks_t, pl.BlockSpec((1, bkv, bq), maps["mask"])),
     ])
-    out_shape = [sds(q, (kv_heads, kv_len, d), out_dtype)] * 2
-    out_specs = [pl.BlockSpec((None, bkv, d), maps["kv"])] * 2
+    out_shape = [sds(q, (kv_heads, kv_len, d), out_dtype), sds(q, (kv_heads, kv_len, dv), out_dtype)]
+    out_specs = [pl.BlockSpec((None, bkv, d), maps["kv"]), pl.BlockSpec((None, bkv, dv), maps["kv"])]
     if count_steps:
         out_shape.append(sds(q, (kv_heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
         out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _dkv_count_map))
@@ -440,7 +442,7 @@ def splash_dkv_kernel(
             grid=(kv_heads, num_steps, inner),
             in_specs=in_specs + specs,
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, dv), jnp.float32)],
         ),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(

@@ -107,7 +107,7 @@ def _forward_kernel(
 
         lax.fori_loop(0, block_kv // block_kv_compute, body, 0, unroll=block_kv == block_kv_compute)
 
-    dispatch_kinds(kind, compute)
+    dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
     @pl.when(last)
     def _finalise():
@@ -131,13 +131,14 @@ def splash_forward_kernel(
 ):
     """Run the forward kernel on one shard pair.
 
-    ``q: [heads, q_len, d]``, ``k, v: [kv_heads, kv_len, d]``. ``schedule`` holds int32
+    ``q: [heads, q_len, d]``, ``k: [kv_heads, kv_len, d]``, ``v: [kv_heads, kv_len, dv]`` (v's
+    head size may differ from q's and k's). ``schedule`` holds int32
     ``q_block, kv_block, kind, partial_index`` of shape ``[lists, max_steps]``;
     ``head_to_list`` is int32 ``[heads]``. ``q_pos / q_seg`` are int32 ``[q_len, 1]``,
     ``kv_pos / kv_seg`` int32 ``[1, kv_len]`` (pass positions only when ``masks`` has a
     mask to evaluate in kernel). ``mask_blocks`` is int8 ``[num_partials, bq, bkv]`` or
     None. ``masks``: per list, the mask whose ``mask_function`` the kernel may evaluate, or
-    None. Returns ``out [heads, q_len, d]`` (``out_dtype``, default q's), ``lse [heads,
+    None. Returns ``out [heads, q_len, dv]`` (``out_dtype``, default q's), ``lse [heads,
     q_len]`` float32 and, with ``count_steps``, the number of computing steps per head
     ``[heads]``. ``probs_dtype`` (None = q's dtype) is the operand dtype of ``P @ V``
     (``SplashConfig.probs_dtype``). The schedule is packed (``pack_schedule``) before scalar
@@ -145,6 +146,7 @@ def splash_forward_kernel(
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
+    dv = v.shape[-1]
     bq, bkv = block_shape
     group = heads // kv_heads
     num_steps = schedule.kind.shape[-1]
@@ -159,15 +161,15 @@ def splash_forward_kernel(
     in_specs = [
         pl.BlockSpec((None, bq, d), q_map),
         pl.BlockSpec((None, bkv, d), kv_map_g),
-        pl.BlockSpec((None, bkv, d), kv_map_g),
+        pl.BlockSpec((None, bkv, dv), kv_map_g),
     ]
     specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv)
 
     out_shape = [
-        sds(q, (heads, q_len, d), out_dtype),
+        sds(q, (heads, q_len, dv), out_dtype),
         sds(q, (heads, 1, q_len), jnp.float32),
     ]
-    out_specs = [pl.BlockSpec((None, bq, d), q_map), pl.BlockSpec((None, 1, bq), row_map)]
+    out_specs = [pl.BlockSpec((None, bq, dv), q_map), pl.BlockSpec((None, 1, bq), row_map)]
     if count_steps:
         out_shape.append(sds(q, (heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
         out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), count_map))
@@ -188,7 +190,7 @@ def splash_forward_kernel(
         scratch_shapes=[
             pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # m
             pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # l
-            pltpu.VMEM((bq, d), jnp.float32),  # acc
+            pltpu.VMEM((bq, dv), jnp.float32),  # acc
         ],
     )
     flops = 4 * heads * num_steps * bq * bkv * d

@@ -19,8 +19,9 @@ Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics
   rounded to q's dtype before the float32 matmul, exactly as the Pallas kernels feed the MXU,
   so the backends agree to float32-accumulation noise.
 * **GQA / MQA.** The q heads of a list are viewed as ``[kv_heads, group, q_len, d]`` against
-  ``k, v: [kv_heads, kv_len, d]``; K/V are never repeated. A list holding an arbitrary subset of
-  heads (``MultiHeadMask``) gathers its kv heads per step, a block at a time.
+  ``k: [kv_heads, kv_len, d]``, ``v: [kv_heads, kv_len, dv]`` (v's head size may differ); K/V
+  are never repeated. A list holding an arbitrary subset of heads (``MultiHeadMask``) gathers
+  its kv heads per step, a block at a time.
 * **Forward.** Online softmax with float32 ``m, l, acc`` for the current q block carried by the
   scan; the first visit of a q block (its index differs from the previous entry's) resets them,
   and every step writes the normalised block into the output, so the last visit's write stands.
@@ -112,8 +113,8 @@ def _list_plans(info, num_heads: int, num_kv_heads: int) -> list[_ListPlan]:
 def _check_shapes(q, k, v, info):
     heads, q_len, d = q.shape
     kv_heads, kv_len, dk = k.shape
-    if v.shape != k.shape:
-        raise ValueError(f"k and v must have equal shapes, got k.shape={k.shape}, v.shape={v.shape}")
+    if v.shape[:2] != k.shape[:2]:  # v's head size may differ from k's
+        raise ValueError(f"k and v must have equal kv_heads and kv_len, got k.shape={k.shape}, v.shape={v.shape}")
     if dk != d:
         raise ValueError(f"head_dim mismatch: q.shape={q.shape}, k.shape={k.shape}")
     if heads % kv_heads:
@@ -157,11 +158,12 @@ def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
             partial = plan.mask.mask_function(qp[:, None], kp[None, :])
         else:  # this list has no partial blocks: every visited block is full
             partial = jnp.zeros((bq, bkv), dtype=bool)
-        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind == 2)
+        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind >= 2)
         if q_seg is not None:
             qs = lax.dynamic_slice_in_dim(q_seg, q_start, bq)
             ks = lax.dynamic_slice_in_dim(kv_seg, kv_start, bkv)
-            mask = mask & (qs[:, None] == ks[None, :])
+            # kind 3: a full block inside one shared segment (segment_blocks), no compare needed
+            mask = mask & ((qs[:, None] == ks[None, :]) | (kind == 3))
         return mask
 
     return block_mask
@@ -211,6 +213,17 @@ def _schedule_xs(schedule, li):
     )
 
 
+def _walk(step, init, schedule, li):
+    """Run ``step`` over list ``li``'s entries: a ``lax.scan`` over all of them or, for a
+    segment-refined compacted list (``schedule.num_steps`` set), a loop over its first
+    ``num_steps[li]`` (the rest repeat the last entry with kind 0: nothing to do)."""
+    xs = _schedule_xs(schedule, li)
+    if schedule.num_steps is None:
+        return lax.scan(step, init, xs)[0]
+    count = jnp.asarray(schedule.num_steps)[li].astype(jnp.int32)
+    return lax.fori_loop(0, count, lambda i, carry: step(carry, tuple(x[i] for x in xs))[0], init)
+
+
 def _vma(*xs) -> frozenset:
     """Union of the varying manual axes of ``xs`` (inside ``shard_map``; empty outside)."""
     return frozenset().union(*(_vma_of(x) for x in jax.tree.leaves(xs)))
@@ -238,7 +251,7 @@ def _vary(tree, vma: frozenset):
 
 def forward(
     inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None,
-) -> tuple[Float[Array, "heads q_len d"], Float[Array, "heads q_len"]]:
+) -> tuple[Float[Array, "heads q_len dv"], Float[Array, "heads q_len"]]:
     """Sink-free block-sparse attention of one shard pair: ``(out, lse float32)``; ``out`` in
     ``out_dtype`` (None = q's dtype; float32 keeps a ring's partial results unrounded).
 
@@ -258,7 +271,7 @@ def forward(
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
 
     vma = _vma(qf, kf, vf, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
-    out = jnp.zeros((heads, q_len, d), _F32)
+    out = jnp.zeros((heads, q_len, v.shape[-1]), _F32)
     lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
     for plan in _list_plans(info, heads, kv_heads):
         o_l, lse_l = _forward_list(
@@ -272,7 +285,8 @@ def forward(
 def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd):
     bq, bkv = info.block_shape
     ql = _list_view(q, plan)  # [kvh, g, q_len, d]
-    kvh, g, q_len, d = ql.shape
+    kvh, g, q_len, _ = ql.shape
+    dv = v.shape[-1]  # the output's head size (v's, may differ from q's)
     block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
 
     def compute(args):
@@ -311,14 +325,14 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         return _vary((out, lse, m, l, acc, qi), vma), None
 
     init = _vary((
-        jnp.zeros((kvh, g, q_len, d), _F32),
+        jnp.zeros((kvh, g, q_len, dv), _F32),
         jnp.full((kvh, g, q_len), MASKED_LSE, _F32),
         jnp.full((kvh, g, bq), _NEG_INIT, _F32),
         jnp.zeros((kvh, g, bq), _F32),
-        jnp.zeros((kvh, g, bq, d), _F32),
+        jnp.zeros((kvh, g, bq, dv), _F32),
         jnp.int32(-1),
     ), vma)
-    (out, lse, *_), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    out, lse, *_ = _walk(step, init, schedule, plan.index)
     return out, lse
 
 
@@ -330,7 +344,7 @@ def backward(
 ) -> tuple[
     Float[Array, "heads q_len d"],
     Float[Array, "kv_heads kv_len d"],
-    Float[Array, "kv_heads kv_len d"],
+    Float[Array, "kv_heads kv_len dv"],
 ]:
     """``(dq, dk, dv)`` in float32 for one shard pair, given the final ``lse`` and
     ``delta = rowsum(d_out * out)``: ``P = exp(s - lse)``, ``dS = P * (dP - delta)``.
@@ -352,7 +366,7 @@ def backward(
     vma = _vma(qf, kf, vf, dof, lse, delta, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
     dq = jnp.zeros((heads, q_len, d), _F32)
     dk = jnp.zeros((kv_heads, kv_len, d), _F32)
-    dv = jnp.zeros((kv_heads, kv_len, d), _F32)
+    dv = jnp.zeros((kv_heads, kv_len, v.shape[-1]), _F32)
     for plan in _list_plans(info, heads, kv_heads):
         dq_l, dk_l, dv_l = _backward_list(
             qf, kf, vf, dof, lse, delta, plan, info, schedule,
@@ -373,7 +387,7 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
     ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
     lsel, deltal = _list_view(lse, plan), _list_view(delta, plan)  # [kvh, g, q_len]
     kvh, g, q_len, d = ql.shape
-    kv_len = k.shape[1]
+    kv_len, d_v = k.shape[1], v.shape[-1]
     block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
 
     def compute(args):
@@ -404,7 +418,7 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         return _vary((
             jnp.zeros((kvh, g, bq, d), _F32),
             jnp.zeros((kvh, bkv, d), _F32),
-            jnp.zeros((kvh, bkv, d), _F32),
+            jnp.zeros((kvh, bkv, d_v), _F32),
         ), vma)
 
     def add_block(buf, blk, start, axis):
@@ -423,7 +437,7 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
     init = _vary((
         jnp.zeros((kvh, g, q_len, d), _F32),
         jnp.zeros((kvh, kv_len, d), _F32),
-        jnp.zeros((kvh, kv_len, d), _F32),
+        jnp.zeros((kvh, kv_len, d_v), _F32),
     ), vma)
-    (dq, dk, dv), _ = lax.scan(step, init, _schedule_xs(schedule, plan.index))
+    dq, dk, dv = _walk(step, init, schedule, plan.index)
     return dq, dk, dv

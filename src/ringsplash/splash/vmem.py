@@ -1,0 +1,130 @@
+"""Scoped-VMEM check of the Splash forward kernel: a clear error naming the block shape, the
+head sizes, the dtype and the chip, before Mosaic's own ``CompileTimeScopedVmemOom``.
+
+Mosaic accepts any head size (compiled for v5e: 1, 8, 17, 32 ... 1024 in bfloat16 with
+512-blocks, none needs to be a multiple of 8 or 128: a block's head axis is the whole array
+axis). What it rejects is a kernel whose scoped VMEM exceeds the chip's limit, and the forward
+kernel, which holds q, k, v and out blocks plus a float32 accumulator, is the one that hits it
+first as the head size grows. Its scoped allocation is at least (measured against Mosaic's
+reported size: equal for float32, within 0.5 MiB above for bfloat16):
+
+    2 x (bq x d + bkv x d + bkv x dv) x itemsize        double-buffered q, k, v blocks
+  + 2 x bq x dv x out itemsize                          double-buffered out block
+  + 4 x bq x dv + 2 x 4 x bq x 128                      float32 acc, m, l scratch
+  + 2 x bq x bkv                                        double-buffered int8 mask block (if any)
+
+The chip is known only when the computation is lowered for TPU (an ahead-of-time compile from
+a CPU host traces without it), so the check is the TPU lowering rule of an identity primitive.
+An unknown chip or a configuration under the limit lowers unchanged.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.extend.core as jex_core
+import numpy as np
+from jax.interpreters import batching, mlir
+
+from ringsplash.splash.config import NUM_LANES
+
+__all__ = ["SCOPED_VMEM_LIMIT_BYTES", "ForwardVmem", "forward_vmem", "vmem_guard"]
+
+_MIB = 1 << 20
+
+#: default scoped VMEM limit per chip (``device_kind``), read from Mosaic's out-of-memory
+#: error when compiling for each target with libtpu ("... limit 16.00M")
+SCOPED_VMEM_LIMIT_BYTES = {
+    "TPU v5 lite": 16 * _MIB,  # v5e
+    "TPU v6 lite": 32 * _MIB,  # v6e
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardVmem:
+    """What the forward kernel of one call needs (hashable: a static primitive parameter)."""
+
+    block_shape: tuple[int, int]
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    out_dtype: str
+    vmem_limit_bytes: int | None  # SplashConfig.vmem_limit_bytes (None: the chip's default)
+    mask_blocks: bool  # partial mask blocks are stored (an int8 block operand)
+
+    @property
+    def bytes(self) -> int:
+        """Lower bound of the kernel's scoped VMEM (module docstring)."""
+        bq, bkv = self.block_shape
+        item, out_item = np.dtype(self.dtype).itemsize, np.dtype(self.out_dtype).itemsize
+        blocks = 2 * (bq * self.head_dim + bkv * self.head_dim + bkv * self.head_dim_v) * item
+        out = 2 * bq * self.head_dim_v * out_item
+        scratch = 4 * bq * self.head_dim_v + 2 * 4 * bq * NUM_LANES
+        return blocks + out + scratch + (2 * bq * bkv if self.mask_blocks else 0)
+
+    def check(self, chip: str | None) -> None:
+        """Raise a ValueError when the bound exceeds the limit on ``chip`` (a ``device_kind``)."""
+        limit = self.vmem_limit_bytes
+        if limit is None:
+            limit = SCOPED_VMEM_LIMIT_BYTES.get(chip)
+        need = self.bytes
+        if limit is None or need <= limit:
+            return
+        bq, bkv = self.block_shape
+        source = "SplashConfig.vmem_limit_bytes" if self.vmem_limit_bytes is not None else "the default scoped limit"
+        raise ValueError(
+            f"the Splash forward kernel with (block_q, block_kv)={self.block_shape}, head_dim={self.head_dim}, "
+            f"head_dim_v={self.head_dim_v} and {self.dtype} inputs needs at least {need / _MIB:.2f} MiB of VMEM "
+            f"(double-buffered q/k/v/out blocks and a float32 accumulator) on chip {chip!r}, over {source} "
+            f"of {limit / _MIB:.2f} MiB: use smaller blocks (e.g. SplashConfig(block_q={max(bq // 2, NUM_LANES)}, "
+            f"block_kv={max(bkv // 2, NUM_LANES)})) or raise SplashConfig.vmem_limit_bytes"
+        )
+
+
+def forward_vmem(q, k, v, block_shape, *, out_dtype, vmem_limit_bytes, mask_blocks: bool) -> ForwardVmem:
+    """The :class:`ForwardVmem` of a forward kernel call on ``q, k, v``."""
+    return ForwardVmem(
+        block_shape=tuple(int(b) for b in block_shape), head_dim=int(q.shape[-1]), head_dim_v=int(v.shape[-1]),
+        dtype=str(np.dtype(q.dtype)), out_dtype=str(np.dtype(q.dtype if out_dtype is None else out_dtype)),
+        vmem_limit_bytes=vmem_limit_bytes, mask_blocks=bool(mask_blocks),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# identity primitive whose TPU lowering runs the check with the chip being compiled for
+
+_vmem_guard_p = jex_core.Primitive("splash_vmem_guard")
+# an eager call compiles the primitive for the default device, so an eager run on TPU is checked too
+_vmem_guard_p.def_impl(lambda x, *, need: jax.jit(functools.partial(_vmem_guard_p.bind, need=need))(x))
+_vmem_guard_p.def_abstract_eval(lambda x, *, need: x)
+batching.primitive_batchers[_vmem_guard_p] = lambda args, dims, *, need: (_vmem_guard_p.bind(*args, need=need),
+                                                                        dims[0])
+
+
+def vmem_guard(x, need: ForwardVmem):
+    """``x``, unchanged; lowering it for TPU raises when ``need`` exceeds the chip's VMEM limit."""
+    return _vmem_guard_p.bind(x, need=need)
+
+
+def _chip(ctx) -> str | None:
+    """The ``device_kind`` the module is lowered for: from its mesh (shard_map), its device
+    assignment (jit over several devices) or the compiling client's devices (one device, also
+    a compile-only topology client); None when unknown or mixed."""
+    module = ctx.module_context
+    axis_context = module.axis_context
+    devices = getattr(axis_context, "device_assignment", None)
+    if devices is None and getattr(axis_context, "mesh", None) is not None:
+        devices = np.asarray(axis_context.mesh.devices).flat
+    if devices is None and module.backend is not None:
+        devices = module.backend.devices()
+    kinds = {getattr(d, "device_kind", None) for d in devices or ()}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _lower_tpu(ctx, x, *, need):
+    need.check(_chip(ctx))
+    return [x]
+
+
+mlir.register_lowering(_vmem_guard_p, lambda ctx, x, *, need: [x])
+mlir.register_lowering(_vmem_guard_p, _lower_tpu, platform="tpu")

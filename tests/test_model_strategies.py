@@ -1,0 +1,162 @@
+"""The model under every context-parallel strategy: all-gather, Ulysses and USP give the reference's logits and gradients on 4 and 8 simulated devices, through the trainer's own
+mesh (``train.mesh_for``), batch layout and sharded gradient function; bad strategy configs and
+meshes that do not match them are rejected with the numbers and a valid alternative.
+"""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from ringsplash import data, layouts, train
+from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.splash import SplashConfig
+
+BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
+S = 1024  # all-gather on 8 devices runs the kernels on S / 8 = 128 queries: one block
+# measured (float32, CPU) over every case below: max |d logits| <= 1.2e-6, max |d grad| / max |grad| per
+# leaf <= 1.5e-6; ~10x headroom
+LOGITS_ATOL, GRAD_RTOL = 1e-5, 1.5e-5
+
+
+def _config(**kw):
+    base = dict(vocab_size=32, d_model=32, num_layers=1, num_heads=8, num_kv_heads=2, max_seq_len=S, splash=BLOCKS,
+                sinks=True, logit_soft_cap=20.0)
+    return TransformerConfig(**{**base, **kw})
+
+
+def _batch():
+    """One row of two packed documents (segment ids, positions restarting), every token scored."""
+    rng = np.random.default_rng(0)
+    cut = S // 3
+    tokens = rng.integers(0, 32, (1, S), dtype=np.int32)
+    docs = [tokens[0, :cut], tokens[0, cut:]]
+    return data.pack_documents(docs, S, 1)
+
+
+def _run(config, model, batch):
+    """(logits in original order, grads) through the trainer's mesh for ``config``."""
+    mesh = train.mesh_for(config)
+    sharded = train.shard_batch(batch, mesh, config)
+    params, static = eqx.partition(model, eqx.is_array)
+    params = train.replicate(params, mesh)
+    logits_fn, grad_fn = train.make_logits_fn(config, mesh), train.make_grad_fn(config, mesh)
+    logits, (grads, _) = jax.jit(lambda p, b: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b)))(
+        params, sharded)  # one compile for both
+    logits = np.asarray(logits)
+    if config.context_shards > 1:
+        logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
+    return logits, jax.device_get(grads)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = _config()
+    model = Transformer(config, key=jax.random.key(0))
+    batch = _batch()
+    return model, batch, _run(config, model, batch)
+
+
+RING = dict(ring_axis_name="context")
+CASES = {
+    # 4 devices (the ring: test_model.py)
+    "allgather-4": dict(attention="allgather", ring_size=4, **RING),
+    "ulysses-4": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4),
+    "usp-2x2": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
+    # 8 devices: Ulysses repeats each of the 2 kv heads 4 times; USP both factorisations
+    "allgather-8-striped": dict(attention="allgather", ring_size=8, ring_layout="striped", **RING),
+    "ulysses-8": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=8),
+    "usp-2x4": dict(attention="usp", ring_size=4, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
+    "usp-4x2-contiguous": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4,
+                               ring_layout="contiguous", **RING),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_strategy_matches_reference(reference, case):
+    model, batch, (ref_logits, ref_grads) = reference
+    config = model.config.replace(**CASES[case])
+    assert config.context_shards in (4, 8)
+    logits, grads = _run(config, model.with_config(config), batch)
+    err = float(np.max(np.abs(logits - ref_logits)))
+    grad_errs = [float(np.max(np.abs(np.asarray(g) - np.asarray(r))) / np.max(np.abs(np.asarray(r))))
+                 for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)]
+    print(f"{case}: max |d logits| = {err:.2e}, max relative grad error = {max(grad_errs):.2e}")
+    assert err <= LOGITS_ATOL
+    assert max(grad_errs) <= GRAD_RTOL
+
+
+# ----------------------------------------------------------------------------------------
+# bad input
+
+REJECTED = [
+    # Ulysses degree the heads do not allow: the numbers and the degrees that work
+    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=16),
+     ["num_heads=8 is not divisible by ulysses_size=16", "use ulysses_size in [1, 2, 4, 8]"]),
+    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4, num_heads=12, num_kv_heads=3,
+          d_model=48),
+     ["num_kv_heads=3 neither divides nor is divisible by ulysses_size=4", "use ulysses_size in [1, 3, 6, 12]"]),
+    # USP: a bad inner degree names the factorisations of N that work
+    (dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=16,
+          max_seq_len=4096),
+     ["ulysses_size=16", "factorisations of the 32 devices that work: [(1, 32), (2, 16), (4, 8), (8, 4)]"]),
+    (dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="context", ulysses_size=2),
+     ["two different mesh axes", "both 'context'"]),
+    (dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_size=2),
+     ["attention='usp' needs ulysses_axis_name", "ulysses_axis_name='ulysses'"]),
+    (dict(attention="allgather", ring_size=4), ["attention='allgather' needs ring_axis_name"]),
+    (dict(attention="ulysses", ulysses_size=4), ["attention='ulysses' needs ulysses_axis_name",
+                                                  "ulysses_axis_name='context'"]),
+    # sizes given to a strategy that does not use them
+    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4, ring_size=2),
+     ["ring_size=2 needs attention='ring'", "attention='ulysses' does not"]),
+    (dict(attention="ring", ring_axis_name="context", ring_size=4, ulysses_size=2),
+     ["ulysses_size=2 needs attention='ulysses' or 'usp'", "ulysses_size=1"]),
+    # all-gather: the local queries must be whole blocks
+    (dict(attention="allgather", ring_axis_name="context", ring_size=16),
+     ["max_seq_len / ring_size = 1024 / 16 = 64 queries", "splash.block_q=128", "divisible by 16 x 128 = 2048"]),
+    (dict(attention="usp", ring_axis_name="context", ring_size=4, ulysses_axis_name="ulysses", ulysses_size=2,
+          max_seq_len=1020),
+     ["max_seq_len=1020 must be divisible by ring_size x ulysses_size = 4 x 2 = 8"]),
+    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4, attention_dropout=0.1),
+     ["not supported by the splash/ring kernels"]),
+]
+
+
+@pytest.mark.parametrize("changes, fragments", REJECTED, ids=[str(c) for c, _ in REJECTED])
+def test_strategy_config_rejects_with_message(changes, fragments):
+    with pytest.raises(ValueError) as info:
+        _config(**changes)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_trainer_mesh_must_match_the_strategy():
+    usp = _config(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4)
+    # a mesh missing the Ulysses axis
+    with pytest.raises(ValueError, match=r"needs a 'ulysses' mesh axis of ulysses_size=4 devices.*make_mesh"):
+        train.check_mesh(usp, train.make_mesh(1, 2))
+    # a 2-D factorisation that does not match the mesh (4 x 2 config, 2 x 4 mesh)
+    with pytest.raises(ValueError, match=r"ring_size=2 must equal the mesh's context axis \(4\)"):
+        train.check_mesh(usp, train.make_mesh(1, 4, ulysses=2))
+    # a Ulysses axis under a strategy that does not use it, and Ulysses off the trainer's axis
+    ring = _config(attention="ring", ring_axis_name="context", ring_size=4)
+    with pytest.raises(ValueError, match=r"ulysses_parallel=2 needs attention='usp'"):
+        train.check_mesh(ring, train.make_mesh(1, 4, ulysses=2))
+    with pytest.raises(ValueError, match=r"runs attention='ulysses' over 'context': set ulysses_axis_name='context'"):
+        train.check_mesh(_config(attention="ulysses", ulysses_axis_name="sp", ulysses_size=4), train.make_mesh(1, 4))
+    with pytest.raises(ValueError, match=r"context_parallel=4 needs attention='ring', 'allgather', 'ulysses' or 'usp'"):
+        train.check_mesh(_config(attention="splash"), train.make_mesh(1, 4))
+    # the mesh the trainer builds for each strategy passes
+    for config in (usp, ring, _config(attention="ulysses", ulysses_axis_name="context", ulysses_size=8)):
+        mesh = train.mesh_for(config)
+        train.check_mesh(config, mesh)
+        assert mesh.size == config.context_shards
+
+
+def test_usp_fsdp_shards_over_every_mesh_axis():
+    """FSDP on the USP mesh shards parameters over data x context x ulysses together."""
+    usp = _config(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2)
+    plan = train.sharding_plan(usp, train.mesh_for(usp, data=2), fsdp=True)
+    assert plan.axes == ("data", "context", "ulysses") and plan.num_shards == 8
+    assert plan.specs.layers.mlp.w_gate[2] == ("data", "context", "ulysses")
