@@ -14,6 +14,12 @@ memory and a modelled step time.
 4. Modelled forward time: Σ over steps of the busiest device's active-block FLOPs
    (4 · bq · bkv · d · heads per block, partial blocks counted whole) / chip peak, vs one
    device running every active block of the unsharded mask. A model, not a measurement.
+5. Memory model (``--max-context``): for a topology, the largest S whose ring forward +
+   backward (causal, zigzag, 8 heads, d = 128, bf16, blocks 512, per-device schedule as a jit
+   argument) compiles and fits the chip's HBM (args + out + temp + code - aliased), found by
+   doubling then bisecting in multiples of 2N x 512; the same for single-device
+   ``splash_attention``; per-device ring schedule bytes at S = 4M, N = 8; and the targets
+   table of issue 14. Each compile runs in a fresh subprocess.
 """
 
 import argparse
@@ -28,11 +34,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
 import numpy as np
 
 from ringsplash import build_mask_info, layouts, masks
 from ringsplash.splash.config import SplashConfig
+
+M = 1024 * 1024
 
 K = 1024
 PEAK_BF16 = {"v5e": 197e12, "v6e": 918e12}  # FLOP/s per chip
@@ -83,7 +92,7 @@ def _metadata_child(s: int, n: int, runs: int) -> None:
     import resource
     import tracemalloc
 
-    from ringsplash.parallel.ring import _ring_plan, ring_plan
+    from ringsplash.parallel.ring import _ring_plan, ring_plan, ring_schedule
 
     config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="auto")
     mask = masks.CausalMask((s, s))
@@ -95,6 +104,8 @@ def _metadata_child(s: int, n: int, runs: int) -> None:
         _ring_plan.cache_clear()
         t0 = time.perf_counter()
         plan = ring_plan(mask, n, "zigzag", config)
+        # the per-device schedule in SMEM-sized pieces (v5e budget), as the ring runs it
+        sched = ring_schedule(mask, n, "zigzag", config, heads=8, kv_heads=8, device_kind="TPU v5 lite")
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     build_mask_info.cache_clear()
@@ -108,21 +119,30 @@ def _metadata_child(s: int, n: int, runs: int) -> None:
                  for a in (info.q_block, info.kv_block, info.kind, info.partial_index, info.num_active,
                            info.partial_mask_blocks))
     print(json.dumps(dict(median=statistics.median(times), min=min(times), rss=peak, base=base, traced=traced, nbytes=nbytes,
-                          max_steps=plan.info.max_steps)))
+                          max_steps=plan.info.max_steps, sched_device=sched.nbytes_per_device,
+                          pieces=len(sched.fwd_pieces), pieces_dkv=len(sched.dkv_pieces))))
 
 
 def table_metadata(sizes, n=8, runs=5):
-    print(f"\n### Host metadata: ring_plan (forward + dK/dV MaskInfo, all {n}x{n} shard pairs), causal, zigzag, "
-          f"blocks 512\n")
+    print(f"\n### Host metadata: ring_plan (forward + dK/dV MaskInfo, all {n}x{n} shard pairs) + ring_schedule "
+          f"(SMEM pieces, v5e budget), causal, zigzag, blocks 512\n")
     print("| S | median time (s) | min (s) | build peak alloc (MiB) | process peak RSS (MiB) "
-          "| RSS before build (MiB) | MaskInfo arrays (MiB) | max_steps |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| RSS before build (MiB) | MaskInfo arrays (MiB) | max_steps | schedule per device (MiB) | pieces fwd / dkv |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    results = {}
     for s in sizes:
-        r = subprocess.run([sys.executable, __file__, "--metadata-child", str(s), str(n), str(runs)],
-                           capture_output=True, text=True, check=True)
-        d = json.loads(r.stdout.strip().splitlines()[-1])
+        d = _metadata(s, n, runs)
+        results[s] = d
         print(f"| {s // K}K | {d['median']:.3f} | {d['min']:.3f} | {d['traced'] / 2**20:.0f} | {d['rss'] / 2**20:.0f} "
-              f"| {d['base'] / 2**20:.0f} | {d['nbytes'] / 2**20:.1f} | {d['max_steps']} |")
+              f"| {d['base'] / 2**20:.0f} | {d['nbytes'] / 2**20:.1f} | {d['max_steps']} "
+              f"| {d['sched_device'] / 2**20:.1f} | {d['pieces']} / {d['pieces_dkv']} |")
+    return results
+
+
+def _metadata(s: int, n: int, runs: int) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--metadata-child", str(s), str(n), str(runs)],
+                       capture_output=True, text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------------------
@@ -187,14 +207,200 @@ def table_model(s=32 * K, block=512, heads=8, d=128, ns=(4, 8, 16)):
                       f"{t1['v5e'] / tr['v5e']:.2f} | {n} | {tr['v6e']:.3f} |")
 
 
+# ----------------------------------------------------------------------------------------
+# memory model: largest S that compiles and fits (one subprocess per compile)
+
+
+def _compile_child(kind: str, topology: str, s: int) -> None:
+    """Compile ring (``kind="ring"``) or single-device splash (``"splash"``) fwd + bwd at S = s
+    and print its per-device memory as JSON (``ok`` false with the error's first line)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ringsplash import ring_attention_sharded, ring_schedule, splash_attention
+    from ringsplash.splash.work_pieces import _DEVICE_KINDS
+
+    heads, d = 8, 128
+    topo = topologies.get_topology_desc(topology, "tpu")
+    devs = np.asarray(topo.devices)
+    kind_name = devs.flat[0].device_kind
+    hbm = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(_DEVICE_KINDS[kind_name]), 1).hbm_capacity_bytes
+    mask = masks.CausalMask((s, s))
+    config = SplashConfig(backend="mosaic_tpu")
+    t0 = time.perf_counter()
+    sched_bytes = 0
+    try:
+        if kind == "ring":
+            n = devs.size
+            mesh = Mesh(devs.reshape(n), ("ctx",))
+            sched = ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=heads, mesh=mesh, axis_name="ctx",
+                                  shapes_only=True)
+            sched_bytes = sum(int(np.prod(x.shape)) // n * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(sched))
+
+            def fwd_bwd(q, k, v, do, sched):
+                fn = lambda q, k, v: ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx", layout="zigzag",
+                                                            config=config, schedule=sched)
+                out, vjp = jax.vjp(fn, q, k, v)
+                return out, vjp(do)
+
+            spec = jax.ShapeDtypeStruct((heads, s, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ctx")))
+            lowered = jax.jit(fwd_bwd).lower(spec, spec, spec, spec, sched)
+        else:
+            mesh = Mesh(devs.reshape(-1)[:1], ("x",))
+
+            def fwd_bwd(q, k, v, do):
+                out, vjp = jax.vjp(lambda q, k, v: splash_attention(q, k, v, mask, config=config), q, k, v)
+                return out, vjp(do)
+
+            spec = jax.ShapeDtypeStruct((heads, s, d), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+            lowered = jax.jit(fwd_bwd).lower(spec, spec, spec, spec)
+        mem = lowered.compile().memory_analysis()
+    except Exception as e:  # a failed compile is a result here
+        msg = next((line for line in str(e).splitlines() if "memory" in line.lower()), str(e).splitlines()[0])
+        print(json.dumps(dict(ok=False, error=msg[:200], seconds=time.perf_counter() - t0)))
+        return
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+             + mem.generated_code_size_in_bytes - mem.alias_size_in_bytes)
+    print(json.dumps(dict(ok=total <= hbm, fits=total <= hbm, temp=mem.temp_size_in_bytes,
+                          args=mem.argument_size_in_bytes, out=mem.output_size_in_bytes, total=total, hbm=hbm,
+                          sched=sched_bytes, seconds=time.perf_counter() - t0)))
+
+
+_COMPILED: dict = {}
+
+
+def _compile(kind: str, topology: str, s: int) -> dict:
+    """``_compile_child`` in a fresh process (memoised per run)."""
+    if (kind, topology, s) in _COMPILED:
+        return _COMPILED[kind, topology, s]
+    _COMPILED[kind, topology, s] = r = _compile_process(kind, topology, s)
+    return r
+
+
+def _compile_process(kind: str, topology: str, s: int) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--compile-child", kind, topology, str(s)],
+                       capture_output=True, text=True)
+    lines = [line for line in r.stdout.strip().splitlines() if line.startswith("{")]
+    if not lines:
+        return dict(ok=False, error=(r.stderr.strip().splitlines() or ["crashed"])[-1][:200], seconds=0.0)
+    return json.loads(lines[-1])
+
+
+def max_context(kind: str, topology: str, start: int, granularity: int, *, rel_tol: float = 0.25,
+                log=print) -> tuple[int, dict, list]:
+    """Largest multiple of ``granularity`` that compiles and fits: double from ``start`` (which
+    must fit) until a failure, then bisect until hi / lo <= 1 + rel_tol. Returns (S, its
+    memory dict, [(S, ok) tried])."""
+    tried = []
+
+    def attempt(s):
+        r = _compile(kind, topology, s)
+        tried.append((s, r["ok"]))
+        log(f"  [{kind} {topology}] S={s} ({s / M:.3f}M): {'ok' if r['ok'] else 'FAIL ' + r.get('error', 'HBM')}"
+            f" ({r['seconds']:.0f} s)")
+        return r
+
+    best = attempt(start)
+    if not best["ok"]:
+        return 0, best, tried
+    lo, hi = start, None
+    while hi is None:
+        r = attempt(2 * lo)
+        if r["ok"]:
+            lo, best = 2 * lo, r
+        else:
+            hi = 2 * lo
+    while hi / lo > 1 + rel_tol:
+        mid = (lo + hi) // 2 // granularity * granularity
+        if mid in (lo, hi):
+            break
+        r = attempt(mid)
+        if r["ok"]:
+            lo, best = mid, r
+        else:
+            hi = mid
+    return lo, best, tried
+
+
+def _gib(x) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def table_memory_model(metadata_4m: dict | None, *, rel_tol: float = 0.25):
+    """The issue-14 targets (fixed sizes first, each row printed as soon as it is compiled), then
+    the max-context searches, then the targets table."""
+    print("\n### Memory model (causal zigzag ring / single-device splash, fwd + bwd, 8 heads, d = 128, bf16, "
+          "blocks 512; libtpu AOT from CPU; fits = args + out + temp + code - aliased <= HBM)\n")
+    checks = [("ring", "v5e:2x2", 1024 * K), ("splash", "v5e:2x2", 256 * K), ("ring", "v5e:4x4", 4096 * K)]
+    fixed = {}
+    for c in checks:
+        fixed[c] = r = _compile(*c)
+        print(f"  fixed {c}: {r}", flush=True)
+    # starts: sizes known to fit, so the search spends its (minutes-long) compiles near the limit
+    cases = [("ring", "v5e:2x2", 4, 1024 * K), ("ring", "v6e:2x4", 8, 2048 * K), ("splash", "v5e:2x2", 1, 256 * K)]
+    rows = []
+    for kind, topology, n, start in cases:
+        granularity = 2 * n * 512 if kind == "ring" else 512
+        s, mem, tried = max_context(kind, topology, start, granularity, rel_tol=rel_tol,
+                                    log=lambda *a: print(*a, flush=True))
+        rows.append((kind, topology, n, s, mem, tried))
+    print("\n| what | topology | N | max S found | per-device temp / args / out (GiB) | HBM (GiB) | tried |")
+    print("|---|---|---:|---:|---|---:|---|")
+    for kind, topology, n, s, mem, tried in rows:
+        tries = ", ".join(f"{t // K}K{'' if ok else '✗'}" for t, ok in tried)
+        where = topology if kind == "ring" else "one chip of " + topology
+        sizes = (f"{_gib(mem['temp'])} / {_gib(mem['args'])} / {_gib(mem['out'])} | {_gib(mem['hbm'])}"
+                 if "temp" in mem else f"— ({mem.get('error', '?')}) | —")
+        print(f"| {kind} fwd+bwd | {where} | {n} | {s:,} | {sizes} | {tries} |")
+    found = {topology: s for kind, topology, n, s, mem, tried in rows if kind == "ring"}
+    today = 512 * K  # largest ring S compiling on main on v5e:2x2 (1M hit the SMEM wall)
+    print("\n### Targets (issue 14)\n")
+    print("| what | topology | target | measured | met |")
+    print("|---|---|---|---|---|")
+    for (kind, topology, s), r in fixed.items():
+        what = "ring fwd+bwd, causal zigzag, 8 heads, d 128, bf16" if kind == "ring" else "single-device splash fwd+bwd"
+        got = (f"compiles; temp / args / out {_gib(r['temp'])} / {_gib(r['args'])} / {_gib(r['out'])} GiB, total "
+               f"{_gib(r['total'])} of {_gib(r['hbm'])} GiB" if "temp" in r else f"fails: {r['error']}")
+        where = topology if kind == "ring" else "one chip of " + topology
+        print(f"| {what} | {where} | S = {s:,} compiles and fits | {got} | {'yes' if r['ok'] else 'NO'} |")
+    for topology in ("v5e:2x2", "v6e:2x4"):
+        s = found[topology]
+        print(f"| same, max S found by the bench | {topology} | >= 2 x {today:,} | {s:,} ({s / today:.2f}x) | "
+              f"{'yes' if s >= 2 * today else 'NO'} |")
+    if metadata_4m is not None:
+        sched = metadata_4m["sched_device"]
+        limit = 385 * M / 8 * 1.1
+        print(f"| per-device ring schedule at S = 4M, N = 8 | — | <= 385 MiB / 8 (+10%) = {limit / M:.1f} MiB | "
+              f"{sched / M:.1f} MiB | {'yes' if sched <= limit else 'NO'} |")
+        t = metadata_4m["median"]
+        print(f"| ring host metadata (plan + schedule) at S = 4M, N = 8 | this CPU (shared, loaded) | <= 3 s | "
+              f"{t:.2f} s (median) | {'yes' if t <= 3 else 'NO'} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="skip the 4M metadata size and the 16K compiles")
     p.add_argument("--skip-compile", action="store_true", help="skip the libtpu compiles")
+    p.add_argument("--max-context", action="store_true",
+                   help="only the memory model: max S that compiles and fits, and the issue-14 targets")
+    p.add_argument("--rel-tol", type=float, default=0.25, help="bisection stops when hi / lo <= 1 + rel_tol")
     p.add_argument("--metadata-child", nargs=3, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--compile-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.metadata_child:
         _metadata_child(*args.metadata_child)
+        return
+    if args.compile_child:
+        kind, topology, s = args.compile_child
+        _compile_child(kind, topology, int(s))
+        return
+    if args.max_context:
+        meta = table_metadata([4096 * K], runs=3)[4096 * K]
+        table_memory_model(meta, rel_tol=args.rel_tol)
         return
     table_balance()
     table_metadata([128 * K, 1024 * K] + ([] if args.quick else [4096 * K]))

@@ -28,7 +28,7 @@ from ringsplash.parallel import (
     usp_attention,
     usp_attention_sharded,
 )
-from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
+from ringsplash.parallel.ring import RingSchedule, ring_attention, ring_attention_sharded, ring_schedule
 from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
 
 __all__ += [
@@ -48,3 +48,5 @@ __all__ += [
     "usp_attention",
     "usp_attention_sharded",
 ]
+
+__all__ += ["RingSchedule", "ring_schedule"]

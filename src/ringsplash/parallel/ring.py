@@ -35,6 +35,7 @@ active (e.g. causal + zigzag): XLA folds the constant predicate.
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import math
 from typing import NamedTuple
 
@@ -50,14 +51,18 @@ from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
+from ringsplash.parallel import ring_schedule as schedule_lib
 from ringsplash.parallel._common import interpreter_for_mesh
+from ringsplash.parallel.ring_schedule import RingSchedule
 from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash import work_pieces
 from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 
-__all__ = ["RingBlocks", "RingPlan", "fit_ring_blocks", "ring_attention", "ring_attention_sharded", "ring_plan"]
+__all__ = ["RingBlocks", "RingPlan", "RingSchedule", "fit_ring_blocks", "ring_attention", "ring_attention_sharded",
+           "ring_plan", "ring_schedule"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -169,44 +174,102 @@ def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv)
     return RingPlan(info=info, info_dkv=info_dkv, positions=np.asarray(perm).reshape(num_shards, -1), active=active)
 
 
+def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig, *,
+                  heads: int, kv_heads: int, device_kind: str | None = None, mesh: jax.sharding.Mesh | None = None,
+                  axis_name=None, shapes_only: bool = False) -> RingSchedule:
+    """The ring's work lists in SMEM-sized pieces, per q shard (:mod:`ring_schedule`).
+
+    Pass the result to ``ring_attention(..., schedule=)`` as a ``shard_map`` operand sharded
+    ``schedule.specs(axis_name)`` (``ring_attention_sharded`` does this), and to ``jit`` as an
+    argument: each device then holds only its own q shard's rows.
+
+    Args:
+        mask: the global ``(S, S)`` mask on original positions.
+        num_shards: devices N on the ring axis.
+        layout: token layout of the shards.
+        config: ``SplashConfig`` (blocks fitted to the shards; ``smem_budget_bytes``; backend).
+        heads: q heads (the budget counts the prefetched head-to-list table).
+        kv_heads: kv heads (the GQA walk of the dK/dV kernel).
+        device_kind: the chip whose SMEM sets the budget (``jax.Device.device_kind``); None =
+            the mesh's devices, else the default device.
+        mesh: with ``axis_name``, return global ``jax.Array`` s sharded over the ring axis,
+            building only the rows of this process's devices; None = numpy arrays, all rows.
+        axis_name: the ring axis of ``mesh``.
+        shapes_only: with ``mesh``: ``jax.ShapeDtypeStruct`` s (for AOT lowering), no arrays.
+    """
+    if device_kind is None and mesh is not None:
+        device_kind = mesh.devices.flat[0].device_kind
+    plan = ring_plan(mask, num_shards, layout, config)
+    split, split_dkv = _ring_splits(plan, config, heads, kv_heads, device_kind)
+    whole = schedule_lib.schedule_from_splits(split, split_dkv)
+    if mesh is None:
+        return whole
+    if shapes_only:
+        return schedule_lib.schedule_shapes(whole, mesh, axis_name)
+    return schedule_lib.schedule_arrays(lambda rows: schedule_lib.schedule_from_splits(split, split_dkv, rows),
+                                        whole, mesh, axis_name)
+
+
+def _ring_splits(plan: RingPlan, config: SplashConfig, heads: int, kv_heads: int, device_kind=None):
+    budget = work_pieces.list_budget_bytes(config, device_kind)
+    split = work_pieces.split_work_lists(plan.info, work_pieces.forward_max_steps(budget, plan.info, heads))
+    split_dkv = None
+    if plan.info_dkv is not None:
+        steps = work_pieces.dkv_max_steps(budget, plan.info_dkv, heads, kv_heads)
+        split_dkv = work_pieces.split_work_lists(plan.info_dkv, steps)
+    return split, split_dkv
+
+
 # ----------------------------------------------------------------------------------------
 # the Splash layer, one shard pair at a time
 
 
-def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, max_logits=False):
+def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, max_logits=False, sched=None):
     """Sink-free ``(o float32, lse float32)`` of q shard ``a`` against kv shard ``b`` (and the
-    pair's per-head max logits with ``max_logits``)."""
+    pair's per-head max logits with ``max_logits``); ``sched``: this device's ring schedule."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
+    pieces = None if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)[0]
     return splash_forward(
         q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
         segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config, out_dtype=jnp.float32,
-        return_max_logits=max_logits,
+        return_max_logits=max_logits, pieces=pieces,
     )
 
 
-def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config):
-    """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b``."""
+def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config, sched=None,
+                    accumulate=None):
+    """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b`` (added into
+    ``accumulate``'s, piece by piece, when given)."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
+    pieces, pieces_dkv = (None, None) if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)
     return splash_backward(
         q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
         q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
-        logit_soft_cap=cap, config=config,
+        logit_soft_cap=cap, config=config, pieces=pieces, pieces_dkv=pieces_dkv, accumulate=accumulate,
     )
 
 
-def _shares_segment(plan, a, b, q_seg, kv_seg, config):
+def _shares_segment(plan, a, b, q_seg, kv_seg, config, sched=None):
     """Whether q shard ``a`` and kv shard ``b`` may hold a same-segment pair the mask allows:
     some entry of the pair's static work list survives the segment refinement
     (``splash/segment_blocks.py``; False proves the pair contributes nothing). ``kv_seg`` are
     the ids that travelled with kv shard ``b``. True without segment ids or with
-    ``config.segment_skipping`` off."""
+    ``config.segment_skipping`` off. ``sched``: the (per-device) ``RingSchedule`` to read the
+    pair's lists from, piece by piece (None = the plan's whole lists)."""
     if q_seg is None or not config.segment_skipping:
         return True
     bq, bkv = plan.info.block_shape
-    kinds = refined_kinds(plan.info.schedule(a, b), block_segments(q_seg, bq), block_segments(kv_seg, bkv))
-    return jnp.any(kinds > 0)
+    kv_blocks = block_segments(kv_seg, bkv)
+    if sched is None:
+        return jnp.any(refined_kinds(plan.info.schedule(a, b), block_segments(q_seg, bq), kv_blocks) > 0)
+    pieces, _ = sched.pair(plan.info, plan.info_dkv, a, b)
+    hit = False
+    for piece, schedule in zip(pieces.pieces, pieces.schedules):
+        q_blocks = block_segments(q_seg[piece.start * bq:piece.stop * bq], bq)
+        hit = hit | jnp.any(refined_kinds(schedule, q_blocks, kv_blocks) > 0)
+    return hit
 
 
 # ----------------------------------------------------------------------------------------
@@ -258,6 +321,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
     # kernels; an inactive pair's work list is empty, giving o = 0, lse = MASKED_LSE (merge is
     # exact: weight 0) and zero dq / dK / dV.
     skip_inactive = config.backend != "interpret"
+    all_active = bool(np.all(plan.active))  # then, without segment ids, XLA folds every cond away
 
     def when_active(pred, compute, skip, *args):
         return lax.cond(pred, compute, skip, *args) if skip_inactive else compute(*args)
@@ -265,7 +329,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
     def visiting(me, t):  # kv shard held by device `me` at step t
         return (me - t) % n
 
-    def forward(q, k, v, q_seg, kv_seg, sinks):
+    def forward(q, k, v, q_seg, kv_seg, sinks, sched):
         me = lax.axis_index(axis_name)
         active = jnp.asarray(plan.active)
 
@@ -276,12 +340,12 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
 
             def compute(o, lse, mx):
                 o_t, lse_t, *mx_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **kw,
-                                                   max_logits=max_logits)
+                                                   max_logits=max_logits, sched=sched)
                 new = jnp.logaddexp(lse, lse_t)  # natural log throughout
                 o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
                 return o, new, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
 
-            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config)
+            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
             o, lse, mx = when_active(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
             return (*nxt, o, lse, mx), None
 
@@ -304,7 +368,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
             return (out, lax.stop_gradient(lax.pmax(mx, axis_name))), res
         return out, res
 
-    def backward(res, q_seg, kv_seg, sinks, d_out):
+    def backward(res, q_seg, kv_seg, sinks, sched, d_out):
         q, k, v, out, lse = res
         me = lax.axis_index(axis_name)
         active = jnp.asarray(plan.active)
@@ -312,19 +376,26 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
         zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), axis_name)
 
-        def contribution(k_t, v_t, seg_t, src, dq, *, parts=("dq", "dkv")):
-            """(dq + this step's dq, this step's dK, dV for kv shard `src`); skipped (zeros) for
-            an empty pair (computed, and zero, on the interpret backend). The received
-            accumulators are added outside, so their transfer only has to land after the kernel.
-            ``parts`` drops outputs that are not needed."""
-            zero_kv = lambda: (zeros(k_t), zeros(v_t))
+        def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
+            """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
+            empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
+            the sums that are needed (XLA drops the other kernel). Where no pair is skipped the
+            kernels' pieces are added into the accumulators as they are produced (no
+            whole-shard gradient temporaries); under a cond the received accumulators are added
+            outside it instead, so their transfer only has to land after the kernel."""
+            keep = lambda new, old: tuple(n if p in parts else o for n, o, p in zip(new, old, ("dq", "dkv", "dkv")))
 
-            def compute(dq):
-                dq_t, dk_t, dv_t = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw)
-                return (dq + dq_t if "dq" in parts else dq), *((dk_t, dv_t) if "dkv" in parts else zero_kv())
+            def compute(dq, dk, dv):
+                new = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw,
+                                      sched=sched, accumulate=(dq, dk, dv))
+                return keep(new, (dq, dk, dv))
 
-            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config)
-            return when_active(pred, compute, lambda dq: (dq, *zero_kv()), dq)
+            shares = _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
+            if not skip_inactive or (all_active and shares is True):  # no cond left: accumulate in place
+                return compute(dq, dk, dv)
+            zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
+            dq, dk_t, dv_t = lax.cond(active[me, src] & shares, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
+            return (dq, dk + dk_t, dv + dv_t) if "dkv" in parts else (dq, dk, dv)
 
         def step(carry, t, *, last):
             k_t, v_t, seg_t, dq, dk, dv = carry
@@ -333,15 +404,15 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
             src = visiting(me, t)
             if last and split_last:
                 # the final hop needs only dK/dV: a separate cond lets the dq kernel hide it
-                _, dk_t, dv_t = contribution(k_t, v_t, seg_t, src, dq, parts=("dkv",))
-                dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, parts=("dq",))
+                _, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dkv",))
+                dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dq",))
             else:
-                dq, dk_t, dv_t = contribution(k_t, v_t, seg_t, src, dq)
-            return (*nxt, dq, dk + dk_t, dv + dv_t), None
+                dq, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv)
+            return (*nxt, dq, dk, dv), None
 
         # step 0: own kv shard; its accumulators start here
         nxt = send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
-        dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q))
+        dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q), zeros(k), zeros(v))
         if n > 1:
             carry = (*nxt, dq, dk, dv)
             if n > 2:
@@ -359,19 +430,19 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
 
     @jax.custom_vjp
-    def ring(q, k, v, q_seg, kv_seg, sinks):
-        return forward(q, k, v, q_seg, kv_seg, sinks)[0]
+    def ring(q, k, v, q_seg, kv_seg, sinks, sched):
+        return forward(q, k, v, q_seg, kv_seg, sinks, sched)[0]
 
-    def ring_fwd(q, k, v, q_seg, kv_seg, sinks):
-        out, res = forward(q, k, v, q_seg, kv_seg, sinks)
-        return out, (res, q_seg, kv_seg, sinks)
+    def ring_fwd(q, k, v, q_seg, kv_seg, sinks, sched):
+        out, res = forward(q, k, v, q_seg, kv_seg, sinks, sched)
+        return out, (res, q_seg, kv_seg, sinks, sched)
 
     def ring_bwd(saved, d_out):
-        res, q_seg, kv_seg, sinks = saved
+        res, q_seg, kv_seg, sinks, sched = saved
         if max_logits:  # the max logits carry no gradient: their cotangent is dropped
             d_out = d_out[0]
-        dq, dk, dv, d_sinks = backward(res, q_seg, kv_seg, sinks, d_out)
-        return dq, dk, dv, None, None, d_sinks
+        dq, dk, dv, d_sinks = backward(res, q_seg, kv_seg, sinks, sched, d_out)
+        return dq, dk, dv, None, None, d_sinks, None
 
     ring.defvjp(ring_fwd, ring_bwd)
     return ring
@@ -392,6 +463,7 @@ def ring_attention(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
+    schedule: RingSchedule | None = None,
 ) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
@@ -417,6 +489,9 @@ def ring_attention(
             axis): per head the largest ``scale · q·k`` over every attended pair of the whole
             sequence, before the soft-cap, sinks excluded, ``-inf`` if nothing is attended;
             the max over every step's kernel and one ``pmax``; no gradient.
+        schedule: this device's slice of :func:`ring_schedule` for these arguments (a
+            ``shard_map`` operand with ``schedule.specs(axis_name)``), so the device holds only
+            its own rows; None = the whole schedule, a constant replicated on every device.
 
     Returns:
         this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order (and
@@ -436,7 +511,39 @@ def ring_attention(
     )
     seg = call.segment_ids
     q_seg, kv_seg = (None, None) if seg is None else (seg.q, seg.kv)
-    return ring(q, k, v, q_seg, kv_seg, sinks)
+    if schedule is None:  # the whole schedule as a constant (device `me` reads row `me`)
+        schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0])
+    else:
+        _check_schedule(schedule, plan, n)
+    return ring(q, k, v, q_seg, kv_seg, sinks, schedule)
+
+
+def _check_schedule(schedule, plan: RingPlan, n: int) -> None:
+    """Raise unless ``schedule`` fits this call's plan (its own pieces are trusted: they come
+    from :func:`ring_schedule`, whose budget may name another chip than this trace's)."""
+    if not isinstance(schedule, RingSchedule):
+        raise TypeError(f"schedule must be a RingSchedule (ring_schedule(...)), got {type(schedule).__name__}")
+    views = [(schedule.fwd, schedule.fwd_pieces, plan.info)]
+    if plan.info_dkv is not None:
+        views.append((schedule.dkv, schedule.dkv_pieces, plan.info_dkv))
+    for arrays, pieces, info in views:
+        n_major = info.kv_blocks_per_shard if info.transpose else info.q_blocks_per_shard
+        ok = arrays is not None and pieces and pieces[0].start == 0 and pieces[-1].stop == n_major
+        ok = ok and all(a.stop == b.start for a, b in itertools.pairwise(pieces)) and len(arrays) == 5
+        shapes = ((info.num_lists, 1, n), (info.num_lists, n, n))
+        ok = ok and all(x.shape[:3] in shapes for x in arrays) and arrays[4].shape[3] == len(pieces)
+        ok = ok and all(x.shape[3] == info.max_steps for x in arrays[:4])
+        if not ok:
+            raise ValueError(
+                f"schedule does not match this ring call ({n} shards, {info.num_lists} lists, {n_major} "
+                f"{'kv' if info.transpose else 'q'} blocks per shard): build it with ring_schedule(mask, num_shards, "
+                f"layout, config, heads=..., kv_heads=...) for the same arguments and pass it sharded over the ring "
+                f"axis (in_specs schedule.specs(axis_name))"
+            )
+
+
+def _kind(mesh) -> str:
+    return mesh.devices.flat[0].device_kind
 
 
 def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap, sinks, config, *, local, axis_name,
@@ -470,6 +577,7 @@ def ring_attention_sharded(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
+    schedule: RingSchedule | None = None,
 ) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
     """:func:`ring_attention` on global arrays already in ``layout`` order, sharded along the
     sequence over ``mesh.shape[axis_name]`` devices.
@@ -491,6 +599,10 @@ def ring_attention_sharded(
         config: ``SplashConfig``; blocks shrink to fit the shards (:func:`fit_ring_blocks`).
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
         return_max_logits: also return float32 ``max_logits [heads]`` (see :func:`ring_attention`).
+        schedule: :func:`ring_schedule` for these arguments (``mesh=mesh`` gives arrays sharded
+            over the ring axis; pass it as a ``jit`` argument so each device holds only its own
+            rows); None = built here (its numpy arrays become constants of an enclosing ``jit``,
+            replicated on every device).
 
     Returns:
         ``[heads, S, dv]`` in ``q.dtype`` and ``layout`` order (and ``max_logits``).
@@ -511,11 +623,14 @@ def ring_attention_sharded(
         logit_soft_cap=logit_soft_cap, config=config, unroll=unroll, return_max_logits=return_max_logits,
     )
 
-    def local(q, k, v, segment_ids, sinks):
-        return fn(q, k, v, segment_ids=segment_ids, sinks=sinks)
+    def local(q, k, v, segment_ids, sinks, schedule):
+        return fn(q, k, v, segment_ids=segment_ids, sinks=sinks, schedule=schedule)
 
-    in_specs = (seq, seq, seq, seg_spec, None if sinks is None else P())
-    args = (q, k, v, segment_ids, sinks)
+    if schedule is None:
+        schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0],
+                                 device_kind=_kind(mesh))
+    in_specs = (seq, seq, seq, seg_spec, None if sinks is None else P(), schedule.specs(axis_name))
+    args = (q, k, v, segment_ids, sinks, schedule)
     explicit = jax.sharding.AxisType.Explicit
     if any(t == explicit for t in getattr(mesh, "axis_types", ())):  # explicit meshes do not reshard implicitly
         args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)), args, in_specs)

@@ -24,7 +24,7 @@ from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks import PARTIAL
 from ringsplash.segment_ids import SegmentIds
-from ringsplash.splash import kernel_backward, kernel_forward, segment_blocks
+from ringsplash.splash import kernel_backward, kernel_forward, segment_blocks, work_pieces
 from ringsplash.splash import xla as xla_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
@@ -163,13 +163,14 @@ def pallas_forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str
 
 
 def pallas_backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "interpret",
-                    grad_dtype=jnp.float32, count_steps: bool = False):
+                    grad_dtype=jnp.float32, count_steps: bool = False, parts: tuple = ("dq", "dkv")):
     """The dq and dK/dV kernels on one shard pair: ``(dq, dk, dv)`` in ``grad_dtype`` (with
-    ``count_steps`` also the computing steps of each kernel)."""
+    ``count_steps`` also the computing steps of each kernel). ``parts=("dq",)`` runs only the
+    dq kernel and returns ``dq``; ``parts=("dkv",)`` only the dK/dV kernel: ``(dk, dv)``."""
     q, config, info, info_dkv = inputs.q, static.config, static.info, static.info_dkv
     if backend == "mosaic_tpu":
         q = mosaic_tpu_guard(q)
-    if info_dkv is None or inputs.schedule_dkv is None:
+    if "dkv" in parts and (info_dkv is None or inputs.schedule_dkv is None):
         raise ValueError("the Pallas backward needs the transposed MaskInfo (info_dkv) and its schedule")
     heads = q.shape[0]
     common = {
@@ -179,11 +180,19 @@ def pallas_backward(inputs: BackwardInputs, static: BackendStatic, *, backend: s
     }
     positions = (inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg)
     operands = (q, inputs.k, inputs.v, inputs.d_out, inputs.lse, inputs.delta)
+    if parts == ("dkv",):  # pieces of the transposed view (splash/work_pieces.py)
+        return kernel_backward.splash_dkv_kernel(
+            *operands, inputs.schedule_dkv, _heads_to_list(info_dkv, heads),
+            **_mask_operands(_static_operands(info_dkv), *positions, transposed=True),
+            block_shape=info_dkv.block_shape, **common,
+        )
     dq = kernel_backward.splash_dq_kernel(
         *operands, inputs.schedule, _heads_to_list(info, heads),
         **_mask_operands(_static_operands(info), *positions, transposed=False),
         block_shape=info.block_shape, **common,
     )
+    if parts == ("dq",):
+        return dq
     dkv = kernel_backward.splash_dkv_kernel(
         *operands, inputs.schedule_dkv, _heads_to_list(info_dkv, heads),
         **_mask_operands(_static_operands(info_dkv), *positions, transposed=True),
@@ -218,29 +227,56 @@ def _refine(schedule, info, q_seg, kv_seg, config):
 
 
 def _dispatch_forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None,
-                      return_max_logits: bool = False):
-    inputs = inputs._replace(schedule=_refine(inputs.schedule, static.info, inputs.q_seg, inputs.kv_seg,
-                                              static.config))
+                      return_max_logits: bool = False, pieces: work_pieces.PieceSchedules | None = None):
+    # each piece is refined on its own q rows (work_pieces.py: the piece's sliced inputs)
+    refine = lambda x: x._replace(schedule=_refine(x.schedule, static.info, x.q_seg, x.kv_seg, static.config))
+    if pieces is None:
+        inputs = refine(inputs)
 
     def xla_fn(x):
-        return xla_backend.forward(x, static, out_dtype=out_dtype, return_max_logits=return_max_logits)
+        one = lambda s: xla_backend.forward(s, static, out_dtype=out_dtype, return_max_logits=return_max_logits)
+        if pieces is not None:  # work lists beyond the budget: one call per piece (work_pieces.py)
+            return work_pieces.forward_in_pieces(x, pieces, static.info.block_shape[0], lambda s: one(refine(s)))
+        return one(x)
 
     def pallas_fn(backend):
-        return lambda x: pallas_forward(x, static, backend=backend, out_dtype=out_dtype,
-                                        return_max_logits=return_max_logits)
+        one = lambda s: pallas_forward(s, static, backend=backend, out_dtype=out_dtype,
+                                       return_max_logits=return_max_logits)
+        if pieces is not None:
+            return lambda x: work_pieces.forward_in_pieces(x, pieces, static.info.block_shape[0],
+                                                           lambda s: one(refine(s)))
+        return one
 
     return _dispatch(static.config.backend, inputs, xla_fn, pallas_fn)
 
 
-def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dtype):
-    refine = lambda sched, info: _refine(sched, info, inputs.q_seg, inputs.kv_seg, static.config)
-    inputs = inputs._replace(schedule=refine(inputs.schedule, static.info),
-                             schedule_dkv=refine(inputs.schedule_dkv, static.info_dkv))
+def _dispatch_backward(inputs: BackwardInputs, static: BackendStatic, *, grad_dtype,
+                       pieces: work_pieces.PieceSchedules | None = None,
+                       pieces_dkv: work_pieces.PieceSchedules | None = None, accumulate=None):
+    # each piece is refined on its own rows (work_pieces.py: the piece's sliced inputs)
+    refine_q = lambda x: x._replace(schedule=_refine(x.schedule, static.info, x.q_seg, x.kv_seg, static.config))
+    refine_kv = lambda x: x._replace(schedule_dkv=_refine(x.schedule_dkv, static.info_dkv, x.q_seg, x.kv_seg,
+                                                          static.config))
+    if pieces is None:
+        inputs = refine_kv(refine_q(inputs))
 
     def xla_fn(x):
+        if pieces is not None:  # the fused xla backward walks the forward view's pieces
+            grads = work_pieces.dq_in_pieces(x, pieces, static.info.block_shape[0],
+                                             lambda s: xla_backend.backward(refine_q(s), static), acc=accumulate)
+            return tuple(g.astype(grad_dtype) for g in grads)
         return tuple(g.astype(grad_dtype) for g in xla_backend.backward(x, static))
 
     def pallas_fn(backend):
+        if pieces is not None and pieces_dkv is not None:
+            run = functools.partial(pallas_backward, static=static, backend=backend, grad_dtype=grad_dtype)
+            return lambda x: work_pieces.kernels_in_pieces(
+                x, pieces, pieces_dkv, static.info.block_shape[0], static.info_dkv.block_shape[1],
+                lambda s: run(refine_q(s), parts=("dq",)), lambda s: run(refine_kv(s), parts=("dkv",)),
+                acc=accumulate)
+        if accumulate is not None:
+            return lambda x: tuple(a + g for a, g in zip(accumulate, pallas_backward(x, static, backend=backend,
+                                                                                     grad_dtype=grad_dtype)))
         return lambda x: pallas_backward(x, static, backend=backend, grad_dtype=grad_dtype)
 
     return _dispatch(static.config.backend, inputs, xla_fn, pallas_fn)
@@ -280,6 +316,7 @@ def splash_forward(
     config: SplashConfig = SplashConfig(),
     out_dtype=None,
     return_max_logits: bool = False,
+    pieces: work_pieces.PieceSchedules | None = None,
 ) -> (tuple[Float[Array, "heads q_shard dv"], Float[Array, "heads q_shard"]]
       | tuple[Float[Array, "heads q_shard dv"], Float[Array, "heads q_shard"], Float[Array, " heads"]]):
     """Sink-free ``(out, lse)`` of the local q shard against the local kv shard.
@@ -304,6 +341,8 @@ def splash_forward(
         return_max_logits: also return the per-head max logit of this shard pair (see
             :func:`splash_attention`; ``-inf`` where the pair attends nothing for a head), from
             the same forward pass. Not differentiable (``stop_gradient``).
+        pieces: this pair's work lists in pieces (``work_pieces.PieceSchedules``, e.g. from a
+            ring's per-device schedule); None = ``info``'s, split under ``config``'s budget.
 
     Returns:
         ``(out [heads, q_shard, dv], lse float32 [heads, q_shard])``, and float32
@@ -317,12 +356,14 @@ def splash_forward(
     q_pos = _local_positions(q_positions, info.q_positions, q_shard, info.q_shards, q_len)
     kv_pos = _local_positions(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len)
     q_seg, kv_seg = _segments(call.segment_ids)
-    inputs = ForwardInputs(q, k, v, info.schedule(q_shard, kv_shard), q_pos, kv_pos, q_seg, kv_seg)
+    if pieces is None:
+        pieces = work_pieces.info_pieces(info, config, q.shape[0], q_shard, kv_shard)
+    inputs = ForwardInputs(q, k, v, pieces.schedules[0], q_pos, kv_pos, q_seg, kv_seg)
     static = BackendStatic(info, None, call.scale, call.logit_soft_cap, config)
     if return_max_logits:
-        out, lse, mx = _dispatch_forward(inputs, static, out_dtype=out_dtype, return_max_logits=True)
+        out, lse, mx = _dispatch_forward(inputs, static, out_dtype=out_dtype, return_max_logits=True, pieces=pieces)
         return out, lse, jax.lax.stop_gradient(mx)
-    return _dispatch_forward(inputs, static, out_dtype=out_dtype)
+    return _dispatch_forward(inputs, static, out_dtype=out_dtype, pieces=pieces)
 
 
 def splash_backward(
@@ -343,6 +384,9 @@ def splash_backward(
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     config: SplashConfig = SplashConfig(),
+    pieces: work_pieces.PieceSchedules | None = None,
+    pieces_dkv: work_pieces.PieceSchedules | None = None,
+    accumulate: tuple | None = None,
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard dv"]]:
     """float32 ``(dq, dk, dv)`` of one shard pair.
 
@@ -356,6 +400,10 @@ def splash_backward(
             backend accepts None.
         q_shard, kv_shard, q_positions, kv_positions, segment_ids, scale, logit_soft_cap,
         config: as in :func:`splash_forward`.
+        pieces: as in :func:`splash_forward`.
+        pieces_dkv: likewise for ``info_dkv`` (None = ``info_dkv``'s, split under the budget).
+        accumulate: float32 ``(dq, dk, dv)`` to add this pair's gradients into (each piece as it
+            is computed: no whole-shard gradient temporaries); returned summed. None = fresh.
 
     Returns:
         float32 ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])``.
@@ -369,11 +417,16 @@ def splash_backward(
     q_pos = _local_positions(q_positions, info.q_positions, q_shard, info.q_shards, q_len)
     kv_pos = _local_positions(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len)
     q_seg, kv_seg = _segments(call.segment_ids)
-    sched_dkv = None if info_dkv is None else info_dkv.schedule(q_shard, kv_shard)
-    inputs = BackwardInputs(q, k, v, d_out, lse, delta, info.schedule(q_shard, kv_shard), sched_dkv,
+    if pieces is None:
+        pieces = work_pieces.info_pieces(info, config, q.shape[0], q_shard, kv_shard)
+    if pieces_dkv is None and info_dkv is not None:
+        pieces_dkv = work_pieces.info_pieces_dkv(info_dkv, config, q.shape[0], k.shape[0], q_shard, kv_shard)
+    sched_dkv = None if pieces_dkv is None else pieces_dkv.schedules[0]
+    inputs = BackwardInputs(q, k, v, d_out, lse, delta, pieces.schedules[0], sched_dkv,
                             q_pos, kv_pos, q_seg, kv_seg)
     static = BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config)
-    return _dispatch_backward(inputs, static, grad_dtype=jnp.float32)
+    return _dispatch_backward(inputs, static, grad_dtype=jnp.float32, pieces=pieces, pieces_dkv=pieces_dkv,
+                              accumulate=accumulate)
 
 
 def _check_info(info, q_len, kv_len, *, transpose):
@@ -406,14 +459,15 @@ def _attention(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg):
 
 def _attention_fwd(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg):
     info = static.backend.info
-    inputs = ForwardInputs(q, k, v, info.schedule(), jnp.asarray(info.q_positions),
+    pieces = work_pieces.info_pieces(info, static.backend.config, q.shape[0])
+    inputs = ForwardInputs(q, k, v, pieces.schedules[0], jnp.asarray(info.q_positions),
                            jnp.asarray(info.kv_positions), q_seg, kv_seg)
     mx = ()
     if static.return_max_logits:  # from the same forward pass; carries no gradient (see _attention_bwd)
-        out, lse, mx = _dispatch_forward(inputs, static.backend, return_max_logits=True)
+        out, lse, mx = _dispatch_forward(inputs, static.backend, return_max_logits=True, pieces=pieces)
         mx = (jax.lax.stop_gradient(mx),)
     else:
-        out, lse = _dispatch_forward(inputs, static.backend)
+        out, lse = _dispatch_forward(inputs, static.backend, pieces=pieces)
     if sinks is not None:  # sinks join the denominator only (docs/INTERNALS.md)
         lse_total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
         out = (out.astype(jnp.float32) * jnp.exp(lse - lse_total)[..., None]).astype(q.dtype)
@@ -433,10 +487,13 @@ def _attention_bwd(static: _VjpStatic, residuals, g):
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if d_lse is not None:  # d lse / d s = P: folds into dS = P * (dP - (delta - d_lse))
         delta = delta - d_lse.astype(jnp.float32)
-    inputs = BackwardInputs(q, k, v, d_out.astype(q.dtype), lse, delta, info.schedule(),
-                            None if info_dkv is None else info_dkv.schedule(),
+    config = static.backend.config
+    pieces = work_pieces.info_pieces(info, config, q.shape[0])
+    pieces_dkv = None if info_dkv is None else work_pieces.info_pieces_dkv(info_dkv, config, q.shape[0], k.shape[0])
+    inputs = BackwardInputs(q, k, v, d_out.astype(q.dtype), lse, delta, pieces.schedules[0],
+                            None if pieces_dkv is None else pieces_dkv.schedules[0],
                             jnp.asarray(info.q_positions), jnp.asarray(info.kv_positions), q_seg, kv_seg)
-    dq, dk, dv = _dispatch_backward(inputs, static.backend, grad_dtype=q.dtype)
+    dq, dk, dv = _dispatch_backward(inputs, static.backend, grad_dtype=q.dtype, pieces=pieces, pieces_dkv=pieces_dkv)
     d_sinks = None
     if sinks is not None:
         p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)

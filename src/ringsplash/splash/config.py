@@ -76,6 +76,9 @@ class SplashConfig:
     vmem_limit_bytes: int | None = None
     probs_dtype: ProbsDtype = "input"
     segment_skipping: bool = True
+    #: bytes of scalar memory one kernel call's work list may take (longer lists run in pieces,
+    #: ``splash/work_pieces.py``); None = from the chip generation (kernel backends) / unlimited (xla)
+    smem_budget_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
@@ -99,6 +102,9 @@ class SplashConfig:
                             f"jax.experimental.pallas.tpu.InterpretParams, got {self.interpret_params!r}")
         if not isinstance(self.segment_skipping, bool):
             raise TypeError(f"segment_skipping must be a bool, got segment_skipping={self.segment_skipping!r}")
+        if self.smem_budget_bytes is not None:
+            object.__setattr__(self, "smem_budget_bytes",
+                               check_positive_int("smem_budget_bytes", self.smem_budget_bytes))
 
     def matmul_dtype(self, input_dtype):
         """The dtype P and dS are rounded to before their matmuls (``probs_dtype``)."""

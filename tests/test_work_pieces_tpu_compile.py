@@ -1,0 +1,102 @@
+"""Split work lists and per-device ring schedules compiled for TPU (libtpu, from this CPU host).
+
+A forced tiny ``smem_budget_bytes`` makes every kernel run in several pieces at a CI-sized S;
+the ring's schedule is a jit argument sharded over the ring axis, and the compiled program's
+per-device argument bytes must be exactly q, k, v, d_out plus 1/N of the schedule.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ringsplash as rs
+from ringsplash import masks
+from ringsplash.splash import work_pieces
+from ringsplash.splash.config import SplashConfig
+
+pytestmark = pytest.mark.tpu_compile
+
+HEADS, D = 8, 128
+
+
+def _kernel_calls(hlo: str, name: str) -> int:
+    """Mosaic kernel calls named ``name`` in compiled HLO text."""
+    return len(re.findall(rf"%\w*{name}\w*[.\d]* = .*custom-call", hlo))
+
+
+def _entry_parameters(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, per-device shape) of each parameter of the compiled ENTRY computation."""
+    entry = hlo[hlo.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    found = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* parameter\((\d+)\)", entry)
+    return [(dt, tuple(int(x) for x in dims.split(",") if x)) for dt, dims, _ in found]
+
+
+def test_ring_compiles_in_pieces_with_per_device_schedule():
+    s, topology = 16384, "v5e:2x2"  # zigzag blocks 512, 8 q blocks per shard
+    devices = np.asarray(topologies.get_topology_desc(topology, "tpu").devices)
+    n = devices.size
+    mesh = Mesh(devices.reshape(n), ("ctx",))
+    mask = masks.CausalMask((s, s))
+    config = SplashConfig(backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 24)  # 24 steps per call
+    sched = rs.ring_schedule(mask, n, "zigzag", config, heads=HEADS, kv_heads=HEADS, mesh=mesh, axis_name="ctx",
+                             shapes_only=True)
+    whole = rs.ring_schedule(mask, n, "zigzag", config, heads=HEADS, kv_heads=HEADS)
+    assert len(sched.fwd_pieces) > 1 and len(sched.dkv_pieces) > 1
+
+    def fwd_bwd(q, k, v, d_out, sched):
+        fn = lambda q, k, v: rs.ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx", layout="zigzag",
+                                                       config=config, schedule=sched)
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+
+    spec = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ctx")))
+    compiled = jax.jit(fwd_bwd).lower(spec, spec, spec, spec, sched).compile()
+    hlo = compiled.as_text()
+    whole_bytes = sum(x.nbytes for x in jax.tree.leaves(whole))
+    assert whole.nbytes_per_device == whole_bytes // n
+    # the compiled per-device program's integer parameters are exactly this device's schedule
+    # row: [lists, 1, N, steps] each, 1/N of the schedule's bytes in all
+    params = _entry_parameters(hlo)
+    sched_params = [(dt, shape) for dt, shape in params if dt.startswith(("s8", "s16", "s32"))]
+    assert len(sched_params) == len(jax.tree.leaves(whole))
+    assert all(shape[1] == 1 and shape[2] == n for _, shape in sched_params)
+    itemsize = {"s8": 1, "s16": 2, "s32": 4}
+    assert sum(itemsize[dt] * int(np.prod(shape)) for dt, shape in sched_params) == whole_bytes // n
+    # and q, k, v, d_out are the other arguments: nothing else (no replicated schedule) is passed
+    local_qkvd = 4 * HEADS * (s // n) * D * 2
+    bf16 = [shape for dt, shape in params if dt == "bf16"]
+    assert len(params) == len(sched_params) + 4 and sum(2 * int(np.prod(x)) for x in bf16) == local_qkvd
+    assert _kernel_calls(hlo, "splash_forward") >= len(sched.fwd_pieces)
+
+
+def test_single_device_splash_compiles_in_pieces():
+    s = 4096
+    device = np.asarray(topologies.get_topology_desc("v5e:2x2", "tpu").devices).reshape(-1)[:1]
+    mesh = Mesh(device, ("x",))
+    mask = masks.CausalMask((s, s))
+    config = SplashConfig(backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 12)  # 8 blocks: 36 entries
+    info = rs.build_mask_info(mask, (512, 512))
+    assert info.max_steps > 12
+
+    def fwd_bwd(q, k, v, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: rs.splash_attention(q, k, v, mask, config=config), q, k, v)
+        return out, vjp(d_out)
+
+    spec = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    hlo = jax.jit(fwd_bwd).lower(spec, spec, spec, spec).compile().as_text()
+    fwd = work_pieces.split_work_lists(info, work_pieces.forward_max_steps(config.smem_budget_bytes, info, HEADS))
+    info_t = rs.build_mask_info(mask, (512, 512), transpose=True)
+    dkv = work_pieces.split_work_lists(info_t, work_pieces.dkv_max_steps(config.smem_budget_bytes, info_t, HEADS,
+                                                                         HEADS))
+    assert len(fwd.pieces) > 2 and len(dkv.pieces) > 2
+    # one Mosaic kernel per piece: forward and dq per q-block range, dK/dV per kv-block range
+    assert _kernel_calls(hlo, "splash_forward") == len(fwd.pieces)
+    assert _kernel_calls(hlo, "splash_dq") == len(fwd.pieces)
+    assert _kernel_calls(hlo, "splash_dkv") == len(dkv.pieces)
