@@ -376,6 +376,13 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
         zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), axis_name)
 
+        def send_together(dk, dv):
+            """dK and dV as one transfer, for the two hops around the last step: outside the
+            scan, XLA's scheduler hides one transfer behind the last dq kernel but (as measured
+            on the compiled USP program) not always two; inside the scan it hides both."""
+            both = send(jnp.concatenate([dk, dv], axis=-1))
+            return both[..., : dk.shape[-1]], both[..., dk.shape[-1]:]
+
         def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
             """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
             empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
@@ -400,7 +407,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         def step(carry, t, *, last):
             k_t, v_t, seg_t, dq, dk, dv = carry
             nxt = (k_t, v_t, seg_t) if last else send((k_t, v_t, seg_t))
-            dk, dv = send((dk, dv))  # now the accumulators of kv shard (me - t), from me - 1
+            # now the accumulators of kv shard (me - t), from me - 1 (the last step's as one transfer)
+            dk, dv = send_together(dk, dv) if last else send((dk, dv))
             src = visiting(me, t)
             if last and split_last:
                 # the final hop needs only dK/dV: a separate cond lets the dq kernel hide it
@@ -418,7 +426,7 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
             if n > 2:
                 carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(1, n - 1), unroll=unroll)
             (_, _, _, dq, dk, dv), _ = step(carry, n - 1, last=True)
-            dk, dv = send((dk, dv))  # N-th hop: every accumulator is home
+            dk, dv = send_together(dk, dv)  # N-th hop: every accumulator is home
         d_sinks = None
         if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i, over all shards
             local = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * delta, axis=-1)
