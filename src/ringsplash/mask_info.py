@@ -442,27 +442,24 @@ class _PairList(NamedTuple):
     q_block: np.ndarray
     kv_block: np.ndarray
     kind: np.ndarray
-    partial: np.ndarray  # id into the list's stored blocks, -1 otherwise
+    partial_at: np.ndarray  # entries with a stored partial block (the rest have partial index -1)
+    partial_ids: np.ndarray  # their ids into the list's stored blocks
 
 
-def _finish(work: _PairWork, partial_ids: np.ndarray, transpose: bool) -> _PairList:
+def _finish(work: _PairWork, partial_at: np.ndarray, partial_ids: np.ndarray, transpose: bool) -> _PairList:
     """Expand the run-length form; a major block without work gets one kind-0 visit."""
     counts, minor, kinds = work
     if np.any(counts == 0):
-        out_counts = np.maximum(counts, 1)
-        pos = np.arange(minor.size) + np.repeat(np.cumsum(out_counts - counts) - (out_counts - counts), counts)
-        n = int(out_counts.sum())
-        visits = np.ones(n, bool)
-        visits[pos] = False
-        new_minor, new_kinds, new_partial = np.zeros(n, np.int32), np.zeros(n, np.int8), np.full(n, -1, np.int64)
-        new_minor[pos], new_kinds[pos], new_partial[pos] = minor, kinds, partial_ids
-        # a visit keeps the previous entry's minor block, so no new block is fetched
-        last_real = np.maximum.accumulate(np.where(visits, 0, np.arange(n)))
-        new_minor[visits] = new_minor[last_real[visits]]
-        counts, minor, kinds, partial_ids = out_counts, new_minor, new_kinds, new_partial
+        ins = np.cumsum(counts)[counts == 0]  # a visit goes before the entries of the next major block
+        # a visit keeps the previous entry's minor block (0 before any), so no new block is fetched
+        visit_minor = minor[ins - 1] if minor.size else np.zeros(ins.size, minor.dtype)
+        visit_minor[ins == 0] = 0
+        minor, kinds = np.insert(minor, ins, visit_minor), np.insert(kinds, ins, np.int8(EMPTY))
+        partial_at = partial_at + np.searchsorted(ins, partial_at, side="right")
+        counts = np.maximum(counts, 1)
     major = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
     q_block, kv_block = (minor, major) if transpose else (major, minor)
-    return _PairList(q_block, kv_block, kinds, partial_ids)
+    return _PairList(q_block, kv_block, kinds, partial_at, partial_ids)
 
 
 class _PairStats(NamedTuple):
@@ -518,18 +515,20 @@ def _build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, par
         p = parts[a, b]
         sl = slice(start, start + p.size)
         start += p.size
-        kinds, partial_ids = w.kinds, np.full(w.kinds.shape, -1, np.int64)
+        kinds, stored_at, stored_ids = w.kinds, p[:0], ids[:0]  # entries with a stored block, their ids
         if p.size:
             kinds = kinds.copy()
-            kinds[p], partial_ids[p] = new_kinds[sl], ids[sl]
+            kinds[p] = new_kinds[sl]
+            stored = ids[sl] >= 0
+            stored_at, stored_ids = p[stored], ids[sl][stored]
             if np.any(new_kinds[sl] == EMPTY):  # inexact classification: drop what is empty
                 keep = kinds != EMPTY
                 major_of = np.repeat(np.arange(w.counts.size), w.counts)
                 w = _PairWork(np.bincount(major_of[keep], minlength=w.counts.size), w.minor[keep], kinds[keep])
-                kinds, partial_ids = w.kinds, partial_ids[keep]
+                kinds, stored_at = w.kinds, (np.cumsum(keep) - 1)[stored_at]  # stored ones are kept
         stats[a, b] = _PairStats(np.maximum(w.counts, 1), int(w.counts.sum()), int(w.minor.max(initial=0)))
         if rows is None or a in rows:
-            lists[a, b] = _finish(_PairWork(w.counts, w.minor, kinds), partial_ids, transpose)
+            lists[a, b] = _finish(_PairWork(w.counts, w.minor, kinds), stored_at, stored_ids, transpose)
     partial = new_kinds == PARTIAL
     sources = np.asarray([np.any(partial & (ids >= 0)), np.any(partial & (ids < 0))])
     return lists, blocks, stats, sources
@@ -563,9 +562,7 @@ def _assemble(builds, q_shards, kv_shards, rows=None):
                 pl = lists[a, b]
                 n = pl.kind.size
                 q_block[li, r, b, :n], kv_block[li, r, b, :n], kind[li, r, b, :n] = pl.q_block, pl.kv_block, pl.kind
-                stored = pl.partial >= 0
-                if stored.any():
-                    partial[li, r, b, :n][stored] = pl.partial[stored] + offsets[li]
+                partial[li, r, b, pl.partial_at] = pl.partial_ids + offsets[li]
                 # padding repeats the last entry's blocks with kind 0 (no compute, no new fetch)
                 q_block[li, r, b, n:], kv_block[li, r, b, n:] = pl.q_block[-1], pl.kv_block[-1]
     return q_block, kv_block, kind, partial, num_active, major_counts

@@ -225,14 +225,10 @@ def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_
     """``ring_schedule`` on a process holding only the ring devices ``rows``: the shapes and pieces
     come from a plan without lists (every process computes the same ones, as the program they all
     compile must agree), the arrays from a plan of this process's rows only."""
-    header = ring_plan(mask, num_shards, layout, config, q_shard_rows=())
-    empty = schedule_lib.schedule_from_splits(*_ring_splits(header, config, heads, kv_heads, device_kind))
-    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], num_shards, *x.shape[2:]), x.dtype), empty)
+    whole, local = _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind,
+                                  () if shapes_only else rows)
     if shapes_only:
         return schedule_lib.schedule_shapes(whole, mesh, axis_name)
-    plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=rows)
-    split, split_dkv = _ring_splits(plan, config, heads, kv_heads, device_kind)
-    local = schedule_lib.schedule_from_splits(split, split_dkv)  # [lists, len(rows), ...]
     at = {r: i for i, r in enumerate(rows)}
 
     def pick(want):  # one device's row: a view, not a copy of every leaf
@@ -241,6 +237,19 @@ def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_
         return jax.tree.map(lambda x: x[:, sel], local)
 
     return schedule_lib.schedule_arrays(pick, whole, mesh, axis_name)
+
+
+def _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, rows):
+    """``(whole, local)``: the whole schedule's ``ShapeDtypeStruct`` s and pieces (from a plan
+    without lists, which ``ring_attention`` uses too) and the numpy schedule of the q shards
+    ``rows`` (``[lists, len(rows), ...]``; None for ``()``)."""
+    header = ring_plan(mask, num_shards, layout, config, q_shard_rows=())
+    empty = schedule_lib.schedule_from_splits(*_ring_splits(header, config, heads, kv_heads, device_kind))
+    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], num_shards, *x.shape[2:]), x.dtype), empty)
+    if not rows:
+        return whole, None
+    plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=rows)
+    return whole, schedule_lib.schedule_from_splits(*_ring_splits(plan, config, heads, kv_heads, device_kind))
 
 
 def _ring_splits(plan: RingPlan, config: SplashConfig, heads: int, kv_heads: int, device_kind=None):
