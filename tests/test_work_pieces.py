@@ -294,11 +294,20 @@ def test_ring_schedule_of_a_process_builds_only_its_rows(monkeypatch):
                         lambda build_rows, shapes, mesh, axis: captured.update(build_rows=build_rows, shapes=shapes) or shapes)
     mask_info.build_mask_info.cache_clear()
     ring._ring_plan.cache_clear()
+    ring._LISTLESS.clear()
     mesh = _mesh(n)
+    rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx")
     shapes = rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx",
                               shapes_only=True)
-    rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx")
-    assert set(built) == {(), (1, 2)}  # never a whole build
+    derived = ring.ring_plan(mask, n, "zigzag", config, q_shard_rows=())  # what ring_attention uses
+    assert built == [(1, 2), (1, 2)]  # one build per view, of these rows only: the list-less plan is derived
+    np.testing.assert_array_equal(derived.active, full_plan.active)
+    for got, want in ((derived.info, header.info), (derived.info_dkv, header.info_dkv)):
+        for f in ("q_block", "kv_block", "kind", "partial_index", "num_active", "partial_mask_blocks", "major_counts",
+                  "partial_sources"):
+            assert getattr(got, f).dtype == getattr(want, f).dtype
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
+        assert got.q_shard_rows == want.q_shard_rows == ()
     assert (shapes.fwd_pieces, shapes.dkv_pieces) == (whole.fwd_pieces, whole.dkv_pieces)
     assert (captured["shapes"].fwd_pieces, captured["shapes"].dkv_pieces) == (whole.fwd_pieces, whole.dkv_pieces)
     for w, sh, sh2 in zip(*(jax.tree.leaves(x) for x in (whole, shapes, captured["shapes"])), strict=True):

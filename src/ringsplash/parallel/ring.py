@@ -159,7 +159,30 @@ def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, 
     blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
     dkv = None if config.backend == "xla" else blocks.block_shape_dkv
     rows = None if q_shard_rows is None else tuple(int(r) for r in q_shard_rows)
-    return _ring_plan(mask, int(num_shards), layout, blocks.block_shape, dkv, rows)
+    key = (mask, int(num_shards), layout, blocks.block_shape, dkv)
+    if rows == () and key in _LISTLESS:
+        return _LISTLESS[key]
+    plan = _ring_plan(*key, rows)
+    if rows:  # a rows plan holds all a list-less one does (ring_attention's): keep it, no second build
+        _LISTLESS[key] = _listless(plan)
+        while len(_LISTLESS) > 16:
+            _LISTLESS.pop(next(iter(_LISTLESS)))
+    return plan
+
+
+#: list-less plans derived from rows plans, by ``_ring_plan``'s arguments without the rows
+_LISTLESS: dict = {}
+
+
+def _listless(plan: RingPlan) -> RingPlan:
+    """``plan`` without any list rows: what ``ring_plan(..., q_shard_rows=())`` builds."""
+    def cut(info):
+        if info is None:
+            return None
+        lists = {f: getattr(info, f)[:, :0] for f in ("q_block", "kv_block", "kind", "partial_index")}
+        return dataclasses.replace(info, **lists, q_shard_rows=())
+
+    return dataclasses.replace(plan, info=cut(plan.info), info_dkv=cut(plan.info_dkv))
 
 
 @functools.lru_cache(maxsize=16)
@@ -242,14 +265,15 @@ def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_
 def _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, rows):
     """``(whole, local)``: the whole schedule's ``ShapeDtypeStruct`` s and pieces (from a plan
     without lists, which ``ring_attention`` uses too) and the numpy schedule of the q shards
-    ``rows`` (``[lists, len(rows), ...]``; None for ``()``)."""
+    ``rows`` (``[lists, len(rows), ...]``; None for ``()``). Every pair is classified once."""
+    local = None
+    if rows:  # first: the list-less plan then comes from this one
+        plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=rows)
+        local = schedule_lib.schedule_from_splits(*_ring_splits(plan, config, heads, kv_heads, device_kind))
     header = ring_plan(mask, num_shards, layout, config, q_shard_rows=())
     empty = schedule_lib.schedule_from_splits(*_ring_splits(header, config, heads, kv_heads, device_kind))
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], num_shards, *x.shape[2:]), x.dtype), empty)
-    if not rows:
-        return whole, None
-    plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=rows)
-    return whole, schedule_lib.schedule_from_splits(*_ring_splits(plan, config, heads, kv_heads, device_kind))
+    return whole, local
 
 
 def _ring_splits(plan: RingPlan, config: SplashConfig, heads: int, kv_heads: int, device_kind=None):
