@@ -139,6 +139,53 @@ def table_metadata(sizes, n=8, runs=5):
     return results
 
 
+# per process: a multi-host slice builds only its own devices' rows
+
+
+def _rows_child(s: int, n: int, runs: int) -> None:
+    from ringsplash.parallel import ring
+
+    config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="auto")
+    mask = masks.CausalMask((s, s))
+    layouts.permutation("zigzag", s, n)  # the layout itself is not metadata
+    kw = dict(heads=8, kv_heads=8, device_kind="TPU v5 lite")
+    cases = {  # what one process builds: the whole schedule (one host), or shapes + pieces + its rows
+        "whole schedule (1 host)": lambda: ring.ring_schedule(mask, n, "zigzag", config, **kw),
+        f"rows 0-{n // 2 - 1} (1 of 2 hosts)": lambda: ring._rows_schedule(
+            mask, n, "zigzag", config, **kw, rows=tuple(range(n // 2))),
+        "row 0 (1 of 8 hosts)": lambda: ring._rows_schedule(mask, n, "zigzag", config, **kw, rows=(0,)),
+        "list-less plan only (shapes, pieces, active)": lambda: ring._rows_schedule(
+            mask, n, "zigzag", config, **kw, rows=()),
+    }
+    out = {}
+    for name, fn in cases.items():
+        times = []
+        for _ in range(runs):
+            build_mask_info.cache_clear()
+            ring._ring_plan.cache_clear()
+            ring._LISTLESS.clear()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times.append((time.perf_counter() - t0, time.process_time() - c0))
+        out[name] = times
+    print(json.dumps(out))
+
+
+def table_rows(s=4096 * K, n=8, runs=3):
+    print(f"\n### Host metadata per process: ring_schedule at S = {s // K}K, N = {n} (causal, zigzag, blocks 512, "
+          f"8 heads, forward + dK/dV views, SMEM pieces at the v5e budget), cold caches, {runs} runs\n")
+    r = subprocess.run([sys.executable, __file__, "--rows-child", str(s), str(n), str(runs)],
+                       capture_output=True, text=True, check=True)
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    print("| what one process builds | min (s) | median (s) | runs (s) | median CPU (s, both threads) |")
+    print("|---|---:|---:|---|---:|")
+    for name, runs_ in res.items():
+        wall = [w for w, _ in runs_]
+        print(f"| {name} | {min(wall):.2f} | {statistics.median(wall):.2f} | {', '.join(f'{t:.2f}' for t in wall)} "
+              f"| {statistics.median(c for _, c in runs_):.2f} |")
+    return res
+
+
 def _metadata(s: int, n: int, runs: int) -> dict:
     r = subprocess.run([sys.executable, __file__, "--metadata-child", str(s), str(n), str(runs)],
                        capture_output=True, text=True, check=True)
@@ -388,11 +435,19 @@ def main():
     p.add_argument("--max-context", action="store_true",
                    help="only the memory model: max S that compiles and fits, and the issue-14 targets")
     p.add_argument("--rel-tol", type=float, default=0.25, help="bisection stops when hi / lo <= 1 + rel_tol")
+    p.add_argument("--rows", action="store_true", help="only the per-process host metadata table (S = 4M, N = 8)")
     p.add_argument("--metadata-child", nargs=3, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--rows-child", nargs=3, type=int, help=argparse.SUPPRESS)
     p.add_argument("--compile-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.metadata_child:
         _metadata_child(*args.metadata_child)
+        return
+    if args.rows_child:
+        _rows_child(*args.rows_child)
+        return
+    if args.rows:
+        table_rows()
         return
     if args.compile_child:
         kind, topology, s = args.compile_child
@@ -404,6 +459,8 @@ def main():
         return
     table_balance()
     table_metadata([128 * K, 1024 * K] + ([] if args.quick else [4096 * K]))
+    if not args.quick:
+        table_rows()
     if not args.skip_compile:
         cases = [("v5e:2x2", 32 * K), ("v6e:2x4", 32 * K)]
         if not args.quick:

@@ -1,5 +1,6 @@
 """MaskInfo: round trip against the dense mask, the work-list contract, dtypes, cache, cost."""
 
+import dataclasses
 import time
 import tracemalloc
 
@@ -15,6 +16,7 @@ from attention_inputs import inputs, max_err
 from ringsplash import build_mask_info, layouts, masks
 from ringsplash import mask_info as mask_info_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL
+from ringsplash.splash import work_pieces
 from test_masks import any_masks
 
 # ----------------------------------------------------------------------------------------
@@ -284,6 +286,67 @@ def test_mask_info_is_cached():
     c = build_mask_info(mask, (8, 8), q_shards=4, kv_shards=4, q_positions=pos, kv_positions=pos)
     assert c is not a
     np.testing.assert_array_equal(c.kind, a.kind)
+
+
+ROW_MASKS = {
+    **{k: SQUARE[k] for k in ("causal", "local", "chunked", "numpy", "causal&local", "chunked|prefix", "multihead")},
+    "numpy&causal": _numpy_mask(S, S, 2) & masks.CausalMask((S, S)),  # composite with a NumpyMask part
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_MASKS))
+def test_q_shard_rows_equal_the_rows_of_the_whole_build(name, monkeypatch):
+    """A rows-only build holds exactly the whole build's rows; everything global (num_active,
+    partial blocks and their numbering, max_steps, dtypes, per-major counts, pieces) is the whole
+    build's; only the rows' pair lists are expanded."""
+    mask, shards = ROW_MASKS[name], 4
+    expanded = []
+    finish = mask_info_lib._finish
+    monkeypatch.setattr(mask_info_lib, "_finish", lambda *a: expanded.append(1) or finish(*a))
+    several_pieces = False
+    for layout in ("contiguous", "zigzag", "striped"):
+        pos = layouts.permutation(layout, S, shards)
+        for transpose in (False, True):
+            for mode in ("auto", "function") if name in ("local", "chunked|prefix") else ("auto",):
+                common = dict(q_shards=shards, kv_shards=shards, q_positions=pos, kv_positions=pos,
+                              transpose=transpose, partial_mode=mode)
+                build_mask_info.cache_clear()
+                whole = build_mask_info(mask, (8, 8), **common)
+                # some pieces: at most 3 major blocks' worth of entries each
+                steps = max(int(whole.major_counts.max()), 3)
+                for rows in ((2,), (3, 0), (), (1, 3, 2, 0)):
+                    expanded.clear()
+                    got = build_mask_info(mask, (8, 8), **common, q_shard_rows=rows)
+                    where = f"{name} {layout} transpose={transpose} {mode} rows={rows}"
+                    assert got.q_shard_rows == rows and len(expanded) == got.num_lists * len(rows) * shards, where
+                    for f in ("q_block", "kv_block", "kind", "partial_index"):
+                        want = getattr(whole, f)[:, list(rows)]
+                        assert getattr(got, f).dtype == want.dtype, where
+                        np.testing.assert_array_equal(getattr(got, f), want, err_msg=f"{where} {f}")
+                    for f in ("num_active", "partial_mask_blocks", "head_to_list", "major_counts", "partial_sources"):
+                        np.testing.assert_array_equal(getattr(got, f), getattr(whole, f), err_msg=f"{where} {f}")
+                    assert got.uses_mask_function == whole.uses_mask_function
+                    split, split_whole = (work_pieces.split_work_lists(i, steps) for i in (got, whole))
+                    assert split.pieces == split_whole.pieces, where
+                    np.testing.assert_array_equal(split.bounds, split_whole.bounds[:, list(rows)], err_msg=where)
+                # the builder's counts give the pieces the lists themselves give
+                by_lists = work_pieces._split(dataclasses.replace(whole, major_counts=None), steps)
+                assert by_lists.pieces == split_whole.pieces
+                np.testing.assert_array_equal(by_lists.bounds, split_whole.bounds)
+                np.testing.assert_array_equal(
+                    dataclasses.replace(whole, partial_sources=None).list_partial_sources(), whole.partial_sources)
+                several_pieces = several_pieces or len(split_whole.pieces) > 1
+    assert several_pieces
+
+
+def test_q_shard_rows_bad_input():
+    mask = masks.CausalMask((S, S))
+    for rows, err in (((4,), ValueError), ((1, 1), ValueError), ((-1,), ValueError), ((0.5,), TypeError)):
+        with pytest.raises(err, match="q_shard_rows"):
+            build_mask_info(mask, (8, 8), q_shards=4, kv_shards=4, q_shard_rows=rows)
+    info = build_mask_info(mask, (8, 8), q_shards=4, kv_shards=4, q_shard_rows=(1,))
+    with pytest.raises(ValueError, match="q_shard_rows"):
+        info.schedule(1, 0)
 
 
 def test_equal_head_masks_share_a_list():

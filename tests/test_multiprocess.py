@@ -39,6 +39,9 @@ def test_ring_across_two_processes_matches_reference():
     for case in ("causal_zigzag", "packed_gqa_striped"):
         for p in (0, 1):
             assert f"[p{p}] CASE {case} process {p} shards 2 max_err" in r.stdout, r.stdout
+    # with a per-device schedule each process builds only its own q-shard rows
+    assert "[p0] ROWS process 0 mine (0, 1) built [(0, 1)]" in r.stdout, r.stdout
+    assert "[p1] ROWS process 1 mine (2, 3) built [(2, 3)]" in r.stdout, r.stdout
 
 
 def test_launcher_failure_stops_every_process(tmp_path):

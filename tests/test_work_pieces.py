@@ -265,6 +265,59 @@ def test_ring_schedule_is_sharded_per_device_and_rows_build_alone():
     assert sched.nbytes_per_device * n == sum(x.nbytes for x in jax.tree.leaves(whole))
 
 
+def test_ring_schedule_of_a_process_builds_only_its_rows(monkeypatch):
+    """On a multi-host slice (simulated: this process "addresses" ring devices 1 and 2 only) the
+    schedule's global shapes and pieces come from list-less plans, its arrays from plans of those
+    rows; both equal the whole schedule's (every process must compile the same program)."""
+    import importlib
+
+    from ringsplash import mask_info
+    from ringsplash.parallel import ring
+
+    ring_schedule = importlib.import_module("ringsplash.parallel.ring_schedule")  # the package exports a function
+
+    n, s, heads = 4, 4096, 2
+    mask = masks.LocalMask((s, s), window=(700, 0))  # some shard pairs inactive
+    config = SplashConfig(**B128, backend="mosaic_tpu", smem_budget_bytes=budget_for(12, heads))
+    whole = rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1)
+    assert len(whole.fwd_pieces) > 1 and len(whole.dkv_pieces) > 1
+    full_plan = ring.ring_plan(mask, n, "zigzag", config)
+    assert not full_plan.active.all()
+    header = ring.ring_plan(mask, n, "zigzag", config, q_shard_rows=())
+    np.testing.assert_array_equal(header.active, full_plan.active)
+
+    built, captured = [], {}
+    real_build = mask_info._build
+    monkeypatch.setattr(mask_info, "_build", lambda *a: built.append(a[8]) or real_build(*a))
+    monkeypatch.setattr(ring_schedule, "process_rows", lambda mesh, axis: (1, 2))
+    monkeypatch.setattr(ring_schedule, "schedule_arrays",
+                        lambda build_rows, shapes, mesh, axis: captured.update(build_rows=build_rows, shapes=shapes) or shapes)
+    mask_info.build_mask_info.cache_clear()
+    ring._ring_plan.cache_clear()
+    ring._LISTLESS.clear()
+    mesh = _mesh(n)
+    rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx")
+    shapes = rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx",
+                              shapes_only=True)
+    derived = ring.ring_plan(mask, n, "zigzag", config, q_shard_rows=())  # what ring_attention uses
+    assert built == [(1, 2), (1, 2)]  # one build per view, of these rows only: the list-less plan is derived
+    np.testing.assert_array_equal(derived.active, full_plan.active)
+    for got, want in ((derived.info, header.info), (derived.info_dkv, header.info_dkv)):
+        for f in ("q_block", "kv_block", "kind", "partial_index", "num_active", "partial_mask_blocks", "major_counts",
+                  "partial_sources"):
+            assert getattr(got, f).dtype == getattr(want, f).dtype
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
+        assert got.q_shard_rows == want.q_shard_rows == ()
+    assert (shapes.fwd_pieces, shapes.dkv_pieces) == (whole.fwd_pieces, whole.dkv_pieces)
+    assert (captured["shapes"].fwd_pieces, captured["shapes"].dkv_pieces) == (whole.fwd_pieces, whole.dkv_pieces)
+    for w, sh, sh2 in zip(*(jax.tree.leaves(x) for x in (whole, shapes, captured["shapes"])), strict=True):
+        assert sh.shape == sh2.shape == w.shape and sh.dtype == sh2.dtype == w.dtype
+    for want in ((2,), (1,), (1, 2)):
+        got = captured["build_rows"](want)
+        for w, g in zip(jax.tree.leaves(whole), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(g, w[:, list(want)])
+
+
 def test_ring_schedule_bad_input(key):
     n, s = 2, 512
     mask = masks.CausalMask((s, s))

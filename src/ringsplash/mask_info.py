@@ -12,6 +12,7 @@ partial block is ever materialised.
 import collections
 import dataclasses
 import hashlib
+import operator
 import threading
 from typing import Literal, NamedTuple
 
@@ -67,6 +68,18 @@ class MaskInfo:
     masks: tuple[Mask, ...]  # one per list
     q_positions: np.ndarray  # int32 [q_len]
     kv_positions: np.ndarray  # int32 [kv_len]
+    # The q shards whose lists the four list arrays hold (their q-shard axis is ``len(q_shard_rows)``
+    # long, in this order); None = every q shard. Everything below (and ``num_active``,
+    # ``partial_mask_blocks``, ``max_steps``, the dtypes) always covers every q shard, so a rows-only
+    # build equals the same rows of the whole build.
+    q_shard_rows: tuple[int, ...] | None = None
+    # int32 [lists, q_shards, kv_shards, n_major]: entries of each major block (q block; kv block when
+    # transposed) in each pair's list, a visit without work counted as 1 (``work_pieces`` cuts pieces
+    # from these). None only for MaskInfos made by hand.
+    major_counts: np.ndarray | None = None
+    # bool [lists, 2]: whether any pair of the list has a PARTIAL entry with a stored block / one
+    # evaluated by mask_function in the kernel. None only for MaskInfos made by hand.
+    partial_sources: np.ndarray | None = None
 
     @property
     def num_lists(self) -> int:
@@ -86,11 +99,24 @@ class MaskInfo:
 
     @property
     def uses_mask_function(self) -> bool:
-        return bool(np.any((self.kind == PARTIAL) & (self.partial_index < 0)))
+        return bool(self.list_partial_sources()[:, 1].any())
+
+    def list_partial_sources(self) -> np.ndarray:
+        """bool ``[lists, 2]``: per list, whether some entry (of any shard pair) is PARTIAL with a
+        stored block, and whether some is PARTIAL with ``mask_function`` evaluated in the kernel."""
+        if self.partial_sources is not None:
+            return self.partial_sources
+        partial = self.kind == PARTIAL
+        return np.stack([np.any(partial & (self.partial_index >= 0), axis=(1, 2, 3)),
+                         np.any(partial & (self.partial_index < 0), axis=(1, 2, 3))], axis=1)
 
     def schedule(self, q_shard=0, kv_shard=0) -> BlockSchedule:
         """The work lists of one shard pair; ``q_shard``/``kv_shard`` may be traced."""
         import jax.numpy as jnp
+
+        if self.q_shard_rows is not None:
+            raise ValueError(f"schedule() needs every q shard's lists; this MaskInfo holds q_shard_rows="
+                             f"{self.q_shard_rows} (build it without q_shard_rows)")
 
         def pick(a):  # slice in the compact dtype, widen only the selected pair
             if self.q_shards == 1 and self.kv_shards == 1:
@@ -109,6 +135,9 @@ class MaskInfo:
         """Rebuild the dense ``[q_len, kv_len]`` mask of ``head`` (laid-out frame; tests)."""
         bq, bkv = self.block_shape
         nq, nk = self.q_blocks_per_shard, self.kv_blocks_per_shard
+        if self.q_shard_rows is not None:
+            raise ValueError(f"to_dense() needs every q shard's lists; this MaskInfo holds q_shard_rows="
+                             f"{self.q_shard_rows}")
         out = np.zeros((self.q_len, self.kv_len), dtype=bool)
         lst = int(self.head_to_list[head])
         for a in range(self.q_shards):
@@ -146,6 +175,18 @@ def _check_positions(positions, length: int, name: str) -> np.ndarray:
     if not seen.all():
         raise ValueError(f"{name} must be a permutation of range({length}); it repeats positions")
     return pos.astype(np.int32)
+
+
+def _check_rows(rows, q_shards: int) -> tuple[int, ...] | None:
+    if rows is None:
+        return None
+    try:
+        out = tuple(operator.index(r) for r in rows)
+    except TypeError:
+        raise TypeError(f"q_shard_rows must be None or a sequence of ints, got {rows!r}") from None
+    if any(not 0 <= r < q_shards for r in out) or len(set(out)) != len(out):
+        raise ValueError(f"q_shard_rows must be distinct q shard indices in range({q_shards}), got {out}")
+    return out
 
 
 def _check_blocking(length: int, block: int, shards: int, what: str) -> int:
@@ -401,31 +442,39 @@ class _PairList(NamedTuple):
     q_block: np.ndarray
     kv_block: np.ndarray
     kind: np.ndarray
-    partial: np.ndarray  # id into the list's stored blocks, -1 otherwise
+    partial_at: np.ndarray  # entries with a stored partial block (the rest have partial index -1)
+    partial_ids: np.ndarray  # their ids into the list's stored blocks
 
 
-def _finish(work: _PairWork, partial_ids: np.ndarray, transpose: bool) -> _PairList:
+def _finish(work: _PairWork, partial_at: np.ndarray, partial_ids: np.ndarray, transpose: bool) -> _PairList:
     """Expand the run-length form; a major block without work gets one kind-0 visit."""
     counts, minor, kinds = work
     if np.any(counts == 0):
-        out_counts = np.maximum(counts, 1)
-        pos = np.arange(minor.size) + np.repeat(np.cumsum(out_counts - counts) - (out_counts - counts), counts)
-        n = int(out_counts.sum())
-        visits = np.ones(n, bool)
-        visits[pos] = False
-        new_minor, new_kinds, new_partial = np.zeros(n, np.int32), np.zeros(n, np.int8), np.full(n, -1, np.int64)
-        new_minor[pos], new_kinds[pos], new_partial[pos] = minor, kinds, partial_ids
-        # a visit keeps the previous entry's minor block, so no new block is fetched
-        last_real = np.maximum.accumulate(np.where(visits, 0, np.arange(n)))
-        new_minor[visits] = new_minor[last_real[visits]]
-        counts, minor, kinds, partial_ids = out_counts, new_minor, new_kinds, new_partial
+        ins = np.cumsum(counts)[counts == 0]  # a visit goes before the entries of the next major block
+        # a visit keeps the previous entry's minor block (0 before any), so no new block is fetched
+        visit_minor = minor[ins - 1] if minor.size else np.zeros(ins.size, minor.dtype)
+        visit_minor[ins == 0] = 0
+        minor, kinds = np.insert(minor, ins, visit_minor), np.insert(kinds, ins, np.int8(EMPTY))
+        partial_at = partial_at + np.searchsorted(ins, partial_at, side="right")
+        counts = np.maximum(counts, 1)
     major = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
     q_block, kv_block = (minor, major) if transpose else (major, minor)
-    return _PairList(q_block, kv_block, kinds, partial_ids)
+    return _PairList(q_block, kv_block, kinds, partial_at, partial_ids)
 
 
-def _build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, partial_mode):
-    """Work lists of every shard pair for one 2-D mask: ({(a, b): _PairList}, blocks | None)."""
+class _PairStats(NamedTuple):
+    """What the whole build needs of a pair whose list is not expanded (every pair has one)."""
+
+    counts: np.ndarray  # [n_major] entries of each major block in the finished list (a visit counts 1)
+    active: int  # non-empty entries
+    hi_minor: int  # largest local minor block of an entry (0 without entries)
+
+
+def _build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, partial_mode, rows=None):
+    """Work lists of one 2-D mask: ({(a, b): _PairList}, blocks | None, {(a, b): _PairStats},
+    bool [2] partial sources). Lists are expanded for the q shards ``rows`` only (None = all);
+    every pair is still enumerated and classified, so partial blocks are numbered over all pairs
+    and the stats cover them all."""
     nq_s, nk_s = qb.lo.size // q_shards, kb.lo.size // kv_shards
     dense_kinds = _dense_kinds(mask, qb, kb, bq, bkv) if isinstance(mask, NumpyMask) else None
     # Composites with NumpyMask parts: analytics (candidates, kinds) from the bound tree, contents
@@ -461,51 +510,66 @@ def _build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, par
     if not store and (partial_mode == "function" or len(blocks) > MAX_STORED_PARTIAL_BLOCKS):
         blocks, ids = None, np.full(ids.shape, -1, np.int64)  # evaluate mask_function in kernel
 
-    lists, start = {}, 0
+    lists, stats, start = {}, {}, 0
     for (a, b), w in works.items():
         p = parts[a, b]
         sl = slice(start, start + p.size)
         start += p.size
-        kinds, partial_ids = w.kinds, np.full(w.kinds.shape, -1, np.int64)
+        kinds, stored_at, stored_ids = w.kinds, p[:0], ids[:0]  # entries with a stored block, their ids
         if p.size:
             kinds = kinds.copy()
-            kinds[p], partial_ids[p] = new_kinds[sl], ids[sl]
+            kinds[p] = new_kinds[sl]
+            stored = ids[sl] >= 0
+            stored_at, stored_ids = p[stored], ids[sl][stored]
             if np.any(new_kinds[sl] == EMPTY):  # inexact classification: drop what is empty
                 keep = kinds != EMPTY
                 major_of = np.repeat(np.arange(w.counts.size), w.counts)
                 w = _PairWork(np.bincount(major_of[keep], minlength=w.counts.size), w.minor[keep], kinds[keep])
-                kinds, partial_ids = w.kinds, partial_ids[keep]
-        lists[a, b] = _finish(_PairWork(w.counts, w.minor, kinds), partial_ids, transpose)
-    return lists, blocks
+                kinds, stored_at = w.kinds, (np.cumsum(keep) - 1)[stored_at]  # stored ones are kept
+        stats[a, b] = _PairStats(np.maximum(w.counts, 1), int(w.counts.sum()), int(w.minor.max(initial=0)))
+        if rows is None or a in rows:
+            lists[a, b] = _finish(_PairWork(w.counts, w.minor, kinds), stored_at, stored_ids, transpose)
+    partial = new_kinds == PARTIAL
+    sources = np.asarray([np.any(partial & (ids >= 0)), np.any(partial & (ids < 0))])
+    return lists, blocks, stats, sources
 
 
-def _assemble(builds, q_shards, kv_shards):
-    """Stack every list's pair work lists into padded [lists, q_shards, kv_shards, max_steps]."""
-    max_steps = max(pl.kind.size for lists, _ in builds for pl in lists.values())
-    offsets = np.cumsum([0] + [len(blocks or []) for _, blocks in builds])
+def _assemble(builds, q_shards, kv_shards, rows=None):
+    """Stack the lists' pair work lists into padded [lists, len(rows), kv_shards, max_steps] (rows
+    None = every q shard); ``num_active`` [lists, q_shards, kv_shards] and the major counts
+    [lists, q_shards, kv_shards, n_major] cover every pair (from the stats)."""
+    stats = [st for _, _, st, _ in builds]
+    max_steps = max(int(ps.counts.sum()) for st in stats for ps in st.values())
+    offsets = np.cumsum([0] + [len(blocks or []) for _, blocks, _, _ in builds])
     n_part = int(offsets[-1])
-    # the largest local block index of either array (the minor one is not sorted: take its max)
-    hi_block = max(max(int(pl.q_block.max()), int(pl.kv_block.max())) for lists, _ in builds for pl in lists.values())
+    # the largest local block index of either array: every major block is visited, the minor
+    # ones are not sorted (visits repeat an earlier minor block, or 0)
+    hi_block = max(max(ps.counts.size - 1, ps.hi_minor) for st in stats for ps in st.values())
     idx_dtype = smallest_int_dtype(0, hi_block)
-    shape = (len(builds), q_shards, kv_shards, max_steps)
+    rows = range(q_shards) if rows is None else rows
+    shape = (len(builds), len(rows), kv_shards, max_steps)
     q_block, kv_block = np.empty(shape, idx_dtype), np.empty(shape, idx_dtype)
     kind = np.zeros(shape, np.int8)
     partial = np.full(shape, -1, smallest_int_dtype(-1, max(n_part - 1, 0)))
-    num_active = np.zeros(shape[:3], smallest_int_dtype(0, max_steps))
-    for li, (lists, _) in enumerate(builds):
-        for (a, b), pl in lists.items():
-            n = pl.kind.size
-            q_block[li, a, b, :n], kv_block[li, a, b, :n], kind[li, a, b, :n] = pl.q_block, pl.kv_block, pl.kind
-            stored = pl.partial >= 0
-            if stored.any():
-                partial[li, a, b, :n][stored] = pl.partial[stored] + offsets[li]
-            # padding repeats the last entry's blocks with kind 0 (no compute, no new fetch)
-            q_block[li, a, b, n:], kv_block[li, a, b, n:] = pl.q_block[-1], pl.kv_block[-1]
-            num_active[li, a, b] = n - int(np.count_nonzero(pl.kind == EMPTY))
-    return q_block, kv_block, kind, partial, num_active
+    num_active = np.zeros((len(builds), q_shards, kv_shards), smallest_int_dtype(0, max_steps))
+    n_major = next(iter(stats[0].values())).counts.size
+    major_counts = np.zeros((len(builds), q_shards, kv_shards, n_major), np.int32)
+    for li, (lists, _, st, _) in enumerate(builds):
+        for (a, b), ps in st.items():
+            num_active[li, a, b], major_counts[li, a, b] = ps.active, ps.counts
+        for r, a in enumerate(rows):
+            for b in range(kv_shards):
+                pl = lists[a, b]
+                n = pl.kind.size
+                q_block[li, r, b, :n], kv_block[li, r, b, :n], kind[li, r, b, :n] = pl.q_block, pl.kv_block, pl.kind
+                partial[li, r, b, pl.partial_at] = pl.partial_ids + offsets[li]
+                # padding repeats the last entry's blocks with kind 0 (no compute, no new fetch)
+                q_block[li, r, b, n:], kv_block[li, r, b, n:] = pl.q_block[-1], pl.kv_block[-1]
+    return q_block, kv_block, kind, partial, num_active, major_counts
 
 
-def _build(mask: AnyMask, block_shape, q_shards, kv_shards, q_pos, kv_pos, transpose, partial_mode) -> MaskInfo:
+def _build(mask: AnyMask, block_shape, q_shards, kv_shards, q_pos, kv_pos, transpose, partial_mode,
+           rows=None) -> MaskInfo:
     heads = masks_lib.head_masks(mask)
     q_len, kv_len = heads[0].shape
     bq, bkv = block_shape
@@ -514,15 +578,16 @@ def _build(mask: AnyMask, block_shape, q_shards, kv_shards, q_pos, kv_pos, trans
     unique, head_to_list = {}, []
     for m in heads:  # heads with equal masks share one list
         head_to_list.append(unique.setdefault(m, len(unique)))
-    builds = [_build_list(m, qb, kb, bq, bkv, q_shards, kv_shards, transpose, partial_mode) for m in unique]
-    q_block, kv_block, kind, partial, num_active = _assemble(builds, q_shards, kv_shards)
-    blocks = [blk for _, stored in builds for blk in (stored or [])]
+    builds = [_build_list(m, qb, kb, bq, bkv, q_shards, kv_shards, transpose, partial_mode, rows) for m in unique]
+    q_block, kv_block, kind, partial, num_active, major_counts = _assemble(builds, q_shards, kv_shards, rows)
+    blocks = [blk for _, stored, _, _ in builds for blk in (stored or [])]
     pmb = np.stack(blocks).astype(bool) if blocks else np.zeros((0, bq, bkv), bool)
     return MaskInfo(
         block_shape=(bq, bkv), q_len=q_len, kv_len=kv_len, q_shards=q_shards, kv_shards=kv_shards,
         transpose=transpose, head_to_list=np.asarray(head_to_list, smallest_int_dtype(0, len(unique))),
         q_block=q_block, kv_block=kv_block, kind=kind, partial_index=partial, num_active=num_active,
         partial_mask_blocks=pmb, masks=tuple(unique), q_positions=q_pos, kv_positions=kv_pos,
+        q_shard_rows=rows, major_counts=major_counts, partial_sources=np.stack([src for *_, src in builds]),
     )
 
 
@@ -551,6 +616,7 @@ def build_mask_info(
     kv_positions=None,
     transpose: bool = False,
     partial_mode: PartialMode = "auto",
+    q_shard_rows=None,
 ) -> MaskInfo:
     """Block-sparse metadata for ``mask`` (LRU-cached on its arguments).
 
@@ -567,6 +633,14 @@ def build_mask_info(
         partial_mode: ``"stored"`` keeps deduplicated partial blocks, ``"function"`` flags
             partial blocks for in-kernel ``mask_function`` evaluation, ``"auto"`` stores up to
             ``MAX_STORED_PARTIAL_BLOCKS`` distinct blocks per mask (NumpyMask always stores).
+        q_shard_rows: None (every q shard), or a sequence of distinct q shard indices: the list
+            arrays then hold only those q shards' lists (``[lists, len(q_shard_rows), kv_shards,
+            max_steps]``, in this order), equal to the same rows of the whole build; everything
+            else (``num_active``, ``partial_mask_blocks``, ``max_steps``, dtypes, pieces) is the
+            whole build's, so every process of a multi-host slice agrees on it. For either view
+            (``transpose``) the rows are q shards. Every pair is still enumerated and classified
+            (O(candidate blocks), needed for those global parts); only the expansion into
+            padded lists (most of the time and memory) is limited to these rows.
 
     Returns:
         the cached ``MaskInfo``.
@@ -581,15 +655,17 @@ def build_mask_info(
     kv_shards = _check_blocking(kv_len, bkv, kv_shards, "kv")
     q_pos = _check_positions(q_positions, q_len, "q_positions")
     kv_pos = _check_positions(kv_positions, kv_len, "kv_positions")
+    rows = _check_rows(q_shard_rows, q_shards)
     key = (mask, bq, bkv, int(q_shards), int(kv_shards), _digest(q_positions), _digest(kv_positions),
-           bool(transpose), partial_mode)
+           bool(transpose), partial_mode, rows)
     with _CACHE_LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
-    info = _build(mask, (bq, bkv), int(q_shards), int(kv_shards), q_pos, kv_pos, bool(transpose), partial_mode)
+    info = _build(mask, (bq, bkv), int(q_shards), int(kv_shards), q_pos, kv_pos, bool(transpose), partial_mode,
+                  rows)
     for a in (info.q_block, info.kv_block, info.kind, info.partial_index, info.num_active,
-              info.partial_mask_blocks, info.head_to_list):
+              info.partial_mask_blocks, info.head_to_list, info.major_counts, info.partial_sources):
         a.flags.writeable = False
     with _CACHE_LOCK:
         _CACHE[key] = info

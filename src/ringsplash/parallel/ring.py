@@ -142,7 +142,8 @@ def fit_ring_blocks(seq_len: int, num_shards: int, layout: layouts.Layout, confi
     )
 
 
-def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig) -> RingPlan:
+def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig, *,
+              q_shard_rows: tuple[int, ...] | None = None) -> RingPlan:
     """Host metadata of a ring (cached): O(non-empty blocks + S), never a dense S x S mask.
 
     Args:
@@ -150,18 +151,46 @@ def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, 
         num_shards: devices N on the ring axis.
         layout: token layout of the shards.
         config: ``SplashConfig``; its blocks are fitted to the shards (:func:`fit_ring_blocks`).
+        q_shard_rows: None, or the q shards (ring devices) whose work lists to expand
+            (``build_mask_info(q_shard_rows=)``; ``()`` = none: the plan's shapes, ``active``,
+            partial blocks and pieces, as every process needs them, without any list).
     """
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
     blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
     dkv = None if config.backend == "xla" else blocks.block_shape_dkv
-    return _ring_plan(mask, int(num_shards), layout, blocks.block_shape, dkv)
+    rows = None if q_shard_rows is None else tuple(int(r) for r in q_shard_rows)
+    key = (mask, int(num_shards), layout, blocks.block_shape, dkv)
+    if rows == () and key in _LISTLESS:
+        return _LISTLESS[key]
+    plan = _ring_plan(*key, rows)
+    if rows:  # a rows plan holds all a list-less one does (ring_attention's): keep it, no second build
+        _LISTLESS[key] = _listless(plan)
+        while len(_LISTLESS) > 16:
+            _LISTLESS.pop(next(iter(_LISTLESS)))
+    return plan
+
+
+#: list-less plans derived from rows plans, by ``_ring_plan``'s arguments without the rows
+_LISTLESS: dict = {}
+
+
+def _listless(plan: RingPlan) -> RingPlan:
+    """``plan`` without any list rows: what ``ring_plan(..., q_shard_rows=())`` builds."""
+    def cut(info):
+        if info is None:
+            return None
+        lists = {f: getattr(info, f)[:, :0] for f in ("q_block", "kv_block", "kind", "partial_index")}
+        return dataclasses.replace(info, **lists, q_shard_rows=())
+
+    return dataclasses.replace(plan, info=cut(plan.info), info_dkv=cut(plan.info_dkv))
 
 
 @functools.lru_cache(maxsize=16)
-def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv) -> RingPlan:
+def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv, rows=None) -> RingPlan:
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
     perm = layouts.permutation(layout, seq_len, num_shards)
-    common = {"q_shards": num_shards, "kv_shards": num_shards, "q_positions": perm, "kv_positions": perm}
+    common = {"q_shards": num_shards, "kv_shards": num_shards, "q_positions": perm, "kv_positions": perm,
+              "q_shard_rows": rows}
     if block_shape_dkv is None:
         info, info_dkv = build_mask_info(mask, block_shape, **common), None
     else:  # the two views are independent numpy work (mostly GIL-free): build them side by side
@@ -199,6 +228,10 @@ def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layo
     """
     if device_kind is None and mesh is not None:
         device_kind = mesh.devices.flat[0].device_kind
+    rows = None if mesh is None else schedule_lib.process_rows(mesh, axis_name)
+    if rows is not None and len(rows) < num_shards:  # a multi-host slice: this process's rows only
+        return _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, mesh, axis_name,
+                                 shapes_only, rows)
     plan = ring_plan(mask, num_shards, layout, config)
     split, split_dkv = _ring_splits(plan, config, heads, kv_heads, device_kind)
     whole = schedule_lib.schedule_from_splits(split, split_dkv)
@@ -208,6 +241,39 @@ def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layo
         return schedule_lib.schedule_shapes(whole, mesh, axis_name)
     return schedule_lib.schedule_arrays(lambda rows: schedule_lib.schedule_from_splits(split, split_dkv, rows),
                                         whole, mesh, axis_name)
+
+
+def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, mesh, axis_name, shapes_only,
+                      rows) -> RingSchedule:
+    """``ring_schedule`` on a process holding only the ring devices ``rows``: the shapes and pieces
+    come from a plan without lists (every process computes the same ones, as the program they all
+    compile must agree), the arrays from a plan of this process's rows only."""
+    whole, local = _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind,
+                                  () if shapes_only else rows)
+    if shapes_only:
+        return schedule_lib.schedule_shapes(whole, mesh, axis_name)
+    at = {r: i for i, r in enumerate(rows)}
+
+    def pick(want):  # one device's row: a view, not a copy of every leaf
+        idx = [at[r] for r in want]
+        sel = slice(idx[0], idx[0] + len(idx)) if idx == list(range(idx[0], idx[0] + len(idx))) else idx
+        return jax.tree.map(lambda x: x[:, sel], local)
+
+    return schedule_lib.schedule_arrays(pick, whole, mesh, axis_name)
+
+
+def _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, rows):
+    """``(whole, local)``: the whole schedule's ``ShapeDtypeStruct`` s and pieces (from a plan
+    without lists, which ``ring_attention`` uses too) and the numpy schedule of the q shards
+    ``rows`` (``[lists, len(rows), ...]``; None for ``()``). Every pair is classified once."""
+    local = None
+    if rows:  # first: the list-less plan then comes from this one
+        plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=rows)
+        local = schedule_lib.schedule_from_splits(*_ring_splits(plan, config, heads, kv_heads, device_kind))
+    header = ring_plan(mask, num_shards, layout, config, q_shard_rows=())
+    empty = schedule_lib.schedule_from_splits(*_ring_splits(header, config, heads, kv_heads, device_kind))
+    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], num_shards, *x.shape[2:]), x.dtype), empty)
+    return whole, local
 
 
 def _ring_splits(plan: RingPlan, config: SplashConfig, heads: int, kv_heads: int, device_kind=None):
@@ -512,7 +578,10 @@ def ring_attention(
     seq_len = call.q_len * n
     config = interpreter_for_mesh(config, "ring_attention")
     blocks = fit_ring_blocks(seq_len, n, layout, config)
-    plan = ring_plan(mask, n, layout, config)
+    # With a per-device schedule on a multi-host slice the ring needs no list of the plan (only
+    # its shapes, partial blocks and `active`): a plan without rows keeps each host's work to its own.
+    rows = () if schedule is not None and jax.process_count() > 1 else None
+    plan = ring_plan(mask, n, layout, config, q_shard_rows=rows)
     ring = _make_ring(
         plan, n, axis_name, call.scale, call.logit_soft_cap, blocks.config, unroll,
         sinks_vma=frozenset() if sinks is None else _vma(sinks), max_logits=bool(return_max_logits),

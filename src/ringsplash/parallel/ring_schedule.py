@@ -20,7 +20,8 @@ from ringsplash.mask_info import MaskInfo
 from ringsplash.splash import work_pieces
 from ringsplash.splash.work_pieces import Piece, PieceSchedules, SplitLists
 
-__all__ = ["PieceSchedules", "RingSchedule", "schedule_arrays", "schedule_from_splits", "schedule_shapes"]
+__all__ = ["PieceSchedules", "RingSchedule", "process_rows", "schedule_arrays", "schedule_from_splits",
+           "schedule_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +93,17 @@ def schedule_arrays(build_rows, whole: RingSchedule, mesh, axis_name) -> RingSch
     flat, treedef = jax.tree_util.tree_flatten_with_path(whole)
     spec_leaves = jax.tree.leaves(specs)
     return jax.tree_util.tree_unflatten(treedef, [make(pl, s) for pl, s in zip(flat, spec_leaves)])
+
+
+def process_rows(mesh, axis_name) -> tuple[int, ...]:
+    """The ring positions (q shards) along ``axis_name`` (a name or tuple of names) of ``mesh``'s
+    devices that this process addresses, ascending: the rows its schedule needs."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    axes = [mesh.axis_names.index(a) for a in names]
+    devices = np.moveaxis(mesh.devices, axes, list(range(len(axes)))).reshape(
+        int(np.prod([mesh.devices.shape[a] for a in axes])), -1)
+    me = jax.process_index()
+    return tuple(i for i, row in enumerate(devices) if any(d.process_index == me for d in row))
 
 
 def _at(tree, path):

@@ -22,7 +22,6 @@ from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call, check_divides
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
-from ringsplash.masks import PARTIAL
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash import kernel_backward, kernel_forward, segment_blocks, work_pieces
 from ringsplash.splash import xla as xla_backend
@@ -80,7 +79,7 @@ _STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.W
 def _static_operands(info: MaskInfo) -> StaticOperands:
     if info in _STATIC_CACHE:
         return _STATIC_CACHE[info]
-    needs_fn = np.any((info.kind == PARTIAL) & (info.partial_index < 0), axis=(1, 2, 3))
+    needs_fn = info.list_partial_sources()[:, 1]  # every shard pair's, also for a rows-only MaskInfo
     blocks = info.partial_mask_blocks.astype(np.int8) if info.partial_mask_blocks.shape[0] else None
     ops = StaticOperands(
         masks=tuple(m if bool(n) else None for m, n in zip(info.masks, needs_fn)),

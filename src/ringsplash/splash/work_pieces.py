@@ -157,6 +157,10 @@ def _split(info: MaskInfo, max_steps: int | None) -> SplitLists:
     if max_steps is None or steps <= max_steps:
         bounds = np.broadcast_to(np.asarray([0, steps], np.int32), (*lead, 1, 2))
         return SplitLists((Piece(0, n_major, steps),), arrays, bounds, info.transpose)
+    if info.major_counts is not None:  # the builder's counts: every pair's, also for a rows-only MaskInfo
+        counts = info.major_counts.reshape(-1, n_major)
+        own = info.major_counts if info.q_shard_rows is None else info.major_counts[:, list(info.q_shard_rows)]
+        return _cut(info, max_steps, arrays, counts, own.reshape(-1, n_major), lead)
     major = (info.kv_block if info.transpose else info.q_block).reshape(-1, steps)
     kind = info.kind.reshape(-1, steps)
     rows = major.shape[0]
@@ -176,7 +180,21 @@ def _split(info: MaskInfo, max_steps: int | None) -> SplitLists:
     np.cumsum(counts, axis=1, out=csum[:, 1:])
     first = np.zeros((rows, n_major + 1), np.int64)
     np.cumsum(every, axis=1, out=first[:, 1:])
+    return _cut(info, max_steps, arrays, counts, counts, lead, csum=csum, first=first)
 
+
+def _cut(info: MaskInfo, max_steps: int, arrays, counts, own, lead, *, csum=None, first=None) -> SplitLists:
+    """Pieces from ``counts`` ``[pairs, n_major]`` (every pair's entries per major block), and the
+    bounds of the pairs ``own`` (the rows the MaskInfo holds; ``first``: where each major block's
+    entries start in them, ``csum``: ``counts``' running sums, when already computed)."""
+    n_major = counts.shape[1]
+    if csum is None:
+        csum = np.zeros((counts.shape[0], n_major + 1), np.int64)
+        np.cumsum(counts, axis=1, out=csum[:, 1:])
+    own_csum = csum if own is counts else np.concatenate([np.zeros((own.shape[0], 1), np.int64),
+                                                          np.cumsum(own, axis=1, dtype=np.int64)], axis=1)
+    # entries of major block m start after those of the blocks before it (padding trails the last)
+    first = own_csum if first is None else first
     pieces, bounds = [], []
     m0 = 0
     while m0 < n_major:
@@ -192,7 +210,7 @@ def _split(info: MaskInfo, max_steps: int | None) -> SplitLists:
         m1 = m0 + fits
         length = csum[:, m1] - csum[:, m0]  # needed entries of each list in the piece
         pieces.append(Piece(m0, m1, int(length.max())))
-        bounds.append(np.stack([first[:, m0], length], axis=-1))
+        bounds.append(np.stack([first[:, m0], own_csum[:, m1] - own_csum[:, m0]], axis=-1))
         m0 = m1
     bounds = np.stack(bounds, axis=1).astype(np.int32).reshape(*lead, len(pieces), 2)
     return SplitLists(tuple(pieces), arrays, bounds, info.transpose)

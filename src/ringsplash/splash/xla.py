@@ -50,7 +50,6 @@ from jax import lax
 
 from ringsplash._checks import default_scale
 from ringsplash._types import Array, Float
-from ringsplash.masks import PARTIAL
 from ringsplash.reference import MASKED_LSE
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 
@@ -88,10 +87,7 @@ class _ListPlan:
         self.kv_identity = np.array_equal(self.kv_heads, np.arange(num_kv_heads))
         # Which partial-block sources this list uses in any shard pair (static; the schedule
         # of one pair may be traced, the MaskInfo arrays are not).
-        partial = np.asarray(info.kind)[list_index] == PARTIAL
-        pidx = np.asarray(info.partial_index)[list_index]
-        self.uses_blocks = bool(np.any(partial & (pidx >= 0)))
-        self.uses_fn = bool(np.any(partial & (pidx < 0)))
+        self.uses_blocks, self.uses_fn = (bool(x) for x in info.list_partial_sources()[list_index])
 
 
 def _list_plans(info, num_heads: int, num_kv_heads: int) -> list[_ListPlan]:
