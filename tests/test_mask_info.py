@@ -593,13 +593,13 @@ def test_mask_info_1m_is_cheap_and_never_dense(monkeypatch, name, mask, shards, 
         build_mask_info.cache_clear()
         evaluated.clear()
         tracemalloc.start()
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU time: a loaded machine does not inflate it
         info = build_mask_info(mask, (512, 512), q_shards=shards, kv_shards=shards,
                                q_positions=pos, kv_positions=pos, partial_mode=mode)
-        seconds = time.perf_counter() - t0
+        seconds = time.process_time() - t0
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        assert seconds < 2.0, f"{name}: {seconds:.2f} s"  # ~0.05 s; generous bound for a noisy machine
+        assert seconds < 2.0, f"{name}: {seconds:.2f} s CPU"  # measured <= 0.4 s (tracemalloc on); 5x headroom
         assert peak < 512 * 2**20, f"{name}: peak traced allocation {peak / 2**20:.0f} MiB"
         # only single blocks are materialised, one per distinct content key
         assert all(n <= 512 * 512 for n in evaluated)
