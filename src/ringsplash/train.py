@@ -23,6 +23,12 @@ transpose), already summed over the mesh. The loss projects hidden states to the
 chunks of ``TrainConfig.loss_chunk`` tokens under ``jax.checkpoint`` (``chunked_loss_sums``),
 so at most ``loss_chunk x vocab`` logits exist per device.
 
+Ring schedule. Under ``attention="ring"`` / ``"usp"`` the step, eval and logits functions build the
+ring's work lists once per sequence length on the host (``batch_ring_schedule``, cached; each process
+only its devices' rows) and pass them into their ``jit`` as an argument sharded over the ring axis, so
+each device holds its own q shard's rows, 1/N of the schedule, instead of the whole schedule as a
+constant replicated on every device; every layer's ring reads the same lists.
+
 Max logits and QK-clip. With ``TransformerConfig.qk_clip_threshold`` (or
 ``TrainConfig.log_max_logits``) the step collects every layer's per-head max attention logit
 from its forward pass (the attention returns them, the layer scan stacks them, a ``pmax`` over
