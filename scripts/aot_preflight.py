@@ -157,9 +157,12 @@ def compile_step(config: Config):
           for dt in (jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.int32))
     )
     grad_fn = train.make_grad_fn(model_config, mesh, plan=plan, loss_chunk=config.loss_chunk)
+    # the ring's work lists as the trainer passes them: a jit argument sharded over the ring axis
+    # (each device holds its q shard's rows), not a constant replicated on every device
+    schedule = train.batch_ring_schedule(model_config, mesh, batch_abs)
 
-    def step(params, opt_state, batch):
-        grads, metrics = grad_fn(params, static, batch, None)
+    def step(params, opt_state, batch, schedule):
+        grads, metrics = grad_fn(params, static, batch, None, schedule)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return (jax.lax.with_sharding_constraint(params, param_sh),
@@ -167,7 +170,7 @@ def compile_step(config: Config):
 
     t0 = time.perf_counter()
     lowered = jax.jit(step, donate_argnums=(0, 1)).lower(place(params_abs, param_sh), place(opt_abs, opt_sh),
-                                                          batch_abs)
+                                                          batch_abs, schedule)
     compiled = lowered.compile()
     mesh_shape = dict(mesh.shape)
     opt_specs = jax.tree.map(lambda s: s.spec, opt_sh)
@@ -181,6 +184,7 @@ def compile_step(config: Config):
             "opt_bytes": partitioning.local_bytes(opt_abs, opt_specs, mesh_shape),
             "replicated_state_bytes": nbytes(params_abs) + nbytes(opt_abs),
             "batch_bytes": 5 * 4 * rows * config.seq_len // devices.size,
+            "schedule_bytes": 0 if schedule is None else schedule.nbytes_per_device,
             "estimates": _estimates(config, model_config, params_abs, data, context, rows, plan.sharded)}
     return compiled, info
 
@@ -234,10 +238,11 @@ def report(config: Config, compiled, info, *, quiet: bool = False) -> tuple[bool
           f"compiled in {info['compile_s']:.1f} s")
     print(info["plan"])
     print("per-device HBM:")
-    print(f"  arguments    {gib(args)}   (params, optimiser state, batch shard)")
+    print(f"  arguments    {gib(args)}   (params, optimiser state, batch shard, ring schedule)")
     print(f"    parameters        {gib(info['param_bytes'])}")
     print(f"    optimiser state   {gib(info['opt_bytes'])}")
     print(f"    batch shard       {gib(info['batch_bytes'])}")
+    print(f"    ring schedule     {gib(info['schedule_bytes'])}   (this device's rows of the work lists)")
     per_device = info["replicated_state_bytes"] / info["devices"]
     print(f"    params + optimiser state = {(info['param_bytes'] + info['opt_bytes']) / per_device:.3f} x "
           f"(replicated bytes / devices = {per_device / GiB:.3f} GiB)")

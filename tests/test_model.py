@@ -44,7 +44,9 @@ def _run(config, model, batch):
     params, static = eqx.partition(model, eqx.is_array)
     params = train.replicate(params, mesh)
     logits = train.make_logits_fn(config, mesh)(eqx.combine(params, static), sharded)
-    grads, metrics = jax.jit(lambda p, b: train.make_grad_fn(config, mesh)(p, static, b))(params, sharded)
+    schedule = train.batch_ring_schedule(config, mesh, sharded)  # the ring's per-device rows, a jit argument
+    grads, metrics = jax.jit(lambda p, b, sc: train.make_grad_fn(config, mesh)(p, static, b, None, sc))(
+        params, sharded, schedule)
     logits = np.asarray(logits)
     if config.attention == "ring":
         logits = layouts.unpermute(logits, config.ring_layout, n, axis=1)

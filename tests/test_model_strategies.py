@@ -3,6 +3,8 @@ mesh (``train.mesh_for``), batch layout and sharded gradient function; bad strat
 meshes that do not match them are rejected with the numbers and a valid alternative.
 """
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -41,8 +43,9 @@ def _run(config, model, batch):
     params, static = eqx.partition(model, eqx.is_array)
     params = train.replicate(params, mesh)
     logits_fn, grad_fn = train.make_logits_fn(config, mesh), train.make_grad_fn(config, mesh)
-    logits, (grads, _) = jax.jit(lambda p, b: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b)))(
-        params, sharded)  # one compile for both
+    schedule = train.batch_ring_schedule(config, mesh, sharded)  # ring / USP: per-device rows, a jit argument
+    logits, (grads, _) = jax.jit(lambda p, b, sc: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b, None, sc)))(
+        params, sharded, schedule)  # one compile for both
     logits = np.asarray(logits)
     if config.context_shards > 1:
         logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
@@ -69,6 +72,9 @@ CASES = {
     "usp-2x4": dict(attention="usp", ring_size=4, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
     "usp-4x2-contiguous": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4,
                                ring_layout="contiguous", **RING),
+    # the Pallas kernels (generic interpreter): the inner ring's per-device schedule carries the dK/dV view too
+    "usp-2x2-interpret": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2,
+                              splash=dataclasses.replace(BLOCKS, backend="interpret", interpret_params="generic"), **RING),
 }
 
 

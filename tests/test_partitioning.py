@@ -140,8 +140,10 @@ def _shard_map_inputs(fn, model, batch) -> list:
                     yield from shard_maps(sub)
 
     [eqn] = list(shard_maps(jaxpr))
-    fields = len(train.Batch._fields)  # inputs: hoisted constants (mask info), the parameters, the batch
-    return [v.aval.shape for v in eqn.params["jaxpr"].invars[-(len(_leaves(params)) + fields):-fields]]
+    # inputs: hoisted constants (mask info), the parameters, the batch, the ring's per-device schedule
+    schedule = train.batch_ring_schedule(model.config, batch.tokens.sharding.mesh, batch)
+    tail = len(train.Batch._fields) + len(jax.tree.leaves(schedule))
+    return [v.aval.shape for v in eqn.params["jaxpr"].invars[-(len(_leaves(params)) + tail):-tail]]
 
 
 def test_eval_and_logits_run_on_the_sharded_parameters(runs):

@@ -29,7 +29,7 @@ def test_aot_preflight_compiles_tiny_config_for_v5e():
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "topology v5e:2x2" in out and "context=4" in out
-    for line in ("arguments", "outputs", "temporaries", "total"):
+    for line in ("arguments", "ring schedule", "outputs", "temporaries", "total"):
         assert line in out
     assert "of 16.000 GiB per device" in out and out.strip().endswith("FITS")
 

@@ -23,6 +23,12 @@ transpose), already summed over the mesh. The loss projects hidden states to the
 chunks of ``TrainConfig.loss_chunk`` tokens under ``jax.checkpoint`` (``chunked_loss_sums``),
 so at most ``loss_chunk x vocab`` logits exist per device.
 
+Ring schedule. Under ``attention="ring"`` / ``"usp"`` the step, eval and logits functions build the
+ring's work lists once per sequence length on the host (``batch_ring_schedule``, cached; each process
+only its devices' rows) and pass them into their ``jit`` as an argument sharded over the ring axis, so
+each device holds its own q shard's rows, 1/N of the schedule, instead of the whole schedule as a
+constant replicated on every device; every layer's ring reads the same lists.
+
 Max logits and QK-clip. With ``TransformerConfig.qk_clip_threshold`` (or
 ``TrainConfig.log_max_logits``) the step collects every layer's per-head max attention logit
 from its forward pass (the attention returns them, the layer scan stacks them, a ``pmax`` over
@@ -62,6 +68,7 @@ from ringsplash.data import Batch, DataStream
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.model.config import dtype_of
 from ringsplash.model.qk_clip import apply_qk_clip
+from ringsplash.model.schedule import model_ring_schedule
 
 DATA, CONTEXT = "data", "context"
 ULYSSES = "ulysses"  # USP's inner (all-to-all) axis, present only when make_mesh(..., ulysses=a) asks for it
@@ -323,12 +330,13 @@ def chunked_loss_sums(
 
 
 def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, gather_layer=None,
-                max_logits: bool = False):
+                max_logits: bool = False, schedule=None):
     """Per-device (unnormalised) loss sum, scored weight, correct weight (and with ``max_logits``
-    the local rows' ``[num_layers, heads]`` max logits)."""
+    the local rows' ``[num_layers, heads]`` max logits); ``schedule``: this device's ring schedule."""
     n = batch.tokens.shape[0]
     keys = None if key is None else jax.random.split(key, n)
-    call = lambda t, p, s, k: model.hidden(t, p, s, key=k, gather_layer=gather_layer, return_max_logits=max_logits)
+    call = lambda t, p, s, k: model.hidden(t, p, s, key=k, gather_layer=gather_layer, return_max_logits=max_logits,
+                                           schedule=schedule)
     hidden = jax.vmap(call)(batch.tokens, batch.positions, batch.segment_ids, keys)
     mx = ()
     if max_logits:  # [rows, layers, heads] -> this device's [layers, heads]
@@ -338,6 +346,20 @@ def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, g
     s, c = chunked_loss_sums(hidden.reshape(-1, hidden.shape[-1]), model.unembedding_matrix(),
                              batch.labels.reshape(-1), w.reshape(-1), loss_chunk)
     return s, jnp.sum(w), c, *mx
+
+
+def batch_ring_schedule(model_config: TransformerConfig, mesh, batch: Batch):
+    """The model's ring schedule for ``batch``'s sequence length (``model.schedule.model_ring_schedule``,
+    cached; ``ShapeDtypeStruct`` s for an abstract batch), or None when the strategy has no ring.
+    The step functions pass it into their ``jit`` as an argument, so each device holds 1/N of it."""
+    tokens = batch.tokens
+    return model_ring_schedule(model_config, tokens.shape[-1], mesh,
+                               shapes_only=isinstance(tokens, jax.ShapeDtypeStruct))
+
+
+def _schedule_spec(model_config: TransformerConfig, schedule):
+    """``shard_map`` spec of the schedule operand: each device takes its q shard's rows."""
+    return None if schedule is None else schedule.specs(model_config.ring_axis_name)
 
 
 def _device_key(key):
@@ -375,8 +397,11 @@ def _gathered(p, plan: partitioning.ShardingPlan, dtype):
 
 def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None,
                  loss_chunk: int = 0, max_logits: bool = False):
-    """``grad_fn(params, static, batch, key) -> (grads, metrics)``: exact gradient of the mean
-    loss over the whole (sharded) batch, as a ``shard_map`` over the mesh (not jitted).
+    """``grad_fn(params, static, batch, key, schedule=None) -> (grads, metrics)``: exact gradient
+    of the mean loss over the whole (sharded) batch, as a ``shard_map`` over the mesh (not jitted).
+    ``schedule``: ``batch_ring_schedule(model_config, mesh, batch)``, passed by the caller's
+    ``jit`` as an argument (each device then holds its rows); None = each ring bakes the whole
+    schedule in as a constant replicated on every device.
 
     Args:
         model_config: the model's config (checked against ``mesh``).
@@ -398,11 +423,12 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
         """(params with non-layer leaves gathered, gather function for one layer)."""
         return _gathered(p, plan, cdt) if sharded else (p, None)
 
-    def local(params, static, batch, key):
+    def local(params, static, batch, key, schedule=None):
         def loss(p):
             p, gather_layer = gathered(p)
             s, w, c, *mx = _local_sums(eqx.combine(p, static), batch, _device_key(key) if dropout else None,
-                                       loss_chunk=loss_chunk, gather_layer=gather_layer, max_logits=max_logits)
+                                       loss_chunk=loss_chunk, gather_layer=gather_layer, max_logits=max_logits,
+                                       schedule=schedule)
             return s, (w, c, *mx)
 
         (s, (w, c, *mx)), grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -419,12 +445,12 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
 
     param_spec = plan.specs if sharded else P()
 
-    def grad_fn(params, static, batch, key=None):
+    def grad_fn(params, static, batch, key=None, schedule=None):
         return jax.shard_map(
-            lambda p, b, k: local(p, static, b, k), mesh=mesh,
-            in_specs=(param_spec, Batch(*(spec,) * len(Batch._fields)), P()), out_specs=(param_spec, P()),
-            check_vma=False,
-        )(params, batch, key)
+            lambda p, b, k, sc: local(p, static, b, k, sc), mesh=mesh,
+            in_specs=(param_spec, Batch(*(spec,) * len(Batch._fields)), P(), _schedule_spec(model_config, schedule)),
+            out_specs=(param_spec, P()), check_vma=False,
+        )(params, batch, key, schedule)
 
     return grad_fn
 
@@ -436,16 +462,18 @@ def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTr
     ``model_config.qk_clip_threshold`` (or ``max_logits``) ``metrics["max_logits"]`` holds the
     step's ``[num_layers, heads]`` max logits; with the threshold the updated W_q / W_k are then
     QK-clipped with them (``ringsplash.model.qk_clip``) and ``metrics["qk_clipped_heads"]``
-    counts the heads clipped."""
+    counts the heads clipped. Under a ring the step builds the model's ring schedule once per
+    sequence length (``batch_ring_schedule``) and passes it into its ``jit`` as an argument."""
     threshold = model_config.qk_clip_threshold
     max_logits = max_logits or threshold is not None
     grad_fn = make_grad_fn(model_config, mesh, plan=plan, loss_chunk=loss_chunk, max_logits=max_logits)
     sharded = plan is not None and plan.sharded
 
     @eqx.filter_jit(donate="all-except-first")
-    def step(model, opt_state, batch, key):
+    def jitted(model_and_schedule, opt_state, batch, key):  # the cached schedule rides first: never donated
+        model, schedule = model_and_schedule
         params, static = eqx.partition(model, eqx.is_array)
-        grads, metrics = grad_fn(params, static, batch, key)
+        grads, metrics = grad_fn(params, static, batch, key, schedule)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         metrics["grad_norm"] = optax.tree.norm(grads)
         params = optax.apply_updates(params, updates)
@@ -459,6 +487,12 @@ def make_train_step(model_config: TransformerConfig, optimizer: optax.GradientTr
             opt_state = jax.lax.with_sharding_constraint(opt_state, opt_sh)
         return eqx.combine(params, static), opt_state, metrics
 
+    def step(model, opt_state, batch, key):
+        return jitted((model, batch_ring_schedule(model_config, mesh, batch)), opt_state, batch, key)
+
+    # AOT: ``step.lower(model, opt_state, batch, key)`` lowers the same program (schedule included)
+    step.lower = lambda model, opt_state, batch, key: jitted.lower(
+        (model, batch_ring_schedule(model_config, mesh, batch)), opt_state, batch, key)
     return step
 
 
@@ -482,18 +516,23 @@ def make_eval_step(model_config: TransformerConfig, mesh, *, plan: partitioning.
     cdt = dtype_of(model_config.compute_dtype)
 
     @eqx.filter_jit
-    def evaluate(model, batch):
+    def jitted(model, batch, schedule):
         params, static = eqx.partition(model, eqx.is_array)
 
-        def local(p, b):
+        def local(p, b, sc):
             p, gather_layer = _gathered(p, plan, cdt) if sharded else (p, None)
-            sums = _local_sums(eqx.combine(p, static), b, None, loss_chunk=loss_chunk, gather_layer=gather_layer)
+            sums = _local_sums(eqx.combine(p, static), b, None, loss_chunk=loss_chunk, gather_layer=gather_layer,
+                               schedule=sc)
             return tuple(jax.lax.psum(x, axes) for x in sums)
 
         return jax.shard_map(
-            local, mesh=mesh, in_specs=(plan.specs if sharded else P(), Batch(*(spec,) * len(Batch._fields))),
+            local, mesh=mesh, in_specs=(plan.specs if sharded else P(), Batch(*(spec,) * len(Batch._fields)),
+                                        _schedule_spec(model_config, schedule)),
             out_specs=P(), check_vma=False,
-        )(params, batch)
+        )(params, batch, schedule)
+
+    def evaluate(model, batch):
+        return jitted(model, batch, batch_ring_schedule(model_config, mesh, batch))
 
     return evaluate
 
@@ -507,20 +546,24 @@ def make_logits_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.
     cdt = dtype_of(model_config.compute_dtype)
 
     @eqx.filter_jit
-    def logits(model, batch):
+    def jitted(model, batch, schedule):
         params, static = eqx.partition(model, eqx.is_array)
 
-        def local(p, b):
+        def local(p, b, sc):
             p, gather_layer = _gathered(p, plan, cdt) if sharded else (p, None)
             m = eqx.combine(p, static)
-            hidden = lambda t, q, s: m.hidden(t, q, s, gather_layer=gather_layer)
+            hidden = lambda t, q, s: m.hidden(t, q, s, gather_layer=gather_layer, schedule=sc)
             return (jax.vmap(hidden)(b.tokens, b.positions, b.segment_ids) @ m.unembedding_matrix()).astype(
                 jnp.float32)
 
         return jax.shard_map(
-            local, mesh=mesh, in_specs=(plan.specs if sharded else P(), Batch(*(spec,) * len(Batch._fields))),
+            local, mesh=mesh, in_specs=(plan.specs if sharded else P(), Batch(*(spec,) * len(Batch._fields)),
+                                        _schedule_spec(model_config, schedule)),
             out_specs=P(*spec, None), check_vma=False,
-        )(params, batch)
+        )(params, batch, schedule)
+
+    def logits(model, batch):
+        return jitted(model, batch, batch_ring_schedule(model_config, mesh, batch))
 
     return logits
 

@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.config import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, TransformerConfig, dtype_of
+from ringsplash.parallel.ring_schedule import RingSchedule
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
 
@@ -42,9 +43,12 @@ def attend(
     *,
     key: jax.Array | None = None,
     return_max_logits: bool = False,
+    schedule: RingSchedule | None = None,
 ) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
     """Run the configured strategy on one example (sequence-parallel strategies: one local shard);
-    with ``return_max_logits`` also the per-head max logits over the whole sequence (no gradient)."""
+    with ``return_max_logits`` also the per-head max logits over the whole sequence (no gradient).
+    ``schedule``: this device's slice of the ring's schedule (``model.schedule.model_ring_schedule``)
+    for ``"ring"`` / ``"usp"`` (None: the whole schedule as a replicated constant); others ignore it."""
     seq = q.shape[1]
     axes = context_axes(config)
     for axis_name, size in axes.items():
@@ -72,11 +76,12 @@ def attend(
     common.update(layout=config.ring_layout, config=config.splash)
     if config.attention == "usp":
         return parallel.usp_attention(q, k, v, mask, ulysses_axis=config.ulysses_axis_name,
-                                      ring_axis=config.ring_axis_name, **common)
+                                      ring_axis=config.ring_axis_name, schedule=schedule, **common)
     if config.attention == "ulysses":
         return parallel.ulysses_attention(q, k, v, mask, axis_name=config.ulysses_axis_name, **common)
-    fn = parallel.ring_attention if config.attention == "ring" else parallel.allgather_attention
-    return fn(q, k, v, mask, axis_name=config.ring_axis_name, **common)
+    if config.attention == "ring":
+        return parallel.ring_attention(q, k, v, mask, axis_name=config.ring_axis_name, schedule=schedule, **common)
+    return parallel.allgather_attention(q, k, v, mask, axis_name=config.ring_axis_name, **common)
 
 
 def context_axes(config: TransformerConfig) -> dict[str, int]:
@@ -123,8 +128,10 @@ class Attention(eqx.Module):
         *,
         key: jax.Array | None = None,
         return_max_logits: bool = False,
+        schedule: RingSchedule | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, " heads"]]:
-        """The layer's output; with ``return_max_logits`` also its per-head max logits."""
+        """The layer's output; with ``return_max_logits`` also its per-head max logits
+        (``schedule``: the ring's per-device schedule, see ``attend``)."""
         c = self.config
         cdt = dtype_of(c.compute_dtype)
         seq = x.shape[0]
@@ -136,7 +143,8 @@ class Attention(eqx.Module):
         q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta)
         k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
         v = heads(self.wv, c.num_kv_heads, c.v_head_dim)
-        out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits)
+        out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits,
+                     schedule=schedule)
         max_logits = None
         if return_max_logits:
             out, max_logits = out

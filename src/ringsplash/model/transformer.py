@@ -25,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.attention import ATTENTION_LSE, ATTENTION_OUT, Attention
 from ringsplash.model.config import RematPolicy, TransformerConfig, dtype_of
+from ringsplash.parallel.ring_schedule import RingSchedule
 
 #: checkpoint name of a layer's weights after ``gather_layer``
 GATHERED = "gathered_weights"
@@ -102,9 +103,10 @@ class Block(eqx.Module):
         *,
         key: jax.Array | None = None,
         return_max_logits: bool = False,
+        schedule: RingSchedule | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, " heads"]]:
         a = self.attention(self.attention_norm(x), positions, segment_ids, key=key,
-                           return_max_logits=return_max_logits)
+                           return_max_logits=return_max_logits, schedule=schedule)
         a, max_logits = a if return_max_logits else (a, None)
         x = x + a.astype(x.dtype)
         x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
@@ -143,9 +145,11 @@ class Transformer(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
+        schedule: RingSchedule | None = None,
     ) -> Float[Array, "seq vocab"]:
-        """Float32 logits for one example. ``key`` enables attention dropout (training only)."""
-        x = self.hidden(tokens, positions, segment_ids, key=key)
+        """Float32 logits for one example. ``key`` enables attention dropout (training only);
+        ``schedule`` as for ``hidden``."""
+        x = self.hidden(tokens, positions, segment_ids, key=key, schedule=schedule)
         return (x @ self.unembedding_matrix()).astype(jnp.float32)
 
     def hidden(
@@ -157,6 +161,7 @@ class Transformer(eqx.Module):
         key: jax.Array | None = None,
         gather_layer: Callable[[Block], Block] | None = None,
         return_max_logits: bool = False,
+        schedule: RingSchedule | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, "layers heads"]]:
         """Final-normed hidden states (compute dtype) for one example.
 
@@ -168,6 +173,10 @@ class Transformer(eqx.Module):
             return_max_logits: also return float32 ``[num_layers, heads]``: each layer's per-head
                 max attention logit (``splash_attention(return_max_logits=True)``; under the ring
                 over the whole sequence), collected by the layer scan; no gradient. QK-clip input.
+            schedule: under ``"ring"`` / ``"usp"``, this device's slice of the ring's schedule
+                (``ringsplash.model.schedule.model_ring_schedule``, passed into ``shard_map`` with
+                ``schedule.specs(ring axis)``), shared by every layer (one mask); None = each
+                layer's ring holds the whole schedule as a constant replicated on every device.
         """
         c = self.config
         cdt = dtype_of(c.compute_dtype)
@@ -180,8 +189,8 @@ class Transformer(eqx.Module):
                 layer_params = jax.tree.map(lambda w: checkpoint_name(w, GATHERED), gather_layer(layer_params))
             layer = eqx.combine(layer_params, static)
             if return_max_logits:  # the layer's max logits leave the scan as its per-layer output
-                return layer(h, positions, segment_ids, key=layer_key, return_max_logits=True)
-            return layer(h, positions, segment_ids, key=layer_key), None
+                return layer(h, positions, segment_ids, key=layer_key, return_max_logits=True, schedule=schedule)
+            return layer(h, positions, segment_ids, key=layer_key, schedule=schedule), None
 
         wrap, policy = remat_policy(c.remat, gathered=gather_layer is not None)
         if wrap:

@@ -32,6 +32,7 @@ from ringsplash.parallel.ring import (
     fit_ring_blocks,
     ring_attention,
 )
+from ringsplash.parallel.ring_schedule import RingSchedule
 from ringsplash.parallel.ulysses import gather_head_maxima, heads_to_sequence, sequence_to_heads
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig
@@ -70,6 +71,7 @@ def usp_attention(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
+    schedule: RingSchedule | None = None,
 ) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on two mesh axes; call inside ``jax.shard_map``.
 
@@ -92,6 +94,10 @@ def usp_attention(
             largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
             excluded, ``-inf`` if nothing is attended: the inner ring's (one pmax over the ring
             axis) for this rank's heads, assembled by one all-gather over the Ulysses axis.
+        schedule: this device's slice of the inner ring's ``ring_schedule`` (``b`` shards, the
+            local head mask, ``heads / a`` q heads and the local kv heads; a ``shard_map``
+            operand with ``schedule.specs(ring_axis)``); None = the whole schedule as a constant
+            replicated on every device.
     """
     _check_axes(ulysses_axis, ring_axis)
     a, b = axis_size(ulysses_axis, "usp_attention"), axis_size(ring_axis, "usp_attention")
@@ -106,7 +112,7 @@ def usp_attention(
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, ulysses_axis)
     out = ring_attention(q, k, v, local_mask, axis_name=ring_axis, segment_ids=segment_ids, layout=layout,
                          scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, unroll=unroll,
-                         return_max_logits=return_max_logits)
+                         return_max_logits=return_max_logits, schedule=schedule)
     if return_max_logits:
         out, mx = out
         return heads_to_sequence(out, ulysses_axis), gather_head_maxima(mx, ulysses_axis)

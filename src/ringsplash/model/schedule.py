@@ -1,0 +1,54 @@
+"""The ring schedule a model's attention runs with: one per (config, sequence length, mesh).
+
+Under ``attention="ring"`` (and ``"usp"``, whose inner ring runs over the ring axis on
+``heads / ulysses`` heads) every layer's ring reads the same work lists (one mask per model).
+Left to itself, ``ring_attention`` bakes the whole ``[lists, N, N, steps]`` schedule into the
+program as a constant replicated on every device; the trainer instead builds it here once on
+the host, sharded over the ring axis (each process builds only its devices' rows), and passes
+it into its ``jit`` as an argument and into ``shard_map`` with ``schedule.specs(ring axis)``,
+so each device holds its own q shard's rows: 1/N of it (``Transformer.hidden(schedule=)``).
+"""
+
+import functools
+
+import jax
+
+from ringsplash.model.config import TransformerConfig
+from ringsplash.parallel._common import local_head_mask, ulysses_heads
+from ringsplash.parallel.ring import ring_schedule
+from ringsplash.parallel.ring_schedule import RingSchedule
+
+__all__ = ["model_ring_schedule", "uses_ring_schedule"]
+
+
+def uses_ring_schedule(config: TransformerConfig) -> bool:
+    """Whether ``config``'s attention strategy runs a ring that takes a ``RingSchedule``."""
+    return config.attention in ("ring", "usp")
+
+
+def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.sharding.Mesh, *,
+                        shapes_only: bool = False) -> RingSchedule | None:
+    """The (cached) ring schedule of ``config``'s attention at ``seq_len`` tokens on ``mesh``:
+    global arrays sharded ``P(None, ring axis)`` (``shapes_only``: ``ShapeDtypeStruct`` s for AOT
+    lowering); None for strategies without a ring (``uses_ring_schedule``).
+
+    Args:
+        config: the model's config (strategy, mask, heads, ring size / layout, ``SplashConfig``).
+        seq_len: the global sequence length S of the batch.
+        mesh: the trainer's mesh; its ring axis is ``config.ring_axis_name``.
+        shapes_only: shapes and shardings only, no arrays.
+    """
+    if not uses_ring_schedule(config):
+        return None
+    return _cached(config, int(seq_len), mesh, bool(shapes_only))
+
+
+@functools.lru_cache(maxsize=4)  # small: each entry holds device arrays (1/N of the schedule per device)
+def _cached(config: TransformerConfig, seq_len: int, mesh, shapes_only: bool) -> RingSchedule:
+    mask = config.make_mask(seq_len)
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    if config.attention == "usp":  # the inner ring sees the Ulysses rank's heads (usp_attention)
+        split = ulysses_heads(heads, kv_heads, config.ulysses_size, config.ulysses_axis_name)
+        heads, kv_heads, mask = split.q_local, split.kv_local, local_head_mask(mask, split)
+    return ring_schedule(mask, config.ring_size, config.ring_layout, config.splash, heads=heads, kv_heads=kv_heads,
+                         mesh=mesh, axis_name=config.ring_axis_name, shapes_only=shapes_only)
