@@ -25,8 +25,8 @@ strategy (USP: the (ulysses, ring) factorisation with the smallest modelled time
 
 Topologies: v5p:2x2x2 (8 chips), v5p:2x2x4 (16), v5p:4x4x4 (64). Every compile runs in a
 fresh subprocess with a timeout; a row that does not compile prints the reason. ``--cache FILE``
-keeps each compiled row's counts (JSON, keyed by strategy, S, N, Ulysses degree), so a rerun
-only compiles what is missing.
+keeps each compiled row's counts or failure (JSON, keyed by strategy, S, N, Ulysses degree), so
+a rerun only compiles what is missing (and a timed-out row again when ``--timeout`` is longer).
 """
 
 import argparse
@@ -243,24 +243,32 @@ def compile_row(strategy, s, n, a, timeout, cache: str | None = None):
     if cache and os.path.exists(cache):
         with open(cache) as f:
             stored = json.load(f)
-    if key in stored:
+    if key in stored and not _retry(stored[key], timeout):
         return stored[key]
     cmd = [sys.executable, __file__, "--child", strategy, str(s), str(n), str(a)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"compile timed out after {timeout} s on this CPU host"
-    if r.returncode:
+        r = None
+    if r is None:
+        result = f"compile timed out after {timeout} s on this CPU host"
+    elif r.returncode:
         lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
         err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "?")
         result = f"compile failed: {err.strip()[:200]}"
     else:
         result = json.loads(r.stdout.strip().splitlines()[-1])
-    if cache:  # failures too: they are deterministic (timeouts are not cached)
+    if cache:  # failures too: they are deterministic (a timeout is retried under a longer --timeout)
         stored[key] = result
         with open(cache, "w") as f:
             json.dump(stored, f, indent=1)
     return result
+
+
+def _retry(stored, timeout: int) -> bool:
+    """Whether a cached row should be compiled again: it timed out under a shorter timeout."""
+    m = re.match(r"compile timed out after (\d+) s", stored) if isinstance(stored, str) else None
+    return bool(m) and int(m.group(1)) < timeout
 
 
 # ----------------------------------------------------------------------------------------

@@ -50,3 +50,23 @@ def test_short_reason_names_the_smem_wall():
          "Used 1.00M of 1.00M smem. Exceeded smem capacity by 3.6K.")
     assert bench.short_reason(b) == "no compile: SMEM wall, 3.6K over the 1.00M SMEM"
     assert bench.short_reason("compile timed out after 600 s") == "compile timed out after 600 s"
+
+
+def test_cached_timeout_is_retried_only_under_a_longer_timeout(tmp_path, monkeypatch):
+    bench = _bench()
+    cache = tmp_path / "cache.json"
+    cache.write_text('{"ulysses 8 8 8": "compile timed out after 1500 s on this CPU host", "ring 8 8 1": "compile '
+                     'failed: x"}')
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd[-4:])
+        raise bench.subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    assert bench.compile_row("ulysses", 8, 8, 8, 1500, str(cache)).endswith("after 1500 s on this CPU host")
+    assert bench.compile_row("ring", 8, 8, 1, 9999, str(cache)) == "compile failed: x"
+    assert not calls
+    assert bench.compile_row("ulysses", 8, 8, 8, 3000, str(cache)) == "compile timed out after 3000 s on this CPU host"
+    assert calls == [["ulysses", "8", "8", "8"]]
+    assert "after 3000 s" in cache.read_text()
