@@ -97,22 +97,12 @@ def _digest(stdout):
     return [line.split("final state digest: ")[1] for line in stdout.splitlines() if "final state digest: " in line]
 
 
-def _compile_cache(directory):
-    """Environment giving the launched processes a persistent compilation cache in ``directory``: a
-    relaunch of the same job (the resume below) loads its executables instead of compiling them
-    again (a cache only skips compiles; what runs is the same program)."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-
-
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("two")
-    run_dir, cache = root / "run", _compile_cache(root / "jax_cache")
-    r = _launch("--processes", "2", "--devices", "2", *MAIN_JOB[:1], "--", *MAIN_JOB[1:], "--run-dir", str(run_dir),
-                env=cache)
+    run_dir = tmp_path_factory.mktemp("two") / "run"
+    r = _launch("--processes", "2", "--devices", "2", *MAIN_JOB[:1], "--", *MAIN_JOB[1:], "--run-dir", str(run_dir))
     assert r.returncode == 0, r.stdout + r.stderr
-    return run_dir, r.stdout, cache
+    return run_dir, r.stdout
 
 
 def _main_job_module():
@@ -130,7 +120,7 @@ def test_main_job_two_processes_follow_the_single_process_loss_curve(tmp_path, t
     (run here, in the test process: its first 4 of 8 simulated devices)."""
     import jax
 
-    run_dir, stdout, _ = two_process_run
+    run_dir, stdout = two_process_run
     jax.devices()  # the 8 test devices exist before the job asks for 4 (it can no longer change them)
     job = _main_job_module()
     job.main(job.parse_args([*MAIN_JOB[1:], "--run-dir", str(tmp_path / "one")]))
@@ -152,13 +142,13 @@ def test_main_job_interrupted_under_two_processes_resumes_bit_for_bit(tmp_path, 
     under 2 processes: the final state equals the uninterrupted run's bit for bit, and the
     metrics past the checkpoint are rewritten, not duplicated. (A real SIGKILL mid-run:
     ``test_scripts.py``; the launcher's failure path: ``test_launcher_failure_stops_every_process``.)"""
-    full_dir, full_stdout, cache = two_process_run
+    full_dir, full_stdout = two_process_run
     cut_dir = tmp_path / "cut"
     shutil.copytree(full_dir, cut_dir)
     shutil.rmtree(cut_dir / "checkpoints" / "8")
     assert sorted(os.listdir(cut_dir / "checkpoints")) == ["4"]
     args = ("--processes", "2", "--devices", "2", *MAIN_JOB[:1], "--", *MAIN_JOB[1:], "--run-dir", str(cut_dir))
-    resumed = _launch(*args, env=cache)  # the uninterrupted run's compiled executables
+    resumed = _launch(*args)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "(resuming from its checkpoint)" in resumed.stdout
     assert _digest(resumed.stdout) and _digest(resumed.stdout) == _digest(full_stdout)
