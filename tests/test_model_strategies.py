@@ -61,18 +61,21 @@ def reference():
 
 
 RING = dict(ring_axis_name="context")
+# One model-level case per strategy wiring (mesh, batch layout, sharded grads); the degrees and layouts
+# a strategy supports are swept at the attention level in test_parallel.py (all-gather: every mask x
+# every layout at N = 4; Ulysses at N = 4; USP at both (2, 4) and (4, 2) with kv heads repeated and
+# split), so the former all-gather N = 4, Ulysses N = 4, USP 2 x 2 (xla) and USP 2 x 4 model cases
+# were merged into the cases below, which between them keep every model-level path: N = 4 and 8,
+# kv heads repeated (Ulysses 8, USP 4 x 2) and split (USP 2 x 2: 1 kv head per rank), the zigzag,
+# striped and contiguous layouts, the xla backend and the Pallas kernels.
 CASES = {
-    # 4 devices (the ring: test_model.py)
-    "allgather-4": dict(attention="allgather", ring_size=4, **RING),
-    "ulysses-4": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4),
-    "usp-2x2": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
-    # 8 devices: Ulysses repeats each of the 2 kv heads 4 times; USP both factorisations
+    # 8 devices: Ulysses repeats each of the 2 kv heads 4 times; USP repeats them twice
     "allgather-8-striped": dict(attention="allgather", ring_size=8, ring_layout="striped", **RING),
     "ulysses-8": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=8),
-    "usp-2x4": dict(attention="usp", ring_size=4, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
     "usp-4x2-contiguous": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4,
                                ring_layout="contiguous", **RING),
-    # the Pallas kernels (generic interpreter): the inner ring's per-device schedule carries the dK/dV view too
+    # 4 devices, zigzag, the Pallas kernels (generic interpreter): the inner ring's per-device schedule
+    # carries the dK/dV view too; Ulysses 2 splits the 2 kv heads (1 per rank)
     "usp-2x2-interpret": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2,
                               splash=dataclasses.replace(BLOCKS, backend="interpret", interpret_params="generic"), **RING),
 }

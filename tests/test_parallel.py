@@ -113,8 +113,8 @@ def assert_close(got, want, tol=TOL):
 
 
 # ----------------------------------------------------------------------------------------
-# every mask type x every layout on all-gather (N = 4, S = 512); on Ulysses (N = 4) and USP
-# ((2, 4) and (4, 2)) the masks that stress them most (numpy: empty rows; multi_head; composed),
+# every mask type x every layout on all-gather (N = 4, S = 512); on Ulysses (N = 4) and USP (S = 512,
+# (2, 4) and (4, 2)) the masks that stress them most (numpy: empty rows; multi_head; composed),
 # the layout rotating. Features rotate over the grid so each mask runs
 # with and without segment ids, and GQA 8:2 / MQA / kv heads split / soft-cap / sinks all appear.
 
@@ -136,6 +136,7 @@ def test_allgather_mask_layout_matches_reference(key, kind, layout):
 
 
 CP_KINDS = ("causal", "composed", "numpy", "multi_head")
+CP_S = 512  # the smallest S every case's layout allows (USP (2, 4) contiguous/striped: 128 tokens per ring shard)
 
 
 @pytest.mark.parametrize("kind", CP_KINDS)
@@ -143,7 +144,8 @@ def test_ulysses_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
     kw = features(i)
     # Ulysses over 4 devices: 8 heads -> 2 per device, so multi-head masks repeat with period 2
-    got, want = run_both(key, "ulysses", make_mask(kind, 1024, kw["heads"], 2), layout=LAYOUTS[i % 3], n=4, **kw)
+    got, want = run_both(key, "ulysses", make_mask(kind, CP_S, kw["heads"], 2), layout=LAYOUTS[i % 3], n=4, s=CP_S,
+                         **kw)
     assert_close(got, want)
 
 
@@ -152,8 +154,8 @@ def test_usp_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
     a, b = ((2, 4), (4, 2))[i % 2]
     kw = features(i)
-    got, want = run_both(key, "usp", make_mask(kind, 1024, kw["heads"], kw["heads"] // a), layout=LAYOUTS[i % 3],
-                         degrees=(a, b), **kw)
+    got, want = run_both(key, "usp", make_mask(kind, CP_S, kw["heads"], kw["heads"] // a), layout=LAYOUTS[i % 3],
+                         degrees=(a, b), s=CP_S, **kw)
     assert_close(got, want)
 
 
