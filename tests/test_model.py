@@ -9,14 +9,18 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from ringsplash import data, layouts, train
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.splash import SplashConfig
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-RTOL, ATOL = 2e-4, 2e-5  # float32, accumulation order differs between strategies
+# float32, accumulation order differs between strategies. Measured (S = 512, splash / ring zigzag / ring striped
+# against the reference): logits <= 1.4e-6 abs, at most 0.31 of this bound; grads <= 1.9e-8 abs; loss 1.1e-7
+# relative. Each bound below is within 10x of its measured error.
+RTOL, ATOL = 2e-5, 2e-6
+GRAD_RTOL, GRAD_ATOL = 2e-5, 1.5e-7
+LOSS_RTOL = 1e-6
 
 
 def _config(**kw):
@@ -53,27 +57,26 @@ def _run(config, model, batch):
     return logits, jax.device_get(grads), float(metrics["loss"])
 
 
-def _assert_tree_close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("layout, seq", [("zigzag", 1024), ("striped", 512)])
-def test_model_strategies_agree(layout, seq):
+def test_model_strategies_agree():
+    """Splash and the ring under both layouts against the reference model, one reference run for all
+    three (one test rather than a shared fixture, so that a parallel run cannot repeat the reference on
+    two workers). Zigzag at S = 1024 on 4 devices (half-shards of whole blocks) is covered by
+    tests/test_ring.py's N=4, S=1024 zigzag case; here the half-shards are 64 tokens."""
+    seq = 512
     ref_config = _config(max_seq_len=seq)
     model = Transformer(ref_config, key=jax.random.key(0))
     batch = _batch(seq)
     ref_logits, ref_grads, ref_loss = _run(ref_config, model, batch)
     assert np.isfinite(ref_logits).all() and np.isfinite(ref_loss)
-    for config in (
-        ref_config.replace(attention="splash"),
-        ref_config.replace(attention="ring", ring_axis_name="context", ring_size=4, ring_layout=layout),
-    ):
-        m = _with_config(model, config)
-        logits, grads, loss = _run(config, m, batch)
-        np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL, err_msg=config.attention)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        _assert_tree_close(grads, ref_grads)
+    ring = ref_config.replace(attention="ring", ring_axis_name="context", ring_size=4)
+    for config in (ref_config.replace(attention="splash"), ring.replace(ring_layout="zigzag"),
+                   ring.replace(ring_layout="striped")):
+        logits, grads, loss = _run(config, _with_config(model, config), batch)
+        name = f"{config.attention} {config.ring_layout}"
+        np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL, err_msg=name)
+        for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=GRAD_RTOL, atol=GRAD_ATOL, err_msg=name)
 
 
 def _with_config(model, config):
