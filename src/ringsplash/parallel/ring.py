@@ -25,6 +25,8 @@ in the forward, and float32 dK/dV accumulators rotate one step behind them. At s
 device ``i`` receives the accumulator of kv shard ``(i - t)`` from ``i - 1`` (who added its
 contribution at ``t - 1``) while it computes its own contribution for that shard; after the
 last step one more hop brings each accumulator home (N hops in all). dq accumulates locally.
+Around the last step (its incoming hop and the final one) dK and dV travel as one transfer
+(``send_together``): two separate ones outside the scan were not always both hidden.
 Every hop is issued before the step's kernel so the transfer overlaps it; the final
 accumulator hop depends only on the last dK/dV kernel, so with the Mosaic backend (separate dq
 and dK/dV kernels) XLA hides it behind the last dq kernel (checked on compiled TPU HLO in
