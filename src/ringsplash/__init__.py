@@ -5,8 +5,9 @@ Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash k
 """
 
 from ringsplash import layouts, masks
+from ringsplash._softmax import MASKED_LSE
 from ringsplash.mask_info import BlockSchedule, MaskInfo, build_mask_info
-from ringsplash.reference import MASKED_LSE, reference_attention
+from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
 
 __all__ = [

@@ -5,11 +5,9 @@ import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call, check_float
+from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
 from ringsplash.segment_ids import SegmentIds
-
-#: lse of a row with nothing to attend (and no sink): finite, so merges and gradients stay NaN-free.
-MASKED_LSE = -1e30
 
 
 def reference_attention(

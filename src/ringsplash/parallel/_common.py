@@ -11,8 +11,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ringsplash import _softmax
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call, check_divides
+from ringsplash._shard_map import vma
 from ringsplash.mask_info import MaskInfo
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
@@ -20,17 +22,6 @@ from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 
 # ----------------------------------------------------------------------------------------
 # mesh axes
-
-
-def axis_size(axis_name, fn_name: str) -> int:
-    """Size of a bound mesh axis; a clear error when called outside ``shard_map``."""
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError as e:
-        raise ValueError(
-            f"{fn_name} needs the mesh axis {axis_name!r} bound: call it inside jax.shard_map over a mesh "
-            f"with that axis, or use {fn_name}_sharded(..., mesh=mesh) on global arrays"
-        ) from e
 
 
 def check_mesh_axis(mesh: jax.sharding.Mesh, arg: str, axis_name) -> int:
@@ -41,11 +32,6 @@ def check_mesh_axis(mesh: jax.sharding.Mesh, arg: str, axis_name) -> int:
             f"or build the mesh with that axis"
         )
     return int(mesh.shape[axis_name])
-
-
-def vma(x) -> frozenset:
-    """The mesh axes ``x`` varies over (empty when ``shard_map`` runs with ``check_vma=False``)."""
-    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
 
 
 # ----------------------------------------------------------------------------------------
@@ -215,9 +201,7 @@ def _splash_local_fwd(plan, q, k, v, q_seg, kv_seg, sinks, q_shard):
     o, lse, *mx = splash_forward(q, k, v, plan.info, q_shard=q_shard, kv_shard=0,
                                  segment_ids=_segments(q_seg, kv_seg), scale=plan.scale, logit_soft_cap=plan.cap,
                                  config=plan.config, out_dtype=jnp.float32, return_max_logits=plan.max_logits)
-    if sinks is not None:  # the sink joins each row's denominator once
-        lse_tot = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
-        o, lse = o * jnp.exp(lse - lse_tot)[..., None], lse_tot
+    o, lse = _softmax.fold_sinks(o, lse, sinks)  # the sink joins each row's denominator once
     out = o.astype(q.dtype)
     return (out, *mx) if plan.max_logits else out, (q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse)
 
@@ -227,13 +211,13 @@ def _splash_local_bwd(plan, res, d_out):
     if plan.max_logits:  # no gradient through the max logits: their cotangent is dropped
         d_out = d_out[0]
     d_out = d_out.astype(q.dtype)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = _softmax.delta(d_out, out)
     dq, dk, dv = splash_backward(q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=q_shard, kv_shard=0,
                                  segment_ids=_segments(q_seg, kv_seg), scale=plan.scale, logit_soft_cap=plan.cap,
                                  config=plan.config)
     d_sinks = None
     if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i over the local rows
-        local = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * delta, axis=-1)
+        local = _softmax.sinks_grad(sinks, lse, delta)
         # with vma checking a replicated sink needs a replicated cotangent: sum it here; without
         # it (vma empty everywhere) shard_map's transpose sums it
         extra = tuple(sorted(vma(local) - plan.sinks_vma, key=str))
@@ -284,7 +268,6 @@ def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks, *, max_logit
 __all__ = [
     "LocalPlan",
     "UlyssesHeads",
-    "axis_size",
     "check_blocks",
     "check_global_inputs",
     "check_local_inputs",
@@ -296,5 +279,4 @@ __all__ = [
     "ulysses_heads",
     "usp_factorisations",
     "valid_ulysses_degrees",
-    "vma",
 ]

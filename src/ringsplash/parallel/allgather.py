@@ -21,11 +21,11 @@ from jax import lax
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import default_scale
+from ringsplash._shard_map import axis_size, vma
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import build_mask_info
 from ringsplash.parallel._common import (
     LocalPlan,
-    axis_size,
     check_blocks,
     check_global_inputs,
     check_local_inputs,
@@ -33,7 +33,6 @@ from ringsplash.parallel._common import (
     interpreter_for_mesh,
     run_sharded,
     splash_local,
-    vma,
 )
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig

@@ -48,15 +48,16 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import layouts
+from ringsplash import _softmax, layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call
+from ringsplash._shard_map import axis_size, varying, vma
+from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.parallel import ring_schedule as schedule_lib
 from ringsplash.parallel._common import interpreter_for_mesh
 from ringsplash.parallel.ring_schedule import RingSchedule
-from ringsplash.reference import MASKED_LSE
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash import work_pieces
 from ringsplash.splash.attention import splash_backward, splash_forward
@@ -344,28 +345,6 @@ def _shares_segment(plan, a, b, q_seg, kv_seg, config, sched=None):
 # the ring
 
 
-def _axis_size(axis_name) -> int:
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError as e:
-        raise ValueError(
-            f"ring_attention needs the mesh axis {axis_name!r} bound: call it inside jax.shard_map "
-            f"over a mesh with that axis, or use ring_attention_sharded(..., mesh=mesh, "
-            f"axis_name={axis_name!r}) on global arrays"
-        ) from e
-
-
-def _vma(x) -> frozenset:
-    return frozenset(getattr(jax.typeof(x), "vma", ()) or ())
-
-
-def _varying(x, axis_name):
-    """Mark a fresh (replicated) value as varying over the axis so scan carries type-check."""
-    if axis_name in _vma(x):
-        return x
-    return lax.pcast(x, axis_name, to="varying")
-
-
 def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, sinks_vma=frozenset(),
                max_logits=False):
     """The custom_vjp ring function of (q, k, v, q_seg, kv_seg, sinks) for fixed statics; with
@@ -409,25 +388,22 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
             def compute(o, lse, mx):
                 o_t, lse_t, *mx_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **kw,
                                                    max_logits=max_logits, sched=sched)
-                new = jnp.logaddexp(lse, lse_t)  # natural log throughout
-                o = o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None]
-                return o, new, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
+                o, lse = _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
+                return o, lse, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
 
             pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
             o, lse, mx = when_active(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
             return (*nxt, o, lse, mx), None
 
-        o = _varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
-        lse = _varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
-        mx = _varying(jnp.full(q.shape[:1], -jnp.inf, jnp.float32), axis_name)  # max logits (max_logits)
+        o = varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
+        lse = varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
+        mx = varying(jnp.full(q.shape[:1], -jnp.inf, jnp.float32), axis_name)  # max logits (max_logits)
         carry = (k, v, kv_seg, o, lse, mx)
         if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
             carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(n - 1), unroll=unroll)
         (_, _, _, o, lse, mx), _ = step(carry, n - 1, last=True)
         lse = jnp.maximum(lse, MASKED_LSE)  # logaddexp of empty states stays MASKED_LSE
-        if sinks is not None:  # the sink joins each row's denominator once
-            lse_tot = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
-            o, lse = o * jnp.exp(lse - lse_tot)[..., None], lse_tot
+        o, lse = _softmax.fold_sinks(o, lse, sinks)  # the sink joins each row's denominator once
         # named for remat policies (model.attention.ATTENTION_OUT / ATTENTION_LSE): saving them
         # lets the backward pass skip re-running this forward ring
         out = checkpoint_name(o.astype(q.dtype), "attention_out")
@@ -441,8 +417,8 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
         me = lax.axis_index(axis_name)
         active = jnp.asarray(plan.active)
         d_out = d_out.astype(q.dtype)
-        delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-        zeros = lambda x: _varying(jnp.zeros(x.shape, jnp.float32), axis_name)
+        delta = _softmax.delta(d_out, out)
+        zeros = lambda x: varying(jnp.zeros(x.shape, jnp.float32), axis_name)
 
         def send_together(dk, dv):
             """dK and dV as one transfer, for the two hops around the last step: outside the
@@ -497,10 +473,10 @@ def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, si
             dk, dv = send_together(dk, dv)  # N-th hop: every accumulator is home
         d_sinks = None
         if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i, over all shards
-            local = -jnp.sum(jnp.exp(sinks.astype(jnp.float32)[:, None] - lse) * delta, axis=-1)
+            local = _softmax.sinks_grad(sinks, lse, delta)
             # Replicated sinks: with vma checking their cotangent must be replicated too, so sum
             # it here; without it (vma empty everywhere) shard_map's transpose sums it for us.
-            if axis_name in _vma(local) - sinks_vma:
+            if axis_name in vma(local) - sinks_vma:
                 local = lax.psum(local, axis_name)
             d_sinks = local.astype(sinks.dtype)
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
@@ -573,7 +549,7 @@ def ring_attention(
         this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order (and
         ``max_logits`` with ``return_max_logits``).
     """
-    n = _axis_size(axis_name)
+    n = axis_size(axis_name, "ring_attention")
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
                             segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name,
                             return_max_logits=return_max_logits)
@@ -586,7 +562,7 @@ def ring_attention(
     plan = ring_plan(mask, n, layout, config, q_shard_rows=rows)
     ring = _make_ring(
         plan, n, axis_name, call.scale, call.logit_soft_cap, blocks.config, unroll,
-        sinks_vma=frozenset() if sinks is None else _vma(sinks), max_logits=bool(return_max_logits),
+        sinks_vma=frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits),
     )
     seg = call.segment_ids
     q_seg, kv_seg = (None, None) if seg is None else (seg.q, seg.kv)

@@ -22,12 +22,12 @@ from jax import lax
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import default_scale
+from ringsplash._shard_map import axis_size, vma
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import build_mask_info
 from ringsplash.parallel._common import (
     LocalPlan,
     UlyssesHeads,
-    axis_size,
     check_blocks,
     check_global_inputs,
     check_local_inputs,
@@ -37,7 +37,6 @@ from ringsplash.parallel._common import (
     run_sharded,
     splash_local,
     ulysses_heads,
-    vma,
 )
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig

@@ -15,9 +15,9 @@ import jax
 
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_positive_int
+from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.parallel._common import (
-    axis_size,
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,

@@ -19,14 +19,11 @@ operands.
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from ringsplash.splash.config import NUM_LANES
 
-#: score given to masked entries before the max; finite so that no inf - inf appears
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
 #: packed work-list layout (see the module docstring)

@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.interpreters import batching, mlir
 
+from ringsplash import _softmax
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call, check_divides
 from ringsplash._types import Array, Float
@@ -468,9 +469,8 @@ def _attention_fwd(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg):
     else:
         out, lse = _dispatch_forward(inputs, static.backend, pieces=pieces)
     if sinks is not None:  # sinks join the denominator only (docs/INTERNALS.md)
-        lse_total = jnp.logaddexp(lse, sinks.astype(jnp.float32)[:, None])
-        out = (out.astype(jnp.float32) * jnp.exp(lse - lse_total)[..., None]).astype(q.dtype)
-        lse = lse_total
+        out, lse = _softmax.fold_sinks(out, lse, sinks)
+        out = out.astype(q.dtype)
     result = (out, lse) if static.return_residuals else out
     if static.return_max_logits:
         result = (*(result if static.return_residuals else (result,)), *mx)
@@ -483,9 +483,7 @@ def _attention_bwd(static: _VjpStatic, residuals, g):
     if static.return_max_logits:  # the max logits' cotangent is dropped: they carry no gradient
         g = g[:-1] if static.return_residuals else g[0]
     d_out, d_lse = g if static.return_residuals else (g, None)
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    if d_lse is not None:  # d lse / d s = P: folds into dS = P * (dP - (delta - d_lse))
-        delta = delta - d_lse.astype(jnp.float32)
+    delta = _softmax.delta(d_out, out, d_lse)
     config = static.backend.config
     pieces = work_pieces.info_pieces(info, config, q.shape[0])
     pieces_dkv = None if info_dkv is None else work_pieces.info_pieces_dkv(info_dkv, config, q.shape[0], k.shape[0])
@@ -493,10 +491,7 @@ def _attention_bwd(static: _VjpStatic, residuals, g):
                             None if pieces_dkv is None else pieces_dkv.schedules[0],
                             jnp.asarray(info.q_positions), jnp.asarray(info.kv_positions), q_seg, kv_seg)
     dq, dk, dv = _dispatch_backward(inputs, static.backend, grad_dtype=q.dtype, pieces=pieces, pieces_dkv=pieces_dkv)
-    d_sinks = None
-    if sinks is not None:
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[:, None] - lse)
-        d_sinks = (-jnp.sum(p_sink * delta, axis=-1)).astype(sinks.dtype)
+    d_sinks = None if sinks is None else _softmax.sinks_grad(sinks, lse, delta).astype(sinks.dtype)
     return dq, dk, dv, d_sinks, None, None
 
 

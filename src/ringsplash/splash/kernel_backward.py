@@ -33,8 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from ringsplash._softmax import MASK_VALUE
 from ringsplash.splash._kernel_common import (
-    MASK_VALUE,
     NN_DIMS,
     NT_DIMS,
     count_map,

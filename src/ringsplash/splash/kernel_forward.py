@@ -23,9 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash.reference import MASKED_LSE  # lse of a row with nothing to attend (finite)
+from ringsplash._softmax import MASK_VALUE, MASKED_LSE
 from ringsplash.splash._kernel_common import (
-    MASK_VALUE,
     NN_DIMS,
     count_map,
     dispatch_kinds,

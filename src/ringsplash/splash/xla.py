@@ -43,14 +43,14 @@ Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics
   including a traced, per-device schedule in the ring.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from ringsplash._checks import default_scale
+from ringsplash._shard_map import varying, vma
+from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
-from ringsplash.reference import MASKED_LSE
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 
 __all__ = ["backward", "forward"]
@@ -220,28 +220,6 @@ def _walk(step, init, schedule, li):
     return lax.fori_loop(0, count, lambda i, carry: step(carry, tuple(x[i] for x in xs))[0], init)
 
 
-def _vma(*xs) -> frozenset:
-    """Union of the varying manual axes of ``xs`` (inside ``shard_map``; empty outside)."""
-    return frozenset().union(*(_vma_of(x) for x in jax.tree.leaves(xs)))
-
-
-def _vma_of(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older releases: aval.vma
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def _vary(tree, vma: frozenset):
-    """Mark every leaf varying over ``vma``, so scan carries and cond branches type-check
-    under ``shard_map(check_vma=True)`` (fresh zeros are otherwise invariant)."""
-
-    def one(x):
-        missing = tuple(sorted(vma - _vma_of(x)))
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
-
-
 # --------------------------------------------------------------------------- forward
 
 
@@ -269,13 +247,13 @@ def forward(
     qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
 
-    vma = _vma(qf, kf, vf, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
+    axes = vma(qf, kf, vf, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
     out = jnp.zeros((heads, q_len, v.shape[-1]), _F32)
     lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
     mx = jnp.full((heads,), -jnp.inf, _F32)
     for plan in _list_plans(info, heads, kv_heads):
         o_l, lse_l, mx_l = _forward_list(
-            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd,
+            qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, axes, rnd,
             return_max_logits,
         )
         out = _scatter_heads(out, o_l, plan)
@@ -286,7 +264,7 @@ def forward(
     return (out, lse, mx) if return_max_logits else (out, lse)
 
 
-def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd,
+def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, axes, rnd,
                   track_max=False):
     bq, bkv = info.block_shape
     ql = _list_view(q, plan)  # [kvh, g, q_len, d]
@@ -314,10 +292,10 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         alpha = jnp.exp(m - m_new)
         l_new = alpha * l + p.sum(-1)
         pv = jnp.einsum("kgqc,kcd->kgqd", rnd(p), rnd(vb), preferred_element_type=_F32)
-        return _vary((m_new, l_new, alpha[..., None] * acc + pv, mx), vma)
+        return varying((m_new, l_new, alpha[..., None] * acc + pv, mx), axes)
 
     def skip(args):
-        return _vary(args[:4], vma)
+        return varying(args[:4], axes)
 
     def step(carry, xs):
         out, lse, m, l, acc, mx, prev_qi = carry
@@ -333,9 +311,9 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         lse_blk = jnp.where(has, m + jnp.log(safe_l), MASKED_LSE)
         out = lax.dynamic_update_slice_in_dim(out, o_blk, qi * bq, axis=2)
         lse = lax.dynamic_update_slice_in_dim(lse, lse_blk, qi * bq, axis=2)
-        return _vary((out, lse, m, l, acc, mx, qi), vma), None
+        return varying((out, lse, m, l, acc, mx, qi), axes), None
 
-    init = _vary((
+    init = varying((
         jnp.zeros((kvh, g, q_len, dv), _F32),
         jnp.full((kvh, g, q_len), MASKED_LSE, _F32),
         jnp.full((kvh, g, bq), _NEG_INIT, _F32),
@@ -343,7 +321,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         jnp.zeros((kvh, g, bq, dv), _F32),
         jnp.full((kvh, g), -jnp.inf, _F32),  # max raw logit per head (track_max)
         jnp.int32(-1),
-    ), vma)
+    ), axes)
     out, lse, _, _, _, mx, _ = _walk(step, init, schedule, plan.index)
     return out, lse, mx
 
@@ -375,14 +353,14 @@ def backward(
     lse, delta = lse.astype(_F32), delta.astype(_F32)
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
 
-    vma = _vma(qf, kf, vf, dof, lse, delta, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
+    axes = vma(qf, kf, vf, dof, lse, delta, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
     dq = jnp.zeros((heads, q_len, d), _F32)
     dk = jnp.zeros((kv_heads, kv_len, d), _F32)
     dv = jnp.zeros((kv_heads, kv_len, v.shape[-1]), _F32)
     for plan in _list_plans(info, heads, kv_heads):
         dq_l, dk_l, dv_l = _backward_list(
             qf, kf, vf, dof, lse, delta, plan, info, schedule,
-            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, vma, rnd,
+            q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, axes, rnd,
         )
         dq = _scatter_heads(dq, dq_l, plan)
         if plan.kv_identity:
@@ -394,7 +372,7 @@ def backward(
 
 
 def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
-                   q_pos, kv_pos, q_seg, kv_seg, scale, cap, vma, rnd):
+                   q_pos, kv_pos, q_seg, kv_seg, scale, cap, axes, rnd):
     bq, bkv = info.block_shape
     ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
     lsel, deltal = _list_view(lse, plan), _list_view(delta, plan)  # [kvh, g, q_len]
@@ -424,14 +402,14 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         dq_b = jnp.einsum("kgqc,kcd->kgqd", ds, rnd(kb), preferred_element_type=_F32) * scale
         dk_b = jnp.einsum("kgqc,kgqd->kcd", ds, rnd(qb), preferred_element_type=_F32) * scale
         dv_b = jnp.einsum("kgqc,kgqd->kcd", rnd(p), rnd(dob), preferred_element_type=_F32)
-        return _vary((dq_b, dk_b, dv_b), vma)
+        return varying((dq_b, dk_b, dv_b), axes)
 
     def skip(args):
-        return _vary((
+        return varying((
             jnp.zeros((kvh, g, bq, d), _F32),
             jnp.zeros((kvh, bkv, d), _F32),
             jnp.zeros((kvh, bkv, d_v), _F32),
-        ), vma)
+        ), axes)
 
     def add_block(buf, blk, start, axis):
         cur = lax.dynamic_slice_in_dim(buf, start, blk.shape[axis], axis=axis)
@@ -444,12 +422,12 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         dq = add_block(dq, dq_b, qi * bq, 2)
         dk = add_block(dk, dk_b, ki * bkv, 1)
         dv = add_block(dv, dv_b, ki * bkv, 1)
-        return _vary((dq, dk, dv), vma), None
+        return varying((dq, dk, dv), axes), None
 
-    init = _vary((
+    init = varying((
         jnp.zeros((kvh, g, q_len, d), _F32),
         jnp.zeros((kvh, kv_len, d), _F32),
         jnp.zeros((kvh, kv_len, d_v), _F32),
-    ), vma)
+    ), axes)
     dq, dk, dv = _walk(step, init, schedule, plan.index)
     return dq, dk, dv
