@@ -55,7 +55,7 @@ def parse_args(argv=None) -> Config:
 
 def strategy_configs(base, strategies, n: int, layout: str) -> list[tuple[str, object]]:
     """(label, model config or the reason it cannot run) for each sequence-parallel strategy on N devices."""
-    from ringsplash.parallel._common import usp_factorisations, valid_ulysses_degrees
+    from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
 
     h, kv = base.num_heads, base.num_kv_heads
     out = []

@@ -14,7 +14,7 @@ import functools
 import jax
 
 from ringsplash.model.config import TransformerConfig
-from ringsplash.parallel._common import local_head_mask, ulysses_heads
+from ringsplash.parallel.heads import local_head_mask, ulysses_heads
 from ringsplash.parallel.ring import ring_schedule
 from ringsplash.parallel.ring_schedule import RingSchedule
 

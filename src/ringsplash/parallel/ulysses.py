@@ -27,17 +27,15 @@ from ringsplash._types import Array, Float
 from ringsplash.mask_info import build_mask_info
 from ringsplash.parallel._common import (
     LocalPlan,
-    UlyssesHeads,
     check_blocks,
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
     interpreter_for_mesh,
-    local_head_mask,
     run_sharded,
     splash_local,
-    ulysses_heads,
 )
+from ringsplash.parallel.heads import UlyssesHeads, local_head_mask, ulysses_heads
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig
 
@@ -80,7 +78,7 @@ def ulysses_attention(
     *,
     axis_name,
     segment_ids: SegmentIds | None = None,
-    layout: str = "contiguous",
+    layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
@@ -141,7 +139,7 @@ def ulysses_attention_sharded(
     mesh: jax.sharding.Mesh,
     axis_name,
     segment_ids: SegmentIds | None = None,
-    layout: str = "contiguous",
+    layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,

@@ -13,6 +13,7 @@ the inverse all-to-all. Heads split over ``a`` as in :mod:`ringsplash.parallel.u
 
 import jax
 
+from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_positive_int
 from ringsplash._shard_map import axis_size
@@ -22,12 +23,9 @@ from ringsplash.parallel._common import (
     check_local_inputs,
     check_mesh_axis,
     interpreter_for_mesh,
-    local_head_mask,
     run_sharded,
-    ulysses_heads,
-    usp_factorisations,
-    valid_ulysses_degrees,
 )
+from ringsplash.parallel.heads import local_head_mask, ulysses_heads, usp_factorisations, valid_ulysses_degrees
 from ringsplash.parallel.ring import (
     fit_ring_blocks,
     ring_attention,
@@ -64,7 +62,7 @@ def usp_attention(
     ulysses_axis,
     ring_axis,
     segment_ids: SegmentIds | None = None,
-    layout: str = "contiguous",
+    layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
@@ -129,7 +127,7 @@ def usp_attention_sharded(
     ulysses_axis,
     ring_axis,
     segment_ids: SegmentIds | None = None,
-    layout: str = "contiguous",
+    layout: layouts.Layout = "contiguous",
     scale: float | None = None,
     logit_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
