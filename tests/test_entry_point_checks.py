@@ -331,7 +331,7 @@ def test_ring_default_config_fits_short_shards():
 
 
 def test_fit_ring_blocks_shrinks_like_splash():
-    from ringsplash.parallel.ring import fit_ring_blocks
+    from ringsplash.parallel.ring_plan import fit_ring_blocks
 
     assert fit_ring_blocks(2048, 8, "zigzag", SplashConfig()).block_shape == (128, 128)
     assert fit_ring_blocks(2048, 8, "contiguous", SplashConfig()).block_shape == (256, 256)
@@ -344,7 +344,7 @@ def test_fit_ring_blocks_shrinks_like_splash():
 
 
 def test_ring_impossible_shape_names_a_config_that_works():
-    from ringsplash.parallel.ring import fit_ring_blocks
+    from ringsplash.parallel.ring_plan import fit_ring_blocks
 
     s, n = 8 * 600, 8  # shards of 600 tokens: no multiple of 128 <= 512 tiles them
     q = jnp.ones((2, s, 16))

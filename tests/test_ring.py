@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 import ringsplash as rs
 from attention_inputs import max_err
 from ringsplash import layouts, masks
-from ringsplash.parallel.ring import ring_attention, ring_attention_sharded, ring_plan
+from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
+from ringsplash.parallel.ring_plan import ring_plan
 from ringsplash.splash.config import SplashConfig
 
 # Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla

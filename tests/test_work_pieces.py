@@ -224,7 +224,7 @@ def test_ring_xla_tiny_budget_equals_unsplit_and_reference(key, n, layout):
     q, k, v, d_out, _ = inputs(key, heads, kv_heads, s, s, d=32)
     mask = masks.CausalMask((s, s))
     whole = SplashConfig(**B128, backend="xla")
-    plan = rs.parallel.ring.ring_plan(mask, n, layout, whole)
+    plan = rs.parallel.ring_plan.ring_plan(mask, n, layout, whole)
     n_minor = plan.info.kv_blocks_per_shard
     split = dataclasses.replace(whole, smem_budget_bytes=budget_for(n_minor, heads))  # one q block row per piece
     mesh = _mesh(n)
@@ -269,37 +269,32 @@ def test_ring_schedule_of_a_process_builds_only_its_rows(monkeypatch):
     """On a multi-host slice (simulated: this process "addresses" ring devices 1 and 2 only) the
     schedule's global shapes and pieces come from list-less plans, its arrays from plans of those
     rows; both equal the whole schedule's (every process must compile the same program)."""
-    import importlib
-
     from ringsplash import mask_info
-    from ringsplash.parallel import ring
-
-    ring_schedule = importlib.import_module("ringsplash.parallel.ring_schedule")  # the package exports a function
+    from ringsplash.parallel import ring_plan as plan_lib
 
     n, s, heads = 4, 4096, 2
     mask = masks.LocalMask((s, s), window=(700, 0))  # some shard pairs inactive
     config = SplashConfig(**B128, backend="mosaic_tpu", smem_budget_bytes=budget_for(12, heads))
     whole = rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1)
     assert len(whole.fwd_pieces) > 1 and len(whole.dkv_pieces) > 1
-    full_plan = ring.ring_plan(mask, n, "zigzag", config)
+    full_plan = plan_lib.ring_plan(mask, n, "zigzag", config)
     assert not full_plan.active.all()
-    header = ring.ring_plan(mask, n, "zigzag", config, q_shard_rows=())
+    header = plan_lib.ring_plan(mask, n, "zigzag", config, q_shard_rows=())
     np.testing.assert_array_equal(header.active, full_plan.active)
 
     built, captured = [], {}
     real_build = mask_info._build
     monkeypatch.setattr(mask_info, "_build", lambda *a: built.append(a[8]) or real_build(*a))
-    monkeypatch.setattr(ring_schedule, "process_rows", lambda mesh, axis: (1, 2))
-    monkeypatch.setattr(ring_schedule, "schedule_arrays",
+    monkeypatch.setattr(plan_lib, "process_rows", lambda mesh, axis: (1, 2))
+    monkeypatch.setattr(plan_lib, "schedule_arrays",
                         lambda build_rows, shapes, mesh, axis: captured.update(build_rows=build_rows, shapes=shapes) or shapes)
     mask_info.build_mask_info.cache_clear()
-    ring._ring_plan.cache_clear()
-    ring._LISTLESS.clear()
+    plan_lib.ring_plan.cache_clear()
     mesh = _mesh(n)
     rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx")
     shapes = rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx",
                               shapes_only=True)
-    derived = ring.ring_plan(mask, n, "zigzag", config, q_shard_rows=())  # what ring_attention uses
+    derived = plan_lib.ring_plan(mask, n, "zigzag", config, q_shard_rows=())  # what ring_attention uses
     assert built == [(1, 2), (1, 2)]  # one build per view, of these rows only: the list-less plan is derived
     np.testing.assert_array_equal(derived.active, full_plan.active)
     for got, want in ((derived.info, header.info), (derived.info_dkv, header.info_dkv)):
@@ -367,7 +362,7 @@ def _cp_info(name, degrees, layout, mask, s, config):
     if name == "ulysses":
         perm = layouts.permutation(layout, s, 8)
         return rs.build_mask_info(mask, config.block_shape, q_positions=perm, kv_positions=perm)
-    return rs.parallel.ring.ring_plan(mask, degrees[1], layout, config).info
+    return rs.parallel.ring_plan.ring_plan(mask, degrees[1], layout, config).info
 
 
 # split vs unsplit on the xla backend: measured 0 (all-gather, Ulysses), <= 7.2e-7 (USP: its

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.config import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, TransformerConfig, dtype_of
-from ringsplash.parallel.ring_schedule import RingSchedule
+from ringsplash.parallel.ring_plan import RingSchedule
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
 

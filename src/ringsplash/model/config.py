@@ -12,7 +12,7 @@ from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_choice, check_float, check_int, check_positive_int, literal_choices
 from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
-from ringsplash.parallel.ring import fit_ring_blocks
+from ringsplash.parallel.ring_plan import fit_ring_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 Strategy = Literal["reference", "splash", "ring", "allgather", "ulysses", "usp"]

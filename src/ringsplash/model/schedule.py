@@ -15,8 +15,7 @@ import jax
 
 from ringsplash.model.config import TransformerConfig
 from ringsplash.parallel.heads import local_head_mask, ulysses_heads
-from ringsplash.parallel.ring import ring_schedule
-from ringsplash.parallel.ring_schedule import RingSchedule
+from ringsplash.parallel.ring_plan import RingSchedule, ring_schedule
 
 __all__ = ["model_ring_schedule", "uses_ring_schedule"]
 

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.attention import ATTENTION_LSE, ATTENTION_OUT, Attention
 from ringsplash.model.config import RematPolicy, TransformerConfig, dtype_of
-from ringsplash.parallel.ring_schedule import RingSchedule
+from ringsplash.parallel.ring_plan import RingSchedule
 
 #: checkpoint name of a layer's weights after ``gather_layer``
 GATHERED = "gathered_weights"

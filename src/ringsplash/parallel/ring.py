@@ -1,4 +1,5 @@
-"""Ring attention: a ``lax.scan`` over a mesh axis around the Splash kernels.
+"""Ring attention: a ``lax.scan`` over a mesh axis around the Splash kernels (the device side;
+the host plan and per-device schedules are in :mod:`ringsplash.parallel.ring_plan`).
 
 Queries stay put, sharded along the sequence on ``axis_name`` (N devices, token ``layout``
 from :mod:`ringsplash.layouts`); K, V and the kv segment ids travel one hop per step.
@@ -14,7 +15,7 @@ float32 state by online softmax in natural log:
 Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
 so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
 and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see
-``_make_ring``: the interpreter needs every device in every kernel). With segment ids (and
+``_RingStatic.skip_inactive``: the interpreter needs every device in every kernel). With segment ids (and
 ``SplashConfig.segment_skipping``), a pair is also skipped when no entry of its work list
 survives the segment refinement, decided per step from the kv segment ids that travel with
 K/V (``_shares_segment``). Sinks join once, after the last step:
@@ -34,12 +35,8 @@ tests/test_ring_tpu_compile.py). On TPU, ``lax.cond`` disappears where every sha
 active (e.g. causal + zigzag): XLA folds the constant predicate.
 """
 
-import concurrent.futures
 import dataclasses
 import functools
-import itertools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,239 +51,24 @@ from ringsplash._checks import check_attention_call
 from ringsplash._shard_map import axis_size, varying, vma
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
-from ringsplash.mask_info import MaskInfo, build_mask_info
-from ringsplash.parallel import ring_schedule as schedule_lib
 from ringsplash.parallel._common import interpreter_for_mesh
-from ringsplash.parallel.ring_schedule import RingSchedule
+from ringsplash.parallel.ring_plan import (
+    RingBlocks,
+    RingPlan,
+    RingSchedule,
+    check_schedule,
+    fit_ring_blocks,
+    ring_plan,
+    ring_schedule,
+)
 from ringsplash.segment_ids import SegmentIds
-from ringsplash.splash import work_pieces
 from ringsplash.splash.attention import splash_backward, splash_forward
-from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.config import SplashConfig
 from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 
+# the host plan's public names, importable from here too
 __all__ = ["RingBlocks", "RingPlan", "RingSchedule", "fit_ring_blocks", "ring_attention", "ring_attention_sharded",
            "ring_plan", "ring_schedule"]
-
-
-# ----------------------------------------------------------------------------------------
-# host-side plan: MaskInfo for every shard pair, built once per (mask, layout, N, blocks)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RingPlan:
-    info: MaskInfo  # forward / dq view, [lists, N, N, max_steps]
-    info_dkv: MaskInfo | None  # transposed dK/dV view (None for the xla backend, which skips it)
-    positions: np.ndarray  # int32 [N, S/N] original positions of each shard's tokens
-    active: np.ndarray  # bool [N, N]: shard pair (q shard, kv shard) has a non-empty block
-
-
-class RingBlocks(NamedTuple):
-    """Block sizes the ring runs with: ``SplashConfig``'s, shrunk to fit its shards."""
-
-    block_shape: tuple[int, int]  # forward / dq
-    block_shape_dkv: tuple[int, int]  # dK/dV
-    config: SplashConfig  # the config to run (``block_kv_compute`` divides the fitted block_kv)
-
-
-def _fit_block(block: int, part: int) -> int | None:
-    """The largest multiple of 128 <= ``block`` that divides ``part`` (a divisor of ``block``,
-    so ``gcd``), or ``part`` itself when it is shorter than ``block`` (as ``splash_attention``
-    shrinks blocks to short sequences); None when neither exists."""
-    if part % block == 0:
-        return block
-    if part < block:
-        return part
-    g = math.gcd(block, part)
-    return g if g % NUM_LANES == 0 else None
-
-
-def fit_ring_blocks(seq_len: int, num_shards: int, layout: layouts.Layout, config: SplashConfig) -> RingBlocks:
-    """Shrink ``config``'s blocks so each tiles every shard (every zigzag half-shard) exactly.
-
-    Args:
-        seq_len: global sequence length S.
-        num_shards: devices N on the ring axis.
-        layout: token layout (zigzag splits each shard into two halves of S / 2N).
-        config: the user's ``SplashConfig``; a block that does not tile a part of ``S / N``
-            (``S / 2N`` for zigzag) shrinks to the largest multiple of 128 dividing it, or to
-            the whole part when the part is shorter than the block.
-
-    Raises:
-        ValueError: naming the ``SplashConfig`` blocks (or the S) that would work, when no
-            such block exists.
-    """
-    layouts.check_layout(layout, seq_len, num_shards)
-    parts = 2 * num_shards if layout == "zigzag" else num_shards
-    part = seq_len // parts
-    fitted = {}
-    for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
-        block = getattr(config, name)
-        fitted[name] = _fit_block(block, part)
-        if fitted[name] is None:
-            what = "zigzag half-shard" if layout == "zigzag" else "shard"
-            good_block = -(-part // NUM_LANES) * NUM_LANES
-            good_s = -(-seq_len // (parts * NUM_LANES)) * parts * NUM_LANES
-            raise ValueError(
-                f"ring attention cannot tile a {what} of S // {parts} = {seq_len} // {parts} = {part} tokens "
-                f"(layout {layout!r}, {num_shards} devices) with SplashConfig.{name}={block}: a ring block is a "
-                f"multiple of {NUM_LANES} dividing the {what}, or the whole {what} when it is shorter than the "
-                f"block. Pass SplashConfig(block_q={good_block}, block_kv={good_block}, block_q_dkv={good_block}, "
-                f"block_kv_dkv={good_block}) (blocks shrink to the {part}-token {what}), or use S divisible by "
-                f"{parts} x {NUM_LANES} = {parts * NUM_LANES} (e.g. S={good_s})"
-            )
-    bkv = fitted["block_kv"]
-    compute = min(config.block_kv_compute, bkv)
-    if bkv % compute:  # the fitted block_kv is a multiple of 128 here: so is the gcd
-        config = dataclasses.replace(config, block_kv_compute=math.gcd(config.block_kv_compute, bkv))
-    return RingBlocks(
-        block_shape=(fitted["block_q"], bkv),
-        block_shape_dkv=(fitted["block_q_dkv"], fitted["block_kv_dkv"]),
-        config=config,
-    )
-
-
-def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig, *,
-              q_shard_rows: tuple[int, ...] | None = None) -> RingPlan:
-    """Host metadata of a ring (cached): O(non-empty blocks + S), never a dense S x S mask.
-
-    Args:
-        mask: the global ``(S, S)`` mask on original positions.
-        num_shards: devices N on the ring axis.
-        layout: token layout of the shards.
-        config: ``SplashConfig``; its blocks are fitted to the shards (:func:`fit_ring_blocks`).
-        q_shard_rows: None, or the q shards (ring devices) whose work lists to expand
-            (``build_mask_info(q_shard_rows=)``; ``()`` = none: the plan's shapes, ``active``,
-            partial blocks and pieces, as every process needs them, without any list).
-    """
-    seq_len = masks_lib.head_masks(mask)[0].shape[0]
-    blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
-    dkv = None if config.backend == "xla" else blocks.block_shape_dkv
-    rows = None if q_shard_rows is None else tuple(int(r) for r in q_shard_rows)
-    key = (mask, int(num_shards), layout, blocks.block_shape, dkv)
-    if rows == () and key in _LISTLESS:
-        return _LISTLESS[key]
-    plan = _ring_plan(*key, rows)
-    if rows:  # a rows plan holds all a list-less one does (ring_attention's): keep it, no second build
-        _LISTLESS[key] = _listless(plan)
-        while len(_LISTLESS) > 16:
-            _LISTLESS.pop(next(iter(_LISTLESS)))
-    return plan
-
-
-#: list-less plans derived from rows plans, by ``_ring_plan``'s arguments without the rows
-_LISTLESS: dict = {}
-
-
-def _listless(plan: RingPlan) -> RingPlan:
-    """``plan`` without any list rows: what ``ring_plan(..., q_shard_rows=())`` builds."""
-    def cut(info):
-        if info is None:
-            return None
-        lists = {f: getattr(info, f)[:, :0] for f in ("q_block", "kv_block", "kind", "partial_index")}
-        return dataclasses.replace(info, **lists, q_shard_rows=())
-
-    return dataclasses.replace(plan, info=cut(plan.info), info_dkv=cut(plan.info_dkv))
-
-
-@functools.lru_cache(maxsize=16)
-def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv, rows=None) -> RingPlan:
-    seq_len = masks_lib.head_masks(mask)[0].shape[0]
-    perm = layouts.permutation(layout, seq_len, num_shards)
-    common = {"q_shards": num_shards, "kv_shards": num_shards, "q_positions": perm, "kv_positions": perm,
-              "q_shard_rows": rows}
-    if block_shape_dkv is None:
-        info, info_dkv = build_mask_info(mask, block_shape, **common), None
-    else:  # the two views are independent numpy work (mostly GIL-free): build them side by side
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            dkv = pool.submit(build_mask_info, mask, block_shape_dkv, transpose=True, **common)
-            info, info_dkv = build_mask_info(mask, block_shape, **common), dkv.result()
-    active = np.asarray(info.num_active).sum(0) > 0
-    if info_dkv is not None:
-        active = active | (np.asarray(info_dkv.num_active).sum(0) > 0)
-    return RingPlan(info=info, info_dkv=info_dkv, positions=np.asarray(perm).reshape(num_shards, -1), active=active)
-
-
-def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig, *,
-                  heads: int, kv_heads: int, device_kind: str | None = None, mesh: jax.sharding.Mesh | None = None,
-                  axis_name=None, shapes_only: bool = False) -> RingSchedule:
-    """The ring's work lists in SMEM-sized pieces, per q shard (:mod:`ring_schedule`).
-
-    Pass the result to ``ring_attention(..., schedule=)`` as a ``shard_map`` operand sharded
-    ``schedule.specs(axis_name)`` (``ring_attention_sharded`` does this), and to ``jit`` as an
-    argument: each device then holds only its own q shard's rows.
-
-    Args:
-        mask: the global ``(S, S)`` mask on original positions.
-        num_shards: devices N on the ring axis.
-        layout: token layout of the shards.
-        config: ``SplashConfig`` (blocks fitted to the shards; ``smem_budget_bytes``; backend).
-        heads: q heads (the budget counts the prefetched head-to-list table).
-        kv_heads: kv heads (the GQA walk of the dK/dV kernel).
-        device_kind: the chip whose SMEM sets the budget (``jax.Device.device_kind``); None =
-            the mesh's devices, else the default device.
-        mesh: with ``axis_name``, return global ``jax.Array`` s sharded over the ring axis,
-            building only the rows of this process's devices; None = numpy arrays, all rows.
-        axis_name: the ring axis of ``mesh``.
-        shapes_only: with ``mesh``: ``jax.ShapeDtypeStruct`` s (for AOT lowering), no arrays.
-    """
-    if device_kind is None and mesh is not None:
-        device_kind = mesh.devices.flat[0].device_kind
-    rows = None if mesh is None else schedule_lib.process_rows(mesh, axis_name)
-    if rows is not None and len(rows) < num_shards:  # a multi-host slice: this process's rows only
-        return _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, mesh, axis_name,
-                                 shapes_only, rows)
-    plan = ring_plan(mask, num_shards, layout, config)
-    split, split_dkv = _ring_splits(plan, config, heads, kv_heads, device_kind)
-    whole = schedule_lib.schedule_from_splits(split, split_dkv)
-    if mesh is None:
-        return whole
-    if shapes_only:
-        return schedule_lib.schedule_shapes(whole, mesh, axis_name)
-    return schedule_lib.schedule_arrays(lambda rows: schedule_lib.schedule_from_splits(split, split_dkv, rows),
-                                        whole, mesh, axis_name)
-
-
-def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, mesh, axis_name, shapes_only,
-                      rows) -> RingSchedule:
-    """``ring_schedule`` on a process holding only the ring devices ``rows``: the shapes and pieces
-    come from a plan without lists (every process computes the same ones, as the program they all
-    compile must agree), the arrays from a plan of this process's rows only."""
-    whole, local = _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind,
-                                  () if shapes_only else rows)
-    if shapes_only:
-        return schedule_lib.schedule_shapes(whole, mesh, axis_name)
-    at = {r: i for i, r in enumerate(rows)}
-
-    def pick(want):  # one device's row: a view, not a copy of every leaf
-        idx = [at[r] for r in want]
-        sel = slice(idx[0], idx[0] + len(idx)) if idx == list(range(idx[0], idx[0] + len(idx))) else idx
-        return jax.tree.map(lambda x: x[:, sel], local)
-
-    return schedule_lib.schedule_arrays(pick, whole, mesh, axis_name)
-
-
-def _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, rows):
-    """``(whole, local)``: the whole schedule's ``ShapeDtypeStruct`` s and pieces (from a plan
-    without lists, which ``ring_attention`` uses too) and the numpy schedule of the q shards
-    ``rows`` (``[lists, len(rows), ...]``; None for ``()``). Every pair is classified once."""
-    local = None
-    if rows:  # first: the list-less plan then comes from this one
-        plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=rows)
-        local = schedule_lib.schedule_from_splits(*_ring_splits(plan, config, heads, kv_heads, device_kind))
-    header = ring_plan(mask, num_shards, layout, config, q_shard_rows=())
-    empty = schedule_lib.schedule_from_splits(*_ring_splits(header, config, heads, kv_heads, device_kind))
-    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], num_shards, *x.shape[2:]), x.dtype), empty)
-    return whole, local
-
-
-def _ring_splits(plan: RingPlan, config: SplashConfig, heads: int, kv_heads: int, device_kind=None):
-    budget = work_pieces.list_budget_bytes(config, device_kind)
-    split = work_pieces.split_work_lists(plan.info, work_pieces.forward_max_steps(budget, plan.info, heads))
-    split_dkv = None
-    if plan.info_dkv is not None:
-        steps = work_pieces.dkv_max_steps(budget, plan.info_dkv, heads, kv_heads)
-        split_dkv = work_pieces.split_work_lists(plan.info_dkv, steps)
-    return split, split_dkv
 
 
 # ----------------------------------------------------------------------------------------
@@ -341,163 +123,204 @@ def _shares_segment(plan, a, b, q_seg, kv_seg, config, sched=None):
     return hit
 
 
+
 # ----------------------------------------------------------------------------------------
 # the ring
 
 
-def _make_ring(plan: RingPlan, n: int, axis_name, scale, cap, config, unroll, sinks_vma=frozenset(),
-               max_logits=False):
-    """The custom_vjp ring function of (q, k, v, q_seg, kv_seg, sinks) for fixed statics; with
-    ``max_logits`` it returns ``(out, max_logits [heads])``: the running max over the steps'
-    kernels, then one ``pmax`` over the axis (no gradient)."""
-    hop = [(i, (i + 1) % n) for i in range(n)]  # device i sends to i + 1
-    send = functools.partial(lax.ppermute, axis_name=axis_name, perm=hop)
-    kw = {"scale": scale, "cap": cap, "config": config}
-    # Kernel backends compute dq and dK/dV in separate kernels: two conds on the last step
-    # cost nothing once XLA drops each branch's unused kernel (the fused xla backend would
-    # run twice).
-    split_last = config.backend != "xla"
-    # Skipping inactive shard pairs with lax.cond saves whole kernels on TPU (and with the xla
-    # backend). The Pallas TPU interpreter cannot skip: every interpreted pallas_call waits on a
-    # process-wide threading.Barrier of all devices before its first grid step (it models
-    # remote DMAs, and a kernel without collective_id gets a global barrier) and on a second
-    # one when it frees the shared memory at its end; no InterpretParams removes them. A device
-    # that skips a kernel its peers run leaves them blocked there (N = 2: forever; N >= 4: until
-    # XLA's collective-permute rendezvous times out and aborts), and mismatched kernel counts
-    # would pair different kernels across devices. So there every device runs every step's
-    # kernels; an inactive pair's work list is empty, giving o = 0, lse = MASKED_LSE (merge is
-    # exact: weight 0) and zero dq / dK / dV.
-    skip_inactive = config.backend != "interpret"
-    all_active = bool(np.all(plan.active))  # then, without segment ids, XLA folds every cond away
+@dataclasses.dataclass(frozen=True)
+class _RingStatic:
+    """Non-differentiable settings of one ring call (hashable; the plan by identity, as
+    ``ring_plan`` caches it): the plan, N devices on ``axis``, the kernels' scale / soft-cap /
+    config, the scan's ``unroll``, the sinks' varying axes, and whether the call also returns
+    ``max_logits [heads]`` (the running max over the steps' kernels, then one ``pmax`` over the
+    axis; no gradient)."""
 
-    def when_active(pred, compute, skip, *args):
-        return lax.cond(pred, compute, skip, *args) if skip_inactive else compute(*args)
+    plan: RingPlan
+    n: int
+    axis: object
+    scale: float
+    logit_soft_cap: float | None
+    config: SplashConfig
+    unroll: int | bool
+    sinks_vma: frozenset = frozenset()
+    max_logits: bool = False
 
-    def visiting(me, t):  # kv shard held by device `me` at step t
-        return (me - t) % n
+    def send(self, x):
+        """``x`` one hop along the ring: device i sends to i + 1."""
+        hop = [(i, (i + 1) % self.n) for i in range(self.n)]
+        return lax.ppermute(x, axis_name=self.axis, perm=hop)
 
-    def forward(q, k, v, q_seg, kv_seg, sinks, sched):
-        me = lax.axis_index(axis_name)
-        active = jnp.asarray(plan.active)
+    @property
+    def kw(self) -> dict:
+        return {"scale": self.scale, "cap": self.logit_soft_cap, "config": self.config}
 
-        def step(carry, t, *, last):
-            k_t, v_t, seg_t, o, lse, mx = carry
-            nxt = (k_t, v_t, seg_t) if last else send((k_t, v_t, seg_t))  # issued before compute
-            src = visiting(me, t)
+    @property
+    def split_last(self) -> bool:
+        # Kernel backends compute dq and dK/dV in separate kernels: two conds on the last step
+        # cost nothing once XLA drops each branch's unused kernel (the fused xla backend would
+        # run twice).
+        return self.config.backend != "xla"
 
-            def compute(o, lse, mx):
-                o_t, lse_t, *mx_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **kw,
-                                                   max_logits=max_logits, sched=sched)
-                o, lse = _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
-                return o, lse, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
+    @property
+    def skip_inactive(self) -> bool:
+        # Skipping inactive shard pairs with lax.cond saves whole kernels on TPU (and with the xla
+        # backend). The Pallas TPU interpreter cannot skip: every interpreted pallas_call waits on a
+        # process-wide threading.Barrier of all devices before its first grid step (it models
+        # remote DMAs, and a kernel without collective_id gets a global barrier) and on a second
+        # one when it frees the shared memory at its end; no InterpretParams removes them. A device
+        # that skips a kernel its peers run leaves them blocked there (N = 2: forever; N >= 4: until
+        # XLA's collective-permute rendezvous times out and aborts), and mismatched kernel counts
+        # would pair different kernels across devices. So there every device runs every step's
+        # kernels; an inactive pair's work list is empty, giving o = 0, lse = MASKED_LSE (merge is
+        # exact: weight 0) and zero dq / dK / dV.
+        return self.config.backend != "interpret"
 
-            pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
-            o, lse, mx = when_active(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
-            return (*nxt, o, lse, mx), None
+    @property
+    def all_active(self) -> bool:
+        """Every shard pair active: then, without segment ids, XLA folds every cond away."""
+        return bool(np.all(self.plan.active))
 
-        o = varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
-        lse = varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
-        mx = varying(jnp.full(q.shape[:1], -jnp.inf, jnp.float32), axis_name)  # max logits (max_logits)
-        carry = (k, v, kv_seg, o, lse, mx)
-        if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
-            carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(n - 1), unroll=unroll)
-        (_, _, _, o, lse, mx), _ = step(carry, n - 1, last=True)
-        lse = jnp.maximum(lse, MASKED_LSE)  # logaddexp of empty states stays MASKED_LSE
-        o, lse = _softmax.fold_sinks(o, lse, sinks)  # the sink joins each row's denominator once
-        # named for remat policies (model.attention.ATTENTION_OUT / ATTENTION_LSE): saving them
-        # lets the backward pass skip re-running this forward ring
-        out = checkpoint_name(o.astype(q.dtype), "attention_out")
-        res = (q, k, v, out, checkpoint_name(lse, "attention_lse"))
-        if max_logits:  # every device's running max: one pmax per call
-            return (out, lax.stop_gradient(lax.pmax(mx, axis_name))), res
-        return out, res
+    def when_active(self, pred, compute, skip, *args):
+        return lax.cond(pred, compute, skip, *args) if self.skip_inactive else compute(*args)
 
-    def backward(res, q_seg, kv_seg, sinks, sched, d_out):
-        q, k, v, out, lse = res
-        me = lax.axis_index(axis_name)
-        active = jnp.asarray(plan.active)
-        d_out = d_out.astype(q.dtype)
-        delta = _softmax.delta(d_out, out)
-        zeros = lambda x: varying(jnp.zeros(x.shape, jnp.float32), axis_name)
+    def visiting(self, me, t):
+        """The kv shard held by device ``me`` at step ``t``."""
+        return (me - t) % self.n
 
-        def send_together(dk, dv):
-            """dK and dV as one transfer, for the two hops around the last step: outside the
-            scan, XLA's scheduler hides one transfer behind the last dq kernel but (as measured
-            on the compiled USP program) not always two; inside the scan it hides both."""
-            both = send(jnp.concatenate([dk, dv], axis=-1))
-            return both[..., : dk.shape[-1]], both[..., dk.shape[-1]:]
 
-        def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
-            """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
-            empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
-            the sums that are needed (XLA drops the other kernel). Where no pair is skipped the
-            kernels' pieces are added into the accumulators as they are produced (no
-            whole-shard gradient temporaries); under a cond the received accumulators are added
-            outside it instead, so their transfer only has to land after the kernel."""
-            keep = lambda new, old: tuple(n if p in parts else o for n, o, p in zip(new, old, ("dq", "dkv", "dkv")))
+def _ring_forward(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
+    """``(out, residuals)``; ``out`` is ``(out, max_logits)`` with ``st.max_logits``."""
+    plan, n, axis_name, max_logits = st.plan, st.n, st.axis, st.max_logits
+    me = lax.axis_index(axis_name)
+    active = jnp.asarray(plan.active)
 
-            def compute(dq, dk, dv):
-                new = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **kw,
-                                      sched=sched, accumulate=(dq, dk, dv))
-                return keep(new, (dq, dk, dv))
+    def step(carry, t, *, last):
+        k_t, v_t, seg_t, o, lse, mx = carry
+        nxt = (k_t, v_t, seg_t) if last else st.send((k_t, v_t, seg_t))  # issued before compute
+        src = st.visiting(me, t)
 
-            shares = _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
-            if not skip_inactive or (all_active and shares is True):  # no cond left: accumulate in place
-                return compute(dq, dk, dv)
-            zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
-            dq, dk_t, dv_t = lax.cond(active[me, src] & shares, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
-            return (dq, dk + dk_t, dv + dv_t) if "dkv" in parts else (dq, dk, dv)
+        def compute(o, lse, mx):
+            o_t, lse_t, *mx_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **st.kw,
+                                               max_logits=max_logits, sched=sched)
+            o, lse = _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
+            return o, lse, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
 
-        def step(carry, t, *, last):
-            k_t, v_t, seg_t, dq, dk, dv = carry
-            nxt = (k_t, v_t, seg_t) if last else send((k_t, v_t, seg_t))
-            # now the accumulators of kv shard (me - t), from me - 1 (the last step's as one transfer)
-            dk, dv = send_together(dk, dv) if last else send((dk, dv))
-            src = visiting(me, t)
-            if last and split_last:
-                # the final hop needs only dK/dV: a separate cond lets the dq kernel hide it
-                _, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dkv",))
-                dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dq",))
-            else:
-                dq, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv)
-            return (*nxt, dq, dk, dv), None
+        pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, st.config, sched)
+        o, lse, mx = st.when_active(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
+        return (*nxt, o, lse, mx), None
 
-        # step 0: own kv shard; its accumulators start here
-        nxt = send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
-        dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q), zeros(k), zeros(v))
-        if n > 1:
-            carry = (*nxt, dq, dk, dv)
-            if n > 2:
-                carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(1, n - 1), unroll=unroll)
-            (_, _, _, dq, dk, dv), _ = step(carry, n - 1, last=True)
-            dk, dv = send_together(dk, dv)  # N-th hop: every accumulator is home
-        d_sinks = None
-        if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i, over all shards
-            local = _softmax.sinks_grad(sinks, lse, delta)
-            # Replicated sinks: with vma checking their cotangent must be replicated too, so sum
-            # it here; without it (vma empty everywhere) shard_map's transpose sums it for us.
-            if axis_name in vma(local) - sinks_vma:
-                local = lax.psum(local, axis_name)
-            d_sinks = local.astype(sinks.dtype)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
+    o = varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
+    lse = varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
+    mx = varying(jnp.full(q.shape[:1], -jnp.inf, jnp.float32), axis_name)  # max logits (max_logits)
+    carry = (k, v, kv_seg, o, lse, mx)
+    if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
+        carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(n - 1), unroll=st.unroll)
+    (_, _, _, o, lse, mx), _ = step(carry, n - 1, last=True)
+    lse = jnp.maximum(lse, MASKED_LSE)  # logaddexp of empty states stays MASKED_LSE
+    o, lse = _softmax.fold_sinks(o, lse, sinks)  # the sink joins each row's denominator once
+    # named for remat policies (model.attention.ATTENTION_OUT / ATTENTION_LSE): saving them
+    # lets the backward pass skip re-running this forward ring
+    out = checkpoint_name(o.astype(q.dtype), "attention_out")
+    res = (q, k, v, out, checkpoint_name(lse, "attention_lse"))
+    if max_logits:  # every device's running max: one pmax per call
+        return (out, lax.stop_gradient(lax.pmax(mx, axis_name))), res
+    return out, res
 
-    @jax.custom_vjp
-    def ring(q, k, v, q_seg, kv_seg, sinks, sched):
-        return forward(q, k, v, q_seg, kv_seg, sinks, sched)[0]
 
-    def ring_fwd(q, k, v, q_seg, kv_seg, sinks, sched):
-        out, res = forward(q, k, v, q_seg, kv_seg, sinks, sched)
-        return out, (res, q_seg, kv_seg, sinks, sched)
+def _ring_backward(st: _RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
+    """``(dq, dk, dv, d_sinks)``: a second ring pass (see the module docstring)."""
+    plan, n, axis_name, config = st.plan, st.n, st.axis, st.config
+    q, k, v, out, lse = res
+    me = lax.axis_index(axis_name)
+    active = jnp.asarray(plan.active)
+    d_out = d_out.astype(q.dtype)
+    delta = _softmax.delta(d_out, out)
+    zeros = lambda x: varying(jnp.zeros(x.shape, jnp.float32), axis_name)
 
-    def ring_bwd(saved, d_out):
-        res, q_seg, kv_seg, sinks, sched = saved
-        if max_logits:  # the max logits carry no gradient: their cotangent is dropped
-            d_out = d_out[0]
-        dq, dk, dv, d_sinks = backward(res, q_seg, kv_seg, sinks, sched, d_out)
-        return dq, dk, dv, None, None, d_sinks, None
+    def send_together(dk, dv):
+        """dK and dV as one transfer, for the two hops around the last step: outside the
+        scan, XLA's scheduler hides one transfer behind the last dq kernel but (as measured
+        on the compiled USP program) not always two; inside the scan it hides both."""
+        both = st.send(jnp.concatenate([dk, dv], axis=-1))
+        return both[..., : dk.shape[-1]], both[..., dk.shape[-1]:]
 
-    ring.defvjp(ring_fwd, ring_bwd)
-    return ring
+    def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
+        """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
+        empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
+        the sums that are needed (XLA drops the other kernel). Where no pair is skipped the
+        kernels' pieces are added into the accumulators as they are produced (no
+        whole-shard gradient temporaries); under a cond the received accumulators are added
+        outside it instead, so their transfer only has to land after the kernel."""
+        keep = lambda new, old: tuple(n if p in parts else o for n, o, p in zip(new, old, ("dq", "dkv", "dkv")))
+
+        def compute(dq, dk, dv):
+            new = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
+                                  sched=sched, accumulate=(dq, dk, dv))
+            return keep(new, (dq, dk, dv))
+
+        shares = _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
+        if not st.skip_inactive or (st.all_active and shares is True):  # no cond left: accumulate in place
+            return compute(dq, dk, dv)
+        zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
+        dq, dk_t, dv_t = lax.cond(active[me, src] & shares, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
+        return (dq, dk + dk_t, dv + dv_t) if "dkv" in parts else (dq, dk, dv)
+
+    def step(carry, t, *, last):
+        k_t, v_t, seg_t, dq, dk, dv = carry
+        nxt = (k_t, v_t, seg_t) if last else st.send((k_t, v_t, seg_t))
+        # now the accumulators of kv shard (me - t), from me - 1 (the last step's as one transfer)
+        dk, dv = send_together(dk, dv) if last else st.send((dk, dv))
+        src = st.visiting(me, t)
+        if last and st.split_last:
+            # the final hop needs only dK/dV: a separate cond lets the dq kernel hide it
+            _, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dkv",))
+            dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dq",))
+        else:
+            dq, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv)
+        return (*nxt, dq, dk, dv), None
+
+    # step 0: own kv shard; its accumulators start here
+    nxt = st.send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
+    dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q), zeros(k), zeros(v))
+    if n > 1:
+        carry = (*nxt, dq, dk, dv)
+        if n > 2:
+            carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(1, n - 1), unroll=st.unroll)
+        (_, _, _, dq, dk, dv), _ = step(carry, n - 1, last=True)
+        dk, dv = send_together(dk, dv)  # N-th hop: every accumulator is home
+    d_sinks = None
+    if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i, over all shards
+        local = _softmax.sinks_grad(sinks, lse, delta)
+        # Replicated sinks: with vma checking their cotangent must be replicated too, so sum
+        # it here; without it (vma empty everywhere) shard_map's transpose sums it for us.
+        if axis_name in vma(local) - st.sinks_vma:
+            local = lax.psum(local, axis_name)
+        d_sinks = local.astype(sinks.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
+    """The ring of (q, k, v, q_seg, kv_seg, sinks) for the statics ``st`` (``(out, max_logits)``
+    with ``st.max_logits``)."""
+    return _ring_forward(st, q, k, v, q_seg, kv_seg, sinks, sched)[0]
+
+
+def _ring_fwd(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
+    out, res = _ring_forward(st, q, k, v, q_seg, kv_seg, sinks, sched)
+    return out, (res, q_seg, kv_seg, sinks, sched)
+
+
+def _ring_bwd(st: _RingStatic, saved, d_out):
+    res, q_seg, kv_seg, sinks, sched = saved
+    if st.max_logits:  # the max logits carry no gradient: their cotangent is dropped
+        d_out = d_out[0]
+    dq, dk, dv, d_sinks = _ring_backward(st, res, q_seg, kv_seg, sinks, sched, d_out)
+    return dq, dk, dv, None, None, d_sinks, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(
@@ -560,7 +383,7 @@ def ring_attention(
     # its shapes, partial blocks and `active`): a plan without rows keeps each host's work to its own.
     rows = () if schedule is not None and jax.process_count() > 1 else None
     plan = ring_plan(mask, n, layout, config, q_shard_rows=rows)
-    ring = _make_ring(
+    static = _RingStatic(
         plan, n, axis_name, call.scale, call.logit_soft_cap, blocks.config, unroll,
         sinks_vma=frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits),
     )
@@ -569,32 +392,10 @@ def ring_attention(
     if schedule is None:  # the whole schedule as a constant (device `me` reads row `me`)
         schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0])
     else:
-        _check_schedule(schedule, plan, n)
-    return ring(q, k, v, q_seg, kv_seg, sinks, schedule)
+        check_schedule(schedule, plan, n)
+    return _ring(static, q, k, v, q_seg, kv_seg, sinks, schedule)
 
 
-def _check_schedule(schedule, plan: RingPlan, n: int) -> None:
-    """Raise unless ``schedule`` fits this call's plan (its own pieces are trusted: they come
-    from :func:`ring_schedule`, whose budget may name another chip than this trace's)."""
-    if not isinstance(schedule, RingSchedule):
-        raise TypeError(f"schedule must be a RingSchedule (ring_schedule(...)), got {type(schedule).__name__}")
-    views = [(schedule.fwd, schedule.fwd_pieces, plan.info)]
-    if plan.info_dkv is not None:
-        views.append((schedule.dkv, schedule.dkv_pieces, plan.info_dkv))
-    for arrays, pieces, info in views:
-        n_major = info.kv_blocks_per_shard if info.transpose else info.q_blocks_per_shard
-        ok = arrays is not None and pieces and pieces[0].start == 0 and pieces[-1].stop == n_major
-        ok = ok and all(a.stop == b.start for a, b in itertools.pairwise(pieces)) and len(arrays) == 5
-        shapes = ((info.num_lists, 1, n), (info.num_lists, n, n))
-        ok = ok and all(x.shape[:3] in shapes for x in arrays) and arrays[4].shape[3] == len(pieces)
-        ok = ok and all(x.shape[3] == info.max_steps for x in arrays[:4])
-        if not ok:
-            raise ValueError(
-                f"schedule does not match this ring call ({n} shards, {info.num_lists} lists, {n_major} "
-                f"{'kv' if info.transpose else 'q'} blocks per shard): build it with ring_schedule(mask, num_shards, "
-                f"layout, config, heads=..., kv_heads=...) for the same arguments and pass it sharded over the ring "
-                f"axis (in_specs schedule.specs(axis_name))"
-            )
 
 
 def _kind(mesh) -> str:

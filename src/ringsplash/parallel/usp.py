@@ -26,11 +26,8 @@ from ringsplash.parallel._common import (
     run_sharded,
 )
 from ringsplash.parallel.heads import local_head_mask, ulysses_heads, usp_factorisations, valid_ulysses_degrees
-from ringsplash.parallel.ring import (
-    fit_ring_blocks,
-    ring_attention,
-)
-from ringsplash.parallel.ring_schedule import RingSchedule
+from ringsplash.parallel.ring import ring_attention
+from ringsplash.parallel.ring_plan import RingSchedule, fit_ring_blocks
 from ringsplash.parallel.ulysses import gather_head_maxima, heads_to_sequence, sequence_to_heads
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig
