@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import ringsplash as rs
 from attention_inputs import inputs, max_err
-from ringsplash import build_mask_info, layouts, masks
+from ringsplash import build_mask_info, layouts, mask_blocks, masks
 from ringsplash import mask_info as mask_info_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL
 from ringsplash.splash import work_pieces
@@ -301,8 +301,8 @@ def test_q_shard_rows_equal_the_rows_of_the_whole_build(name, monkeypatch):
     build's; only the rows' pair lists are expanded."""
     mask, shards = ROW_MASKS[name], 4
     expanded = []
-    finish = mask_info_lib._finish
-    monkeypatch.setattr(mask_info_lib, "_finish", lambda *a: expanded.append(1) or finish(*a))
+    finish = mask_blocks._finish
+    monkeypatch.setattr(mask_blocks, "_finish", lambda *a: expanded.append(1) or finish(*a))
     several_pieces = False
     for layout in ("contiguous", "zigzag", "striped"):
         pos = layouts.permutation(layout, S, shards)
