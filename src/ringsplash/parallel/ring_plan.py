@@ -311,7 +311,7 @@ def schedule_shapes(whole: RingSchedule, mesh, axis_name) -> RingSchedule:
 def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig, *,
                   heads: int, kv_heads: int, device_kind: str | None = None, mesh: jax.sharding.Mesh | None = None,
                   axis_name=None, shapes_only: bool = False) -> RingSchedule:
-    """The ring's work lists in SMEM-sized pieces, per q shard (the module docstring).
+    """The ring's work lists in SMEM-sized pieces, per q shard (see the module docstring).
 
     Pass the result to ``ring_attention(..., schedule=)`` as a ``shard_map`` operand sharded
     ``schedule.specs(axis_name)`` (``ring_attention_sharded`` does this), and to ``jit`` as an
