@@ -28,7 +28,7 @@ import ringsplash as rs
 from attention_inputs import max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
-from ringsplash.parallel.ring_plan import ring_plan
+from ringsplash.parallel.ring_plan import critical_path, ring_plan, ring_work
 from ringsplash.splash.config import SplashConfig
 
 # Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla
@@ -429,3 +429,22 @@ def test_ring_attention_outside_shard_map_says_what_to_do():
     q, k, v = _qkv(256)
     with pytest.raises(ValueError, match=r"inside jax.shard_map.*ring_attention_sharded"):
         ring_attention(q, k, v, masks.CausalMask((256, 256)), axis_name="ctx", config=XLA)
+
+
+def test_ring_work_and_critical_path_measure_the_layouts_balance():
+    """Causal zigzag gives every ring step the same work (critical path = total / N);
+    contiguous makes the last q shard's device the bottleneck; ``ring_plan.cache_clear()``
+    drops the cached plans."""
+    s, n = 4096, 4
+    mask = masks.CausalMask((s, s))
+    work = {lay: ring_work(ring_plan(mask, n, lay, XLA)) for lay in ("zigzag", "contiguous")}
+    for w in work.values():
+        assert w.shape == (n, n) and w.dtype == np.int64
+        assert w.sum() == (s // 128) * (s // 128 + 1) // 2  # every non-empty 128-block of the causal mask
+    assert critical_path(work["zigzag"]) * n == work["zigzag"].sum()
+    assert critical_path(work["contiguous"]) * n > work["contiguous"].sum()
+    assert critical_path(np.eye(n, dtype=np.int64) * 5) == 5  # step 0 only: every device its own shard
+    plan = ring_plan(mask, n, "zigzag", XLA)
+    assert ring_plan(mask, n, "zigzag", XLA) is plan
+    ring_plan.cache_clear()
+    assert ring_plan(mask, n, "zigzag", XLA) is not plan
