@@ -1,36 +1,12 @@
 """The main job: long-context multi-query associative recall, trained with ring attention.
 
-Default: CPU, 4 simulated devices on the mesh's ``context`` axis, ring attention (zigzag
-layout) over the Splash algorithm (``backend="xla"``, the plain-jnp block-sparse backend), on
-sequences of 1024 tokens: 32 key–value pairs scattered through filler noise, then 32 queries at
-the end; a query is scored when the model predicts the value that followed its key. Chance is
-1/16 (16 values). Prints the held-out recall accuracy, the run directory and the plot path.
-
-Sequence-length curriculum. A 2-layer model must form an induction circuit (a previous-token
-head, then a head that matches the query key against it); at initialisation attention is
-spread over the whole context, so the learning signal for that circuit shrinks like 1/length.
-Training therefore starts on short episodes (16 tokens, 3 pairs) packed into the 1024-token
-rows as separate documents (segment ids keep them apart, positions restart) and doubles the
-episode length in stages up to the full 1024 (32 pairs among ~900 filler tokens); every row
-always has ``seq_len`` tokens, so every step runs the same ring. Without the curriculum the
-circuit does not form within this budget; starting at 32 tokens it forms for some seeds only.
-Held-out evaluation is on fresh full-length sequences only.
-
-Checkpoints and resuming. ``--checkpoint-every N`` writes a sharded orbax checkpoint under
-``<run dir>/checkpoints/<step>`` every N steps (and always at the end), atomically (a temporary
-directory renamed when complete), so a kill cannot corrupt the last good one. ``--run-dir DIR``
-resumes the run in DIR when it holds a checkpoint: parameters, optimiser state, step, and the
-data stream (a pure function of seed and step) continue exactly where the checkpoint left them,
-so the resumed run ends bit for bit where an uninterrupted one would. The options must be those
-the run was started with (``DIR/job_config.json``; an error names any field that differs;
-``--checkpoint-every``, ``--log-every`` and ``--progress`` may change). Metrics past the
-checkpoint are dropped from ``metrics.jsonl`` and written again.
-
     python experiments/train_long_context.py            # the default run (about 4 minutes on 2 quiet cores)
     python experiments/train_long_context.py --checkpoint-every 50 --run-dir runs/long  # resumable
     python experiments/train_long_context.py --run-dir runs/long                        # ... resume it
     python experiments/train_long_context.py --qk-clip-threshold 20   # QK-clip (max logits in the metrics)
     python experiments/train_long_context.py --help     # every option
+
+The task, the curriculum and resuming: README.md ("The main job") and docs/training.md.
 """
 
 import contextlib

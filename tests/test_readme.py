@@ -1,0 +1,36 @@
+"""Every ```python block of README.md runs as pasted, in a fresh interpreter, and exits 0."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+TIMEOUT_S = 300  # generous for a loaded machine; each block takes ~10 s of CPU
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 2, f"expected the README's tour blocks, found {len(BLOCKS)}"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_block_runs(index, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # a fresh process: the block sets its own simulated devices
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKS[index]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0, (
+        f"README python block {index} exited {proc.returncode}\n--- block ---\n{BLOCKS[index]}"
+        f"\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    )
