@@ -46,7 +46,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import numpy as np
 
 from ringsplash import build_mask_info, layouts, masks
-from ringsplash.parallel._common import valid_ulysses_degrees
+from ringsplash.parallel.heads import valid_ulysses_degrees
 
 K = 1024
 HEADS, KV_HEADS, D, BLOCK, BYTES = 32, 8, 128, 512, 2  # bf16
