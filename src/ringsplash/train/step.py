@@ -148,9 +148,10 @@ def make_grad_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.Sh
     of the mean loss over the whole (sharded) batch, as a ``shard_map`` over the mesh (not jitted).
     Each device differentiates its own unnormalised loss sum; the context-parallel attention's VJP
     returns every device the gradient of the total loss through its local tokens, so a ``psum``
-    divided by the global number of scored tokens is exact. ``schedule``: ``batch_ring_schedule(model_config, mesh, batch)``, passed by the caller's
-    ``jit`` as an argument (each device then holds its rows); None = each ring bakes the whole
-    schedule in as a constant replicated on every device.
+    divided by the global number of scored tokens is exact. ``schedule``:
+    ``batch_ring_schedule(model_config, mesh, batch)``, passed by the caller's ``jit`` as an
+    argument (each device then holds its rows); None = each ring bakes the whole schedule in as a
+    constant replicated on every device.
 
     Args:
         model_config: the model's config (checked against ``mesh``).
