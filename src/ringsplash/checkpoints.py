@@ -23,7 +23,6 @@ Contract:
 """
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash._checks import check_positive_int
+from ringsplash.distributed import config_digest
 
 FORMAT = "ringsplash.checkpoints/1"
 _ITEM = "state"
@@ -67,9 +67,8 @@ class CheckpointMetadata:
 
 
 def config_hash(config: Mapping[str, Any]) -> str:
-    """A short stable hash of a JSON-able config (key order does not matter)."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A short stable hash of a JSON-able config (key order does not matter): ``distributed.config_digest``."""
+    return config_digest(config)
 
 
 # ----------------------------------------------------------------------------- leaves

@@ -88,12 +88,13 @@ def is_main_process() -> bool:
 
 
 def config_digest(config: Any) -> str:
-    """A short stable hash of a config (a dataclass, dict or anything ``repr``-stable)."""
+    """A short stable hash of a config: a dataclass or a JSON-able mapping (key order does not
+    matter; other leaves hash by ``str``). Checkpoints store it (``checkpoints.config_hash``)."""
     import dataclasses
 
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
-    text = json.dumps(config, sort_keys=True, default=repr)
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

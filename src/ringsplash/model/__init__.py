@@ -3,6 +3,7 @@ ulysses / usp)."""
 
 from ringsplash.model.attention import Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
+from ringsplash.model.parallelism import ContextParallel
 from ringsplash.model.qk_clip import QKClipFactors, apply_qk_clip, qk_clip_factors
 from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, remat_policy
 
@@ -13,6 +14,7 @@ __all__ = [
     "STRATEGIES",
     "Attention",
     "Block",
+    "ContextParallel",
     "QKClipFactors",
     "RMSNorm",
     "SwiGLU",

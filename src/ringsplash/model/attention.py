@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
-from ringsplash.model.config import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, TransformerConfig, dtype_of
+from ringsplash.model.config import TransformerConfig, dtype_of
 from ringsplash.parallel.ring_plan import RingSchedule
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
@@ -50,13 +50,13 @@ def attend(
     ``schedule``: this device's slice of the ring's schedule (``model.schedule.model_ring_schedule``)
     for ``"ring"`` / ``"usp"`` (None: the whole schedule as a replicated constant); others ignore it."""
     seq = q.shape[1]
-    axes = context_axes(config)
-    for axis_name, size in axes.items():
+    cp = config.context_parallel
+    for role in cp.roles:
+        axis_name, size = cp.axis(role), cp.size(role)
         actual = jax.lax.axis_size(axis_name)
         if actual != size:
-            field = "ring_size" if axis_name == config.ring_axis_name else "ulysses_size"
             raise ValueError(
-                f"mesh axis {axis_name!r} has {actual} devices but the config says {field}={size}"
+                f"mesh axis {axis_name!r} has {actual} devices but the config says {role}_size={size}"
             )
         seq = seq * actual
     mask = config.make_mask(seq)
@@ -82,17 +82,6 @@ def attend(
     if config.attention == "ring":
         return parallel.ring_attention(q, k, v, mask, axis_name=config.ring_axis_name, schedule=schedule, **common)
     return parallel.allgather_attention(q, k, v, mask, axis_name=config.ring_axis_name, **common)
-
-
-def context_axes(config: TransformerConfig) -> dict[str, int]:
-    """The mesh axes the configured strategy shards the sequence over, with their sizes (ring axis
-    first: USP's local shards are ring-major); empty without context parallelism."""
-    axes = {}
-    if config.attention in RING_AXIS_STRATEGIES:
-        axes[config.ring_axis_name] = config.ring_size
-    if config.attention in ULYSSES_AXIS_STRATEGIES:
-        axes[config.ulysses_axis_name] = config.ulysses_size
-    return axes
 
 
 class Attention(eqx.Module):

@@ -11,11 +11,11 @@ from typing import Literal
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_choice, check_float, check_int, check_positive_int, literal_choices
+from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel, Strategy
 from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
 from ringsplash.parallel.ring_plan import fit_ring_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
-Strategy = Literal["reference", "splash", "ring", "allgather", "ulysses", "usp"]
 MaskKind = Literal["causal", "local", "chunked", "prefix_lm", "full"]
 DType = Literal["float32", "bfloat16", "float16"]
 STRATEGIES: tuple[str, ...] = literal_choices(Strategy)
@@ -28,9 +28,6 @@ DTYPES: tuple[str, ...] = literal_choices(DType)
 #: matmul result without batch dimensions plus the attention outputs.
 RematPolicy = Literal["none", "full", "save_attention", "save_dots"]
 REMAT_POLICIES: tuple[str, ...] = literal_choices(RematPolicy)
-#: strategies that shard the sequence over ``ring_axis_name`` / over ``ulysses_axis_name``
-RING_AXIS_STRATEGIES = ("ring", "allgather", "usp")
-ULYSSES_AXIS_STRATEGIES = ("ulysses", "usp")
 #: strategies whose attention returns per-head max logits (``return_max_logits``), so QK-clip can run
 MAX_LOGIT_STRATEGIES: tuple[str, ...] = STRATEGIES
 
@@ -57,7 +54,8 @@ class TransformerConfig:
       sequence laid out by ``ring_layout`` over ``ring_size`` (not over the product).
 
     Every sequence-parallel strategy is called inside ``shard_map`` on local shards
-    (``context_shards`` of them, ``layout_shards`` for the layout permutation).
+    (``context_shards`` of them, ``layout_shards`` for the layout permutation); the axes, sizes
+    and layout are summarised by ``context_parallel`` (a ``ContextParallel``).
 
     ``mask`` picks the attention mask over the sequence: ``"causal"``, ``"local"`` (causal
     sliding window: a query sees itself and the ``local_window`` previous tokens),
@@ -268,15 +266,19 @@ class TransformerConfig:
         return self.mlp_multiple * math.ceil(hidden / self.mlp_multiple)
 
     @property
+    def context_parallel(self) -> ContextParallel:
+        """The strategy's mesh axes, their sizes and the sequence layout."""
+        return ContextParallel.from_config(self)
+
+    @property
     def context_shards(self) -> int:
         """Devices the sequence is sharded over (``ring_size * ulysses_size``; 1 without context parallelism)."""
-        return self.ring_size * self.ulysses_size
+        return self.context_parallel.shards
 
     @property
     def layout_shards(self) -> int:
-        """Shards of the ``ring_layout`` permutation of the sequence: ``ring_size`` for the ring,
-        all-gather and USP (whose inner ring sees ``ring_size`` shards), ``ulysses_size`` for Ulysses."""
-        return self.ulysses_size if self.attention == "ulysses" else self.ring_size
+        """Shards of the ``ring_layout`` permutation (``ContextParallel.layout_shards``)."""
+        return self.context_parallel.layout_shards
 
     @property
     def group_size(self) -> int:

@@ -1,0 +1,75 @@
+"""Batches on the mesh. Every ``[batch, seq]`` field is permuted once, on the host, into the
+strategy's layout (``layout_batch``) and placed as ``batch_spec``; each process fills only its
+addressable shards, and ``stream_batch`` draws only this process's rows."""
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ringsplash import layouts
+from ringsplash._checks import check_divides
+from ringsplash.data import Batch, DataStream
+from ringsplash.model import TransformerConfig
+from ringsplash.train.mesh import DATA, batch_spec
+
+
+def layout_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
+    """Permute every field along the sequence into the strategy's layout (``ring_layout`` over
+    ``layout_shards``: the ring degree for ring / all-gather / USP, the Ulysses degree for
+    Ulysses); identity without context parallelism."""
+    cp = model_config.context_parallel
+    if not cp.roles:
+        return batch
+    return Batch(*(layouts.permute(np.asarray(x), cp.layout, cp.layout_shards, axis=1) for x in batch))
+
+
+def _global_array(x, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host copy every process holds (multi-host safe: each process
+    fills only its addressable shards)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def shard_batch(batch: Batch, mesh: jax.sharding.Mesh, model_config: TransformerConfig) -> Batch:
+    """Layout (host) + place on the mesh as ``P("data", "context")``. Every process builds the
+    same global batch (streams are deterministic) and contributes its own shards."""
+    sharding = NamedSharding(mesh, batch_spec(model_config))
+    return Batch(*(_global_array(x, sharding) for x in layout_batch(batch, model_config)))
+
+
+def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> np.ndarray:
+    """The global rows of a ``batch_size``-row batch (rows sharded over the mesh's ``"data"``
+    axis, ``batch_spec``) that this process's devices hold shards of, ascending: all rows in a
+    single-process run, or when the processes split the mesh along ``"context"`` only."""
+    check_divides(DATA, mesh.shape[DATA], "batch_size", batch_size)
+    per_shard = batch_size // mesh.shape[DATA]
+    data_axis = mesh.axis_names.index(DATA)
+    mine = sorted({idx[data_axis] for idx, d in np.ndenumerate(mesh.devices) if d.process_index == jax.process_index()})
+    return np.concatenate([np.arange(i * per_shard, (i + 1) * per_shard) for i in mine])
+
+
+def stream_batch(stream: DataStream, step: int, mesh: jax.sharding.Mesh, model_config: TransformerConfig) -> Batch:
+    """Batch ``step`` of ``stream`` on the mesh, as ``shard_batch(stream.batch(step), ...)`` places
+    it, from this process's part only: the process draws (``stream.batch(step, rows=...)``) and
+    lays out only the rows of ``process_rows`` and fills only its addressable shards. With a
+    ``per_row`` stream no process touches another's rows; the global batch is the same whatever
+    the number of processes."""
+    rows = process_rows(mesh, stream.batch_size)
+    local = layout_batch(stream.batch(step, rows=rows), model_config)
+    where = np.full(stream.batch_size, -1)
+    where[rows] = np.arange(len(rows))  # global row -> row of ``local``
+    sharding = NamedSharding(mesh, batch_spec(model_config))
+
+    def place(x: np.ndarray) -> jax.Array:
+        shape = (stream.batch_size, *x.shape[1:])
+        return jax.make_array_from_callback(shape, sharding, lambda index: x[(where[index[0]], *index[1:])])
+
+    return Batch(*(place(np.asarray(x)) for x in local))
+
+
+def replicate(tree, mesh: jax.sharding.Mesh):
+    """Every array leaf of ``tree`` replicated over the mesh."""
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: _global_array(x, sharding) if eqx.is_array(x) else x, tree)

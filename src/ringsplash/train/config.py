@@ -1,0 +1,58 @@
+"""``TrainConfig`` (optimiser, schedule, parallelism and bookkeeping of one run) and the
+AdamW optimiser on a linear-warmup + cosine-decay learning-rate schedule."""
+
+import dataclasses
+
+import optax
+
+from ringsplash._checks import check_divides, check_int, check_positive_int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule, parallelism and bookkeeping of one training run."""
+
+    steps: int = 1000
+    batch_size: int = 8  # global rows per step
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.98
+    grad_clip: float | None = 1.0
+    data_parallel: int = 1
+    context_parallel: int = 1
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0: only at the end
+    progress: bool = True
+    fsdp: bool = True  # shard params + optimiser state over data x context (a no-op on one device)
+    loss_chunk: int = 0  # tokens per chunk of the cross-entropy (0: all local tokens at once)
+    ulysses_parallel: int = 1  # USP: devices on the mesh's "ulysses" axis (inside each of the context ring's members)
+    log_max_logits: bool = False  # collect + log per-layer max logits (always on with qk_clip_threshold)
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every", "ulysses_parallel"):
+            check_positive_int(name, getattr(self, name))
+        check_divides("data_parallel", self.data_parallel, "batch_size", self.batch_size)
+        if not 0 <= check_int("warmup_steps", self.warmup_steps) <= self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
+        check_int("loss_chunk", self.loss_chunk, minimum=0)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on a linear-warmup + cosine-decay schedule (to ``min_lr_ratio * learning_rate``)."""
+    return optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip) if tc.grad_clip else optax.identity(),
+        optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay),
+    )
+
+
+def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
+    """Linear warmup over ``warmup_steps`` to ``learning_rate``, then cosine decay to
+    ``min_lr_ratio * learning_rate`` at ``steps``."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, tc.learning_rate, max(tc.warmup_steps, 1), max(tc.steps, tc.warmup_steps + 2),
+        tc.learning_rate * tc.min_lr_ratio,
+    )

@@ -1,0 +1,144 @@
+"""``TrainState`` (model, optimiser state, step, data seed): built, placed on the mesh by a
+``ShardingPlan``, saved and restored as sharded orbax checkpoints (``ringsplash.checkpoints``)
+straight into the plan's shardings, hashed (``state_digest``), and the run's config checked."""
+
+import json
+import os
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ringsplash import checkpoints, partitioning
+from ringsplash.distributed import is_main_process
+from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.train.batches import _global_array
+from ringsplash.train.config import TrainConfig, make_optimizer
+
+
+class TrainState(NamedTuple):
+    model: Transformer
+    opt_state: optax.OptState
+    step: jax.Array  # int32 scalar: steps done = index of the next batch of the data stream
+    data_seed: jax.Array  # int32 scalar: the data stream's seed
+
+
+def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
+    """A fresh state on the default device: the model initialised from ``tc.seed``, AdamW state, step 0."""
+    model = Transformer(model_config, key=jax.random.key(tc.seed))
+    opt_state = make_optimizer(tc).init(eqx.filter(model, eqx.is_array))
+    return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
+
+
+def place_state(model: Transformer, opt_state, mesh: jax.sharding.Mesh, plan: partitioning.ShardingPlan,
+                optimizer: optax.GradientTransformation):
+    """(model, opt_state) on the mesh laid out by ``plan`` (multi-host safe, from host copies)."""
+    params, static = eqx.partition(model, eqx.is_array)
+    param_sh = partitioning.shardings(plan.specs, mesh)
+    opt_sh = partitioning.optimizer_shardings(optimizer, params, param_sh, mesh)
+    place = lambda tree, sh: jax.tree.map(lambda x, s: _global_array(x, s), tree, sh)
+    return eqx.combine(place(params, param_sh), static), place(opt_state, opt_sh)
+
+
+def _is_struct(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def abstract_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                   plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
+    """The ``TrainState`` that ``fit`` trains, with no array allocated: parameters and optimiser
+    state as ``jax.ShapeDtypeStruct``s carrying their shardings on ``mesh`` (parameters and AdamW
+    moments laid out by ``plan``, other optimiser leaves replicated), step and data seed as numpy
+    scalars (every process holds them). The target of a sharded restore (``restore_sharded_state``)."""
+    optimizer = make_optimizer(tc)
+    model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed))
+    params, static = eqx.partition(model, _is_struct)
+    param_sh = partitioning.shardings(plan.specs, mesh)
+    opt_sh = partitioning.optimizer_shardings(optimizer, params, param_sh, mesh)
+    with_sharding = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    params = jax.tree.map(with_sharding, params, param_sh)
+    opt_state = jax.tree.map(with_sharding, jax.eval_shape(optimizer.init, params), opt_sh)
+    return TrainState(eqx.combine(params, static), opt_state, np.asarray(0, np.int32),
+                      np.asarray(data_seed, np.int32))
+
+
+def restore_sharded_state(path: str, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                          plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
+    """The latest checkpoint under ``path`` restored straight into the shardings of
+    ``abstract_state`` (the saving mesh and process count may differ): orbax reads each
+    device's shard into place; no unsharded copy of the state is made on any host. Collective."""
+    state = checkpoints.restore_state(path, abstract_state(model_config, tc, mesh, plan, data_seed))
+    return state._replace(step=jnp.asarray(state.step, jnp.int32), data_seed=jnp.asarray(state.data_seed, jnp.int32))
+
+
+def save_checkpoint(path: str, state: TrainState, *, config: dict | None = None, keep: int | None = 3) -> None:
+    """Save ``state`` as checkpoint ``state.step`` under the directory ``path`` (sharded, atomic,
+    orbax; see ``ringsplash.checkpoints``). Collective: every process calls it. A step already
+    saved is not written again (batches are a pure function of (seed, step), so it is the same
+    state); only the newest ``keep`` checkpoints are kept."""
+    if int(state.step) in checkpoints.all_steps(path):
+        return
+    checkpoints.save_state(path, state, config=config, keep=keep)
+
+
+def load_checkpoint(path: str, like: TrainState) -> TrainState:
+    """Restore the latest checkpoint under ``path`` into the structure, static fields and
+    shardings of ``like`` (arrays or ``jax.ShapeDtypeStruct``s; the mesh may differ from the
+    saving one). Collective."""
+    return checkpoints.restore_state(path, like)
+
+
+def state_digest(state: TrainState) -> str:
+    """sha256 (hex) of every array of ``state`` (parameters, optimiser state, step) in tree order:
+    equal digests mean bit-identical states, whatever their sharding or process count."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(eqx.filter((state.model, state.opt_state, state.step), eqx.is_array)):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        x = np.asarray(leaf)
+        h.update(f"{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.hexdigest()
+
+
+def check_run_config(path: str, config: dict, ignore: tuple[str, ...] = ()) -> None:
+    """Write ``config`` (JSON) to ``path``, or, if ``path`` exists (a run being resumed), check that
+    it holds the same config: a ``ValueError`` names every differing field (``ignore``: fields that
+    may change between a run and its resumption, e.g. progress display)."""
+    current = json.loads(json.dumps(config))  # tuples -> lists, as stored
+    if os.path.exists(path):
+        with open(path) as f:
+            stored = json.load(f)
+        diff = sorted(_config_diff(stored, current, ignore))
+        if diff:
+            raise ValueError(
+                f"{path} was written by a run with a different config; resuming it needs the same one. "
+                "Differing fields (stored vs given): " + "; ".join(f"{k}: {a!r} vs {b!r}" for k, a, b in diff)
+            )
+    if is_main_process():
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(current, f, indent=1)
+        os.replace(tmp, path)
+
+
+def _config_diff(stored, current, ignore, prefix=""):
+    if not (isinstance(stored, dict) and isinstance(current, dict)):
+        return [] if stored == current else [(prefix.rstrip("."), stored, current)]
+    out = []
+    for k in sorted(set(stored) | set(current)):
+        name = prefix + k
+        if name in ignore:
+            continue
+        missing = "<missing>"
+        out += _config_diff(stored.get(k, missing), current.get(k, missing), ignore, name + ".")
+    return out
