@@ -18,6 +18,7 @@ from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel import ring as ring_lib
 from ringsplash.splash import attention as attention_lib
+from ringsplash.splash import pallas as pallas_backend
 from ringsplash.splash import segment_blocks
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
@@ -227,13 +228,13 @@ def test_kernels_compute_exactly_the_refined_entries(key):
     # blocks 0 and 1 lie inside document 0: that full entry skips the segment compare
     assert check_compacted(sched, info) == check_compacted(sched_dkv, info_dkv) == {(1, 0)}
     static = BackendStatic(info, info_dkv, 0.125, None, cfg)
-    out, lse, count = attention_lib.pallas_forward(
+    out, lse, count = pallas_backend.forward(
         ForwardInputs(q, k, v, sched, pos, pos, seg, seg), static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count), exact)
     ref_out = rs.reference_attention(q, k, v, mask, segment_ids=rs.SegmentIds(seg, seg))
     assert max_err(out, ref_out) <= OUT_TOL
     delta = jnp.sum(out * d_out, axis=-1)
-    *_, count_dq, count_dkv = attention_lib.pallas_backward(
+    *_, count_dq, count_dkv = pallas_backend.backward(
         BackwardInputs(q, k, v, d_out, lse, delta, sched, sched_dkv, pos, pos, seg, seg), static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count_dq), exact)
     np.testing.assert_array_equal(np.asarray(count_dkv), exact * heads // kv_heads)

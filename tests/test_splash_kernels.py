@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import ringsplash as rs
 from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
-from ringsplash.splash import attention as attention_lib
+from ringsplash.splash import pallas as pallas_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
 
@@ -284,11 +284,11 @@ def test_splash_computes_only_non_empty_blocks(key, mask):
     q, k, v, d_out, _ = inputs(key, heads, kv_heads, n, n)
     pos = jnp.arange(n, dtype=jnp.int32)
     static = BackendStatic(info, info_dkv, 0.125, None, cfg)
-    out, lse, count = attention_lib.pallas_forward(
+    out, lse, count = pallas_backend.forward(
         ForwardInputs(q, k, v, info.schedule(), pos, pos, None, None), static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count), non_empty)
     delta = jnp.sum(out * d_out, axis=-1)
-    *_, count_dq, count_dkv = attention_lib.pallas_backward(
+    *_, count_dq, count_dkv = pallas_backend.backward(
         BackwardInputs(q, k, v, d_out, lse, delta, info.schedule(), info_dkv.schedule(), pos, pos, None, None),
         static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count_dq), non_empty)
@@ -535,7 +535,7 @@ def test_splash_in_kernel_mask_function_path(key, name):
     info = rs.build_mask_info(mask, (128, 128), **kw)
     info_t = rs.build_mask_info(mask, (128, 128), transpose=True, **kw)
     for i in (info, info_t):  # the path under test is really taken, in both directions
-        ops = attention_lib._static_operands(i)
+        ops = pallas_backend._static_operands(i)
         assert ops.uses_fn and any(m is not None for m in ops.masks)
         assert (ops.blocks is not None) == (name == "mixed_heads")
     q, k, v, d_out, _ = inputs(key, heads, heads, S, S)

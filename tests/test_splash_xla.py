@@ -7,6 +7,8 @@ which is what the ring calls per shard pair) and through
 ``splash_attention(..., config=SplashConfig(backend="xla"))`` (custom VJP, sinks).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,6 +278,21 @@ def test_xla_splash_attention_under_vmap_checkpoint_and_shard_map(key):
     sharded = jax.shard_map(f, mesh=mesh, in_specs=P("heads"), out_specs=P("heads"), check_vma=True)
     gs = jax.jit(jax.grad(lambda q: jnp.sum(jnp.sin(sharded(q)))))(q[0])
     assert max_err(gs, jax.grad(lambda q: jnp.sum(jnp.sin(f_ref(q))))(q[0])) <= 1e-4
+
+
+def test_xla_splash_sinks_replicated_over_a_batch_shard_map_with_vma_checks(key):
+    """Replicated sinks under ``shard_map(check_vma=True)`` over the batch: the sinks' cotangent
+    is summed over the axis the rows vary over and the sinks do not."""
+    mask, heads, d = masks.CausalMask((S, S)), 2, 32
+    q = jax.random.normal(key, (2, heads, S, d))
+    sinks = jnp.array([0.5, -1.0])
+    mesh = jax.make_mesh((2,), ("b",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    loss = lambda attn, q, s: jnp.sum(jnp.sin(attn(q, q, q, mask, sinks=s)))
+    local = lambda q, s: jax.lax.psum(loss(functools.partial(rs.splash_attention, config=xla_config()), q[0], s), "b")
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(P("b"), P()), out_specs=P(), check_vma=True)
+    got = jax.jit(jax.grad(sm, argnums=1))(q, sinks)
+    want = jax.grad(lambda s: loss(rs.reference_attention, q[0], s) + loss(rs.reference_attention, q[1], s))(sinks)
+    assert max_err(got, want) <= 1e-4
 
 
 def test_xla_scans_type_check_under_shard_map_with_traced_shard_indices(key):

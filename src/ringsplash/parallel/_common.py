@@ -1,22 +1,15 @@
 """What the context-parallel strategies share: mesh-axis checks, the global-mask and block
-checks, one custom-VJP call of the Splash layer on a local slice,
-and the ``shard_map`` wrapper behind every ``*_attention_sharded``.
+checks, and the ``shard_map`` wrapper behind every ``*_attention_sharded``. The local Splash
+call is ``splash.attention.splash_info_attention``.
 """
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import _softmax
 from ringsplash._checks import check_attention_call, check_divides
-from ringsplash._shard_map import vma
-from ringsplash.mask_info import MaskInfo
 from ringsplash.segment_ids import SegmentIds
-from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 
 # ----------------------------------------------------------------------------------------
@@ -89,76 +82,6 @@ def interpreter_for_mesh(config: SplashConfig, what: str) -> SplashConfig:
 
 
 # ----------------------------------------------------------------------------------------
-# one custom-VJP Splash call on a local slice (sinks included)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LocalPlan:
-    """Static part of a local Splash call: the MaskInfos (``info_dkv`` None for the xla
-    backend), scale, soft-cap, config, the varying axes of the sinks, and whether the call also
-    returns the local per-head max logits (``max_logits``)."""
-
-    info: MaskInfo
-    info_dkv: MaskInfo | None
-    scale: float
-    cap: float | None
-    config: SplashConfig
-    sinks_vma: frozenset = frozenset()
-    max_logits: bool = False
-
-
-def splash_local(plan: LocalPlan, q, k, v, q_seg, kv_seg, sinks, q_shard=0):
-    """Attention of the local q rows (shard ``q_shard`` of ``plan.info``, may be traced)
-    against all kv columns of the MaskInfo (one kv shard). Differentiable in q, k, v, sinks;
-    ``d_sinks`` covers the local rows (the caller's ``shard_map`` sums it over devices). With
-    ``plan.max_logits`` returns ``(out, max_logits [heads])``, the local slice's maxima (no
-    gradient; the caller reduces them over devices)."""
-    return _splash_local(plan, q, k, v, q_seg, kv_seg, sinks, jnp.asarray(q_shard, jnp.int32))
-
-
-def _segments(q_seg, kv_seg):
-    return None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _splash_local(plan, q, k, v, q_seg, kv_seg, sinks, q_shard):
-    return _splash_local_fwd(plan, q, k, v, q_seg, kv_seg, sinks, q_shard)[0]
-
-
-def _splash_local_fwd(plan, q, k, v, q_seg, kv_seg, sinks, q_shard):
-    o, lse, *mx = splash_forward(q, k, v, plan.info, q_shard=q_shard, kv_shard=0,
-                                 segment_ids=_segments(q_seg, kv_seg), scale=plan.scale, logit_soft_cap=plan.cap,
-                                 config=plan.config, out_dtype=jnp.float32, return_max_logits=plan.max_logits)
-    o, lse = _softmax.fold_sinks(o, lse, sinks)  # the sink joins each row's denominator once
-    out = o.astype(q.dtype)
-    return (out, *mx) if plan.max_logits else out, (q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse)
-
-
-def _splash_local_bwd(plan, res, d_out):
-    q, k, v, q_seg, kv_seg, sinks, q_shard, out, lse = res
-    if plan.max_logits:  # no gradient through the max logits: their cotangent is dropped
-        d_out = d_out[0]
-    d_out = d_out.astype(q.dtype)
-    delta = _softmax.delta(d_out, out)
-    dq, dk, dv = splash_backward(q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=q_shard, kv_shard=0,
-                                 segment_ids=_segments(q_seg, kv_seg), scale=plan.scale, logit_soft_cap=plan.cap,
-                                 config=plan.config)
-    d_sinks = None
-    if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i over the local rows
-        local = _softmax.sinks_grad(sinks, lse, delta)
-        # with vma checking a replicated sink needs a replicated cotangent: sum it here; without
-        # it (vma empty everywhere) shard_map's transpose sums it
-        extra = tuple(sorted(vma(local) - plan.sinks_vma, key=str))
-        if extra:
-            local = lax.psum(local, extra)
-        d_sinks = local.astype(sinks.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, d_sinks, None
-
-
-_splash_local.defvjp(_splash_local_fwd, _splash_local_bwd)
-
-
-# ----------------------------------------------------------------------------------------
 # the shard_map wrapper of every *_attention_sharded
 
 
@@ -194,12 +117,10 @@ def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks, *, max_logit
 
 
 __all__ = [
-    "LocalPlan",
     "check_blocks",
     "check_global_inputs",
     "check_local_inputs",
     "check_mesh_axis",
     "interpreter_for_mesh",
     "run_sharded",
-    "splash_local",
 ]

@@ -16,25 +16,24 @@ local call (``kv_heads x S x d`` each per device), which saves re-gathering them
 """
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import default_scale
-from ringsplash._shard_map import axis_size, vma
+from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import build_mask_info
 from ringsplash.parallel._common import (
-    LocalPlan,
     check_blocks,
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
     interpreter_for_mesh,
     run_sharded,
-    splash_local,
 )
 from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.attention import splash_info_attention
 from ringsplash.splash.config import SplashConfig
 
 __all__ = ["allgather_attention", "allgather_attention_sharded"]
@@ -72,7 +71,7 @@ def allgather_attention(
             excluded, ``-inf`` if nothing is attended; from the local kernel and one ``pmax``.
     """
     n = axis_size(axis_name, "allgather_attention")
-    _, _, q_len, d, segment_ids = check_local_inputs(
+    _, _, q_len, _, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
         logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
     seq_len = q_len * n
@@ -83,11 +82,12 @@ def allgather_attention(
     info = build_mask_info(mask, config.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, config.block_shape_dkv, transpose=True,
                                                                    **common)
-    plan = LocalPlan(info, info_dkv, default_scale(scale, d), logit_soft_cap, config,
-                     frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits))
     gather = lambda x, axis: lax.all_gather(x, axis_name, axis=axis, tiled=True)
-    q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, gather(segment_ids.kv, 0))
-    result = splash_local(plan, q, gather(k, 1), gather(v, 1), q_seg, kv_seg, sinks, lax.axis_index(axis_name))
+    if segment_ids is not None:
+        segment_ids = SegmentIds(q=segment_ids.q, kv=gather(segment_ids.kv, 0))
+    result = splash_info_attention(q, gather(k, 1), gather(v, 1), info, info_dkv, q_shard=lax.axis_index(axis_name),
+                                   segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
+                                   config=config, partial_dtype=jnp.float32, return_max_logits=return_max_logits)
     if return_max_logits:  # each device saw its own q rows against every key: one pmax
         out, mx = result
         return out, lax.pmax(mx, axis_name)

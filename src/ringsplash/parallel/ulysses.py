@@ -21,22 +21,20 @@ from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import default_scale
-from ringsplash._shard_map import axis_size, vma
+from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import build_mask_info
 from ringsplash.parallel._common import (
-    LocalPlan,
     check_blocks,
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
     interpreter_for_mesh,
     run_sharded,
-    splash_local,
 )
 from ringsplash.parallel.heads import UlyssesHeads, local_head_mask, ulysses_heads
 from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.attention import splash_info_attention
 from ringsplash.splash.config import SplashConfig
 
 __all__ = ["gather_head_maxima", "heads_to_sequence", "sequence_to_heads", "ulysses_attention",
@@ -106,7 +104,7 @@ def ulysses_attention(
             maxima over the whole sequence; one all-gather assembles ``[heads]``.
     """
     n = axis_size(axis_name, "ulysses_attention")
-    heads, kv_heads, q_len, d, segment_ids = check_local_inputs(
+    heads, kv_heads, q_len, _, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
         logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
     split = ulysses_heads(heads, kv_heads, n, axis_name)
@@ -120,10 +118,9 @@ def ulysses_attention(
     info = build_mask_info(local_mask, config.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, config.block_shape_dkv,
                                                                    transpose=True, **common)
-    plan = LocalPlan(info, info_dkv, default_scale(scale, d), logit_soft_cap, config,
-                     frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits))
-    q_seg, kv_seg = (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
-    out = splash_local(plan, q, k, v, q_seg, kv_seg, sinks)
+    out = splash_info_attention(q, k, v, info, info_dkv, segment_ids=segment_ids, scale=scale,
+                                logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, partial_dtype=jnp.float32,
+                                return_max_logits=return_max_logits)
     if return_max_logits:
         out, mx = out
         return heads_to_sequence(out, axis_name), gather_head_maxima(mx, axis_name)

@@ -11,14 +11,15 @@ so a 128K causal list at blocks 512 (32,896 entries) takes 257 KiB. Kernel bodie
 maps decode with ``q_block_of`` / ``kv_block_of`` / ``kind_of`` / ``partial_of`` (shifts and
 masks only; the masks after arithmetic shifts make them exact for all 32 bits).
 
-Also here: score / mask / masked-value helpers of a tile, the index maps of the
-``(heads, steps)`` grids of the forward and dq kernels, and the bookkeeping of optional
-operands.
+Also here: score / mask / masked-value helpers of a tile, the host-side GQA group check, the
+index maps of the ``(heads, steps)`` grids of the forward and dq kernels, and the bookkeeping
+of optional operands.
 """
 
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -182,6 +183,19 @@ def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None)
     load_kv = load if kv_cols is None else (lambda ref: None if ref is None else ref[:, kv_cols])
     return block_mask(which, partial, lst, load(q_pos), load_kv(kv_pos), load(q_seg), load_kv(kv_seg), stored,
                       masks=masks)
+
+
+# ----------------------------------------------------------------------------------------
+# GQA groups (host side)
+
+
+def uniform_group_lists(head_to_list, group):
+    """The list of each kv head when every q head of each group uses the same list
+    (int32 ``[kv_heads]``), else None. ``head_to_list`` must be concrete (host) values."""
+    h2l = np.asarray(head_to_list).reshape(-1, group)
+    if np.all(h2l == h2l[:, :1]):
+        return h2l[:, 0].astype(np.int32)
+    return None
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,8 +1,7 @@
 """The records every Splash backend takes: one shard pair's traced operands and the static
 (hashable, host-side) settings that pick and shape the computation.
 
-Both backends (``pallas_forward`` / ``pallas_backward`` in ``splash/attention.py``, and
-``splash/xla.py``) implement::
+Both backends (``splash/pallas.py``, the Pallas kernels, and ``splash/xla.py``, jnp) implement::
 
     forward(inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None) -> (out, lse)
     backward(inputs: BackwardInputs, static: BackendStatic) -> (dq, dk, dv)   # float32

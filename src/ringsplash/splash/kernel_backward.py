@@ -56,6 +56,7 @@ from ringsplash.splash._kernel_common import (
     semantics,
     tally_step,
     tile_mask,
+    uniform_group_lists,
     unpack_refs,
 )
 from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
@@ -249,15 +250,6 @@ def _dkv_count_map(g, i, j, *prefetched):
 
 # ----------------------------------------------------------------------------------------
 # GQA groups: uniform lists, or a merged work list
-
-
-def uniform_group_lists(head_to_list, group):
-    """The list of each kv head when every q head of each group uses the same list
-    (int32 ``[kv_heads]``), else None. ``head_to_list`` must be concrete (host) values."""
-    h2l = np.asarray(head_to_list).reshape(-1, group)
-    if np.all(h2l == h2l[:, :1]):
-        return h2l[:, 0].astype(np.int32)
-    return None
 
 
 def merge_group_lists(blocks, kinds, head_to_list, group):

@@ -14,21 +14,18 @@ reported size: equal for float32, within 0.5 MiB above for bfloat16):
   + 2 x bq x bkv                                        double-buffered int8 mask block (if any)
 
 The chip is known only when the computation is lowered for TPU (an ahead-of-time compile from
-a CPU host traces without it), so the check is the TPU lowering rule of an identity primitive.
-An unknown chip or a configuration under the limit lowers unchanged.
+a CPU host traces without it), so ``ForwardVmem.check`` runs in the TPU lowering rule of
+``splash/guards.py::vmem_guard``. An unknown chip or a configuration under the limit lowers
+unchanged.
 """
 
 import dataclasses
-import functools
 
-import jax
-import jax.extend.core as jex_core
 import numpy as np
-from jax.interpreters import batching, mlir
 
 from ringsplash.splash.config import NUM_LANES
 
-__all__ = ["SCOPED_VMEM_LIMIT_BYTES", "ForwardVmem", "forward_vmem", "vmem_guard"]
+__all__ = ["SCOPED_VMEM_LIMIT_BYTES", "ForwardVmem", "forward_vmem"]
 
 _MIB = 1 << 20
 
@@ -88,43 +85,3 @@ def forward_vmem(q, k, v, block_shape, *, out_dtype, vmem_limit_bytes, mask_bloc
         dtype=str(np.dtype(q.dtype)), out_dtype=str(np.dtype(q.dtype if out_dtype is None else out_dtype)),
         vmem_limit_bytes=vmem_limit_bytes, mask_blocks=bool(mask_blocks),
     )
-
-
-# ----------------------------------------------------------------------------------------
-# identity primitive whose TPU lowering runs the check with the chip being compiled for
-
-_vmem_guard_p = jex_core.Primitive("splash_vmem_guard")
-# an eager call compiles the primitive for the default device, so an eager run on TPU is checked too
-_vmem_guard_p.def_impl(lambda x, *, need: jax.jit(functools.partial(_vmem_guard_p.bind, need=need))(x))
-_vmem_guard_p.def_abstract_eval(lambda x, *, need: x)
-batching.primitive_batchers[_vmem_guard_p] = lambda args, dims, *, need: (_vmem_guard_p.bind(*args, need=need),
-                                                                        dims[0])
-
-
-def vmem_guard(x, need: ForwardVmem):
-    """``x``, unchanged; lowering it for TPU raises when ``need`` exceeds the chip's VMEM limit."""
-    return _vmem_guard_p.bind(x, need=need)
-
-
-def _chip(ctx) -> str | None:
-    """The ``device_kind`` the module is lowered for: from its mesh (shard_map), its device
-    assignment (jit over several devices) or the compiling client's devices (one device, also
-    a compile-only topology client); None when unknown or mixed."""
-    module = ctx.module_context
-    axis_context = module.axis_context
-    devices = getattr(axis_context, "device_assignment", None)
-    if devices is None and getattr(axis_context, "mesh", None) is not None:
-        devices = np.asarray(axis_context.mesh.devices).flat
-    if devices is None and module.backend is not None:
-        devices = module.backend.devices()
-    kinds = {getattr(d, "device_kind", None) for d in devices or ()}
-    return kinds.pop() if len(kinds) == 1 else None
-
-
-def _lower_tpu(ctx, x, *, need):
-    need.check(_chip(ctx))
-    return [x]
-
-
-mlir.register_lowering(_vmem_guard_p, lambda ctx, x, *, need: [x])
-mlir.register_lowering(_vmem_guard_p, _lower_tpu, platform="tpu")

@@ -26,6 +26,7 @@ import numpy as np
 
 from ringsplash.mask_info import BlockSchedule, MaskInfo
 from ringsplash.masks import EMPTY
+from ringsplash.splash._kernel_common import uniform_group_lists
 
 #: fraction of the chip's SMEM a work list may take (Mosaic keeps scalars of its own there)
 SMEM_FRACTION = 0.75
@@ -83,8 +84,6 @@ def forward_max_steps(budget: int | None, info: MaskInfo, heads: int, *, what: s
 def dkv_max_steps(budget: int | None, info_dkv: MaskInfo, heads: int, kv_heads: int) -> int | None:
     """Longest transposed list under ``budget``: the uniform GQA walk prefetches ``[lists,
     steps]`` x 2 words, the merged walk ``[kv_heads, group * steps]`` x 3 (``kernel_backward``)."""
-    from ringsplash.splash.kernel_backward import uniform_group_lists
-
     h2l = np.asarray(info_dkv.head_to_list)
     h2l = np.broadcast_to(h2l, (heads,)) if h2l.size == 1 else h2l
     if uniform_group_lists(h2l, heads // kv_heads) is not None:

@@ -1,0 +1,161 @@
+"""Pallas Splash backends (``"interpret"`` and ``"mosaic_tpu"``): the kernels of
+``splash/kernel_forward.py`` and ``splash/kernel_backward.py`` behind the interface of
+``splash/backend_interface.py``, as ``splash/xla.py`` is for the jnp implementation.
+
+Host side, once per MaskInfo (cached): the kernel operands that do not depend on the traced
+inputs (the masks whose ``mask_function`` a kernel evaluates, the int8 partial blocks and their
+transpose). ``"mosaic_tpu"`` wraps q in the lowering guards of ``splash/guards.py``.
+"""
+
+import weakref
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from ringsplash.mask_info import MaskInfo
+from ringsplash.splash import kernel_backward, kernel_forward
+from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
+from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
+from ringsplash.splash.guards import mosaic_tpu_guard, vmem_guard
+from ringsplash.splash.vmem import forward_vmem
+
+__all__ = ["StaticOperands", "backward", "forward"]
+
+
+# ----------------------------------------------------------------------------------------
+# per-MaskInfo kernel operands (host side, cached per MaskInfo object)
+
+
+class StaticOperands(NamedTuple):
+    """Host-side kernel operands of one MaskInfo."""
+
+    masks: tuple  # per list: the 2-D mask whose mask_function the kernel evaluates, or None
+    uses_fn: bool  # some partial block has no stored block (partial_index -1): positions needed
+    blocks: np.ndarray | None  # int8 [num_partials, bq, bkv] partial blocks, or None
+    blocks_t: np.ndarray | None  # the same transposed, [num_partials, bkv, bq] (dK/dV kernel)
+
+
+_STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()
+
+
+def _static_operands(info: MaskInfo) -> StaticOperands:
+    if info in _STATIC_CACHE:
+        return _STATIC_CACHE[info]
+    needs_fn = info.list_partial_sources()[:, 1]  # every shard pair's, also for a rows-only MaskInfo
+    blocks = info.partial_mask_blocks.astype(np.int8) if info.partial_mask_blocks.shape[0] else None
+    ops = StaticOperands(
+        masks=tuple(m if bool(n) else None for m, n in zip(info.masks, needs_fn)),
+        uses_fn=bool(needs_fn.any()),
+        blocks=blocks,
+        blocks_t=None if blocks is None else np.ascontiguousarray(np.swapaxes(blocks, 1, 2)),
+    )
+    _STATIC_CACHE[info] = ops
+    return ops
+
+
+def _heads_to_list(info: MaskInfo, heads: int) -> np.ndarray:
+    """The list of every q head, int32 ``[heads]``, on the host (the dK/dV kernel decides
+    statically whether the heads of each GQA group share one list)."""
+    h2l = np.asarray(info.head_to_list, np.int32)
+    if h2l.shape[0] == 1:
+        return np.broadcast_to(h2l, (heads,))
+    if h2l.shape[0] != heads:
+        raise ValueError(f"the MaskInfo has {h2l.shape[0]} mask heads, q has {heads=}")
+    return h2l
+
+
+def _interpret(config: SplashConfig, backend: str):
+    """``pallas_call``'s ``interpret`` argument: False (Mosaic), True (the generic
+    interpreter) or the TPU interpreter's ``InterpretParams``."""
+    if backend != "interpret":
+        return False
+    if config.interpret_params == GENERIC_INTERPRETER:
+        return True
+    return config.interpret_params if config.interpret_params is not None else pltpu.InterpretParams()
+
+
+def _as_col(x):
+    return None if x is None else jnp.asarray(x, jnp.int32)[:, None]
+
+
+def _as_row(x):
+    return None if x is None else jnp.asarray(x, jnp.int32)[None, :]
+
+
+def _mask_operands(ops: StaticOperands, q_pos, kv_pos, q_seg, kv_seg, *, transposed: bool) -> dict:
+    """Keyword operands of a kernel wrapper: positions (only where the kernel evaluates a
+    mask_function), segment ids and partial blocks, laid out for ``(q, kv)`` tiles or, when
+    ``transposed``, ``(kv, q)`` tiles."""
+    q_side, kv_side = (_as_row, _as_col) if transposed else (_as_col, _as_row)
+    blocks = ops.blocks_t if transposed else ops.blocks
+    return {
+        "q_pos": q_side(q_pos) if ops.uses_fn else None,
+        "kv_pos": kv_side(kv_pos) if ops.uses_fn else None,
+        "q_seg": q_side(q_seg),
+        "kv_seg": kv_side(kv_seg),
+        "mask_blocks_t" if transposed else "mask_blocks": None if blocks is None else jnp.asarray(blocks),
+        "masks": ops.masks,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# forward and backward (the interface of splash/backend_interface.py)
+
+
+def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "interpret", out_dtype=None,
+            count_steps: bool = False, return_max_logits: bool = False):
+    """The forward kernel on one shard pair; with ``return_max_logits`` also the per-head max
+    raw logit, with ``count_steps`` (last) the number of computing grid steps per head."""
+    q, config, info = inputs.q, static.config, static.info
+    if backend == "mosaic_tpu":
+        q = mosaic_tpu_guard(q)
+        q = vmem_guard(q, forward_vmem(q, inputs.k, inputs.v, info.block_shape, out_dtype=out_dtype,
+                                       vmem_limit_bytes=config.vmem_limit_bytes,
+                                       mask_blocks=_static_operands(info).blocks is not None))
+    return kernel_forward.splash_forward_kernel(
+        q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
+        **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
+                         transposed=False),
+        block_shape=info.block_shape, block_kv_compute=min(config.block_kv_compute, info.block_shape[1]),
+        scale=static.scale, logit_soft_cap=static.logit_soft_cap, out_dtype=out_dtype,
+        probs_dtype=config.matmul_dtype(q.dtype), interpret=_interpret(config, backend),
+        vmem_limit_bytes=config.vmem_limit_bytes, count_steps=count_steps, return_max_logits=return_max_logits,
+    )
+
+
+def backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "interpret",
+             grad_dtype=jnp.float32, count_steps: bool = False, parts: tuple = ("dq", "dkv")):
+    """The dq and dK/dV kernels on one shard pair: ``(dq, dk, dv)`` in ``grad_dtype`` (with
+    ``count_steps`` also the computing steps of each kernel). ``parts=("dq",)`` runs only the
+    dq kernel and returns ``dq``; ``parts=("dkv",)`` only the dK/dV kernel: ``(dk, dv)``."""
+    q, config, info, info_dkv = inputs.q, static.config, static.info, static.info_dkv
+    if backend == "mosaic_tpu":
+        q = mosaic_tpu_guard(q)
+    if "dkv" in parts and (info_dkv is None or inputs.schedule_dkv is None):
+        raise ValueError("the Pallas backward needs the transposed MaskInfo (info_dkv) and its schedule")
+    heads = q.shape[0]
+    common = {
+        "scale": static.scale, "logit_soft_cap": static.logit_soft_cap, "out_dtype": grad_dtype,
+        "probs_dtype": config.matmul_dtype(q.dtype), "interpret": _interpret(config, backend),
+        "vmem_limit_bytes": config.vmem_limit_bytes, "count_steps": count_steps,
+    }
+    positions = (inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg)
+    operands = (q, inputs.k, inputs.v, inputs.d_out, inputs.lse, inputs.delta)
+
+    def kernel(fn, sched, view, transposed):
+        return fn(*operands, sched, _heads_to_list(view, heads),
+                  **_mask_operands(_static_operands(view), *positions, transposed=transposed),
+                  block_shape=view.block_shape, **common)
+
+    if parts == ("dkv",):  # pieces of the transposed view (splash/work_pieces.py)
+        return kernel(kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True)
+    dq = kernel(kernel_backward.splash_dq_kernel, inputs.schedule, info, False)
+    if parts == ("dq",):
+        return dq
+    dkv = kernel(kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True)
+    if count_steps:
+        (dq, count_dq), (dk, dv, count_dkv) = dq, dkv
+        return dq, dk, dv, count_dq, count_dkv
+    return dq, *dkv
