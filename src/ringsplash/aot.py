@@ -22,8 +22,19 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["CHIPS", "GiB", "MiB", "AotReport", "ChipInfo", "abstract", "chip", "compile_report", "find_chip",
-           "topology_devices", "topology_mesh"]
+__all__ = [
+    "CHIPS",
+    "AotReport",
+    "ChipInfo",
+    "GiB",
+    "MiB",
+    "abstract",
+    "chip",
+    "compile_report",
+    "find_chip",
+    "topology_devices",
+    "topology_mesh",
+]
 
 GiB = 1 << 30
 MiB = 1 << 20
