@@ -1,11 +1,21 @@
 """ringsplash.aot: the chip table, topology meshes and a compile report for a real TPU target."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import aot
+
+
+def test_aot_imports_no_model_or_training_code():
+    code = ("import sys, ringsplash.aot; "
+            "print(sorted(m for m in sys.modules if m.startswith(('ringsplash.model', 'ringsplash.train', 'optax'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_chip_table_facts():
