@@ -27,19 +27,16 @@ import dataclasses
 import math
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu probes for TPU metadata on import; on a CPU host tell it there is none to find.
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+from ringsplash import aot
 from ringsplash.cli import parse_config
 
-GiB = 1024**3
-#: HBM per JAX device (bytes). One device per chip, except tpu7x (Ironwood): 192 GiB per chip
-#: shared by its 2 TensorCores, each a JAX device (``v5p`` / ``v4`` megacore is one device).
-HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB, "tpu7x": 96 * GiB}
+GiB = aot.GiB
 TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v5p:2x2x1", "v5p:4x4x4", "v4:2x2x1",
               "tpu7x:2x2x1")
 
@@ -82,10 +79,11 @@ def parse_args(argv=None) -> Config:
 
 
 def chip_capacity(topology: str) -> int:
-    kind = topology.split(":")[0]
-    if kind not in HBM:
-        raise SystemExit(f"unknown chip {kind!r} in topology {topology!r}: known {sorted(HBM)}")
-    return HBM[kind]
+    """HBM bytes per device of the topology's chip (``ringsplash.aot``'s chip table)."""
+    try:
+        return aot.chip(topology).hbm_bytes
+    except ValueError as e:
+        raise SystemExit(f"unknown chip in topology {topology!r}: {e}") from None
 
 
 def _mesh_shape(config: Config, num_devices: int) -> tuple[int, int]:
@@ -108,24 +106,22 @@ def granularity(config: Config, context: int) -> int:
 
 
 def compile_step(config: Config):
-    """Lower + compile one training step for ``config.topology``; returns (compiled, info)."""
+    """Lower + compile one training step for ``config.topology``; returns (``aot.AotReport``, info)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
 
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
     from ringsplash.model import Transformer, TransformerConfig
     from ringsplash.splash import SplashConfig
 
-    topo = topologies.get_topology_desc(config.topology, "tpu")
-    devices = np.asarray(topo.devices).reshape(-1)
+    devices = aot.topology_devices(config.topology)
     data, context = _mesh_shape(config, devices.size)
-    mesh = Mesh(devices.reshape(data, context), (train.DATA, train.CONTEXT))
+    mesh = aot.topology_mesh(config.topology, (train.DATA, train.CONTEXT), (data, context))
     b = config.block
     ring = context > 1
     model_config = TransformerConfig(
@@ -168,17 +164,15 @@ def compile_step(config: Config):
         return (jax.lax.with_sharding_constraint(params, param_sh),
                 jax.lax.with_sharding_constraint(opt_state, opt_sh), metrics)
 
-    t0 = time.perf_counter()
-    lowered = jax.jit(step, donate_argnums=(0, 1)).lower(place(params_abs, param_sh), place(opt_abs, opt_sh),
-                                                          batch_abs, schedule)
-    compiled = lowered.compile()
+    compiled = aot.compile_report(step, place(params_abs, param_sh), place(opt_abs, opt_sh), batch_abs, schedule,
+                                  donate_argnums=(0, 1))
     mesh_shape = dict(mesh.shape)
     opt_specs = jax.tree.map(lambda s: s.spec, opt_sh)
     leaves = lambda t: jax.tree.leaves(t, is_leaf=is_abstract)
     n_params = sum(int(np.prod(x.shape)) for x in leaves(params_abs))
     nbytes = lambda t: sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves(t))
     info = {"devices": devices.size, "data": data, "context": context, "rows": rows, "params": n_params,
-            "compile_s": time.perf_counter() - t0, "device_kind": getattr(devices[0], "device_kind", "?"),
+            "compile_s": compiled.seconds, "device_kind": getattr(devices[0], "device_kind", "?"),
             "plan": partitioning.describe(plan),
             "param_bytes": partitioning.local_bytes(params_abs, plan.specs, mesh_shape),
             "opt_bytes": partitioning.local_bytes(opt_abs, opt_specs, mesh_shape),
@@ -220,14 +214,10 @@ def _estimates(config, model_config, params_abs, data, context, rows, sharded) -
 
 
 def report(config: Config, compiled, info, *, quiet: bool = False) -> tuple[bool, float]:
-    mem = compiled.memory_analysis()
+    """Print ``compiled`` (an ``aot.AotReport``) against the chip's HBM; (fits, total bytes)."""
     capacity = chip_capacity(config.topology)
-    args = mem.argument_size_in_bytes
-    outs = mem.output_size_in_bytes
-    alias = mem.alias_size_in_bytes
-    temp = mem.temp_size_in_bytes
-    code = getattr(mem, "generated_code_size_in_bytes", 0)
-    total = args + outs - alias + temp + code
+    args, outs, alias, temp, code, total = (compiled.args, compiled.out, compiled.alias, compiled.temp,
+                                            compiled.code, compiled.total)
     fits = total <= config.headroom * capacity
     if quiet:
         return fits, total
@@ -278,9 +268,7 @@ def attempt(config: Config):
 
 def find_max_seq_len(config: Config) -> int:
     """Double ``seq_len`` while the step fits, then bisect in multiples of the granularity."""
-    from jax.experimental import topologies
-
-    n = len(topologies.get_topology_desc(config.topology, "tpu").devices)
+    n = aot.topology_devices(config.topology).size
     _, context = _mesh_shape(config, n)
     g = granularity(config, context)
     tried = {}

@@ -30,10 +30,8 @@ a rerun only compiles what is missing (and a timed-out row again when ``--timeou
 """
 
 import argparse
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -43,9 +41,11 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 
-from ringsplash import build_mask_info, layouts, masks
+from _bench import child_main, fmt_tokens, run_child
+from ringsplash import aot, build_mask_info, layouts, masks
 from ringsplash.parallel.heads import valid_ulysses_degrees
 
 K = 1024
@@ -198,23 +198,22 @@ def collective_bytes(text: str, n: int) -> float:
     return total(entry)
 
 
-def compile_child(strategy: str, s: int, n: int, a: int) -> None:
+@child_main
+def compile_child(strategy: str, s: int, n: int, a: int) -> dict:
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import ringsplash as rs
     from ringsplash.splash.config import SplashConfig
 
-    devices = np.asarray(topologies.get_topology_desc(TOPOLOGY[n], "tpu").devices).reshape(-1)
     mask, config = masks.CausalMask((s, s)), SplashConfig(backend="mosaic_tpu")
     if strategy == "usp":
-        mesh, seq = Mesh(devices.reshape(n // a, a), ("ring", "ulysses")), P(None, ("ring", "ulysses"))
+        mesh = aot.topology_mesh(TOPOLOGY[n], ("ring", "ulysses"), (n // a, a))
+        seq = P(None, ("ring", "ulysses"))
         kw = dict(mesh=mesh, ulysses_axis="ulysses", ring_axis="ring")
     else:
-        mesh, seq = Mesh(devices, ("ctx",)), P(None, "ctx")
+        mesh, seq = aot.topology_mesh(TOPOLOGY[n], ("ctx",)), P(None, "ctx")
         kw = dict(mesh=mesh, axis_name="ctx")
     sharded = getattr(rs, f"{strategy}_attention_sharded")
     fn = lambda q, k, v: sharded(q, k, v, mask, layout="zigzag", config=config, **kw)
@@ -223,59 +222,25 @@ def compile_child(strategy: str, s: int, n: int, a: int) -> None:
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
 
-    spec = lambda h: jax.ShapeDtypeStruct((h, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, seq))
+    spec = lambda h: aot.abstract((h, s, D), jnp.bfloat16, mesh, seq)
     t0 = time.perf_counter()
-    fwd = jax.jit(fn).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS)).compile()
-    both = jax.jit(fwd_bwd).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), spec(HEADS)).compile()
+    fwd = aot.compile_report(fn, spec(HEADS), spec(KV_HEADS), spec(KV_HEADS))
+    both = aot.compile_report(fwd_bwd, spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), spec(HEADS))
     if dump := os.environ.get("BENCH_CP_DUMP"):  # keep the HLO for inspection
         for tag, c in (("fwd", fwd), ("fwd_bwd", both)):
             with open(os.path.join(dump, f"{strategy}_{s}_{n}_{a}_{tag}.hlo"), "w") as f:
-                f.write(c.as_text())
-    fwd_bytes, total = collective_bytes(fwd.as_text(), n), collective_bytes(both.as_text(), n)
-    print(json.dumps({"fwd": fwd_bytes, "bwd": total - fwd_bytes, "temp": both.memory_analysis().temp_size_in_bytes,
-                      "compile_s": time.perf_counter() - t0}))
+                f.write(c.hlo_text)
+    fwd_bytes, total = collective_bytes(fwd.hlo_text, n), collective_bytes(both.hlo_text, n)
+    return {"fwd": fwd_bytes, "bwd": total - fwd_bytes, "temp": both.temp, "compile_s": time.perf_counter() - t0}
 
 
 def compile_row(strategy, s, n, a, timeout, cache: str | None = None):
-    """The child's counts (dict), or the reason it did not compile (str); cached in ``cache``."""
-    key = f"{strategy} {s} {n} {a}"
-    stored = {}
-    if cache and os.path.exists(cache):
-        with open(cache) as f:
-            stored = json.load(f)
-    if key in stored and not _retry(stored[key], timeout):
-        return stored[key]
-    cmd = [sys.executable, __file__, "--child", strategy, str(s), str(n), str(a)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        r = None
-    if r is None:
-        result = f"compile timed out after {timeout} s on this CPU host"
-    elif r.returncode:
-        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-        err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "?")
-        result = f"compile failed: {err.strip()[:200]}"
-    else:
-        result = json.loads(r.stdout.strip().splitlines()[-1])
-    if cache:  # failures too: they are deterministic (a timeout is retried under a longer --timeout)
-        stored[key] = result
-        with open(cache, "w") as f:
-            json.dump(stored, f, indent=1)
-    return result
-
-
-def _retry(stored, timeout: int) -> bool:
-    """Whether a cached row should be compiled again: it timed out under a shorter timeout."""
-    m = re.match(r"compile timed out after (\d+) s", stored) if isinstance(stored, str) else None
-    return bool(m) and int(m.group(1)) < timeout
+    """The child's counts (dict), or the reason it did not compile (str); cached in ``cache``
+    (failures too: they are deterministic; a timeout is retried under a longer ``timeout``)."""
+    return run_child([__file__, "--child", strategy, s, n, a], timeout, cache, key=f"{strategy} {s} {n} {a}")
 
 
 # ----------------------------------------------------------------------------------------
-
-
-def fmt_size(x: int) -> str:
-    return f"{x // (K * K)}M" if x >= K * K else f"{x // K}K"
 
 
 def rows(s: int, n: int, peak: float, link: float):
@@ -333,7 +298,7 @@ def main():
             valid = [r for r in table if len(r) == 4 and (args.no_compile or isinstance(compiled[r[0]], dict))]
             pick = min(valid, key=lambda r: r[3])[0] if valid else "-"
             for r in table:
-                head = f"| {fmt_size(s)} | {n} ({TOPOLOGY[n]}) | {r[0]} |"
+                head = f"| {fmt_tokens(s)} | {n} ({TOPOLOGY[n]}) | {r[0]} |"
                 if len(r) == 3:
                     print(f"{head} {r[2]} | | | | | |", flush=True)
                     continue

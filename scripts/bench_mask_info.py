@@ -2,7 +2,7 @@
 
 Every (mask, S) row runs in a fresh subprocess (JAX and ringsplash imported), so its peak RSS
 is that row's process total. Build time is the median of ``--repeats`` builds, each after
-``build_mask_info.cache_clear()``. Targets (issue 3, on a 2-core CPU machine): every row at
+``build_mask_info.cache_clear()``. Targets (on a 2-core CPU machine): every row at
 S = 1M in <= 0.3 s and <= 1 GiB peak RSS, at 4M <= 2 s, at 128K <= 20 ms. The "dense" row
 is the approach ringsplash avoids: evaluate the whole S x S causal mask and classify its
 blocks with numpy (32K only: it is O(S^2) in time and memory).
@@ -14,11 +14,12 @@ blocks with numpy (32K only: it is O(S^2) in time and memory).
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import child_main, fmt_tokens, md_table, peak_rss_mib, run_child
 
 BLOCK = (512, 512)
 MASKS = ("causal", "local", "chunked", "prefix", "causal_zigzag8")
@@ -35,10 +36,6 @@ SIZES = {"32K": 1 << 15, "128K": 1 << 17, "1M": 1 << 20, "4M": 1 << 22}
 TARGETS = {1 << 17: (0.020, None), 1 << 20: (0.300, 1024), 1 << 22: (2.0, None)}
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
 def run_row(name: str, seq_len: int, repeats: int) -> dict:
     """One row, in this (fresh) process."""
     import jax  # noqa: F401  (the RSS we report includes JAX, as in real use)
@@ -48,7 +45,7 @@ def run_row(name: str, seq_len: int, repeats: int) -> dict:
     from ringsplash import masks
 
     shape = (seq_len, seq_len)
-    rss_before = _peak_rss_mib()
+    rss_before = peak_rss_mib()
     times, entries = [], None
     if name == "dense":
         bq, bk = BLOCK
@@ -90,19 +87,18 @@ def run_row(name: str, seq_len: int, repeats: int) -> dict:
         "seq_len": seq_len,
         "seconds": statistics.median(times),
         "all_seconds": times,
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": peak_rss_mib(),
         "rss_after_import_mib": rss_before,
         "entries": entries,
     }
 
 
 def run_row_subprocess(name: str, seq_len: int, repeats: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
-    cmd = [sys.executable, __file__, "--row", name, str(seq_len), "--repeats", str(repeats)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        raise RuntimeError(f"row {name} S={seq_len} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_child([__file__, "--row", name, seq_len, "--repeats", repeats],
+                       env=dict(JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1"), label=f"row {name} S={seq_len}")
+    if isinstance(result, str):
+        raise RuntimeError(result)
+    return result
 
 
 def verdict(row: dict) -> tuple[str, str]:
@@ -118,10 +114,6 @@ def verdict(row: dict) -> tuple[str, str]:
     return text, "pass" if ok else "**FAIL**"
 
 
-def fmt_size(n: int) -> str:
-    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", nargs=2, metavar=("MASK", "SEQ_LEN"), help=argparse.SUPPRESS)
@@ -133,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.row:
-        print(json.dumps(run_row(args.row[0], int(args.row[1]), args.repeats)))
+        child_main(run_row)(args.row[0], int(args.row[1]), args.repeats)
         return
 
     rows = []
@@ -141,7 +133,7 @@ def main() -> None:
     if not args.no_dense:
         jobs.append(("dense", SIZES["32K"]))
     for i, (name, seq_len) in enumerate(jobs):
-        print(f"[{i + 1}/{len(jobs)}] {name} S={fmt_size(seq_len)}", file=sys.stderr, flush=True)
+        print(f"[{i + 1}/{len(jobs)}] {name} S={fmt_tokens(seq_len)}", file=sys.stderr, flush=True)
         rows.append(run_row_subprocess(name, seq_len, args.repeats))
     if args.json:
         with open(args.json, "w") as f:
@@ -150,13 +142,14 @@ def main() -> None:
 
     print(f"build_mask_info, blocks {BLOCK}, median of {args.repeats} (cache cleared each time); "
           f"peak RSS = whole process with JAX imported, one fresh process per row; {os.cpu_count()} CPUs\n")
-    print("| mask | S | build (s) | runs (s) | peak RSS (MiB) | RSS after import (MiB) | non-empty block pairs | target | result |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    table = []
     for r in rows:
         target, result = verdict(r)
         runs = " / ".join(f"{t:.3f}" for t in r["all_seconds"])
-        print(f"| {DESCRIPTIONS[r['name']]} | {fmt_size(r['seq_len'])} | {r['seconds']:.4f} | {runs} | "
-              f"{r['peak_rss_mib']:.0f} | {r['rss_after_import_mib']:.0f} | {r['entries']:,} | {target} | {result} |")
+        table.append([DESCRIPTIONS[r["name"]], fmt_tokens(r["seq_len"]), f"{r['seconds']:.4f}", runs,
+                      f"{r['peak_rss_mib']:.0f}", f"{r['rss_after_import_mib']:.0f}", f"{r['entries']:,}", target, result])
+    print(md_table(table, ["mask", "S", "build (s)", "runs (s)", "peak RSS (MiB)", "RSS after import (MiB)",
+                           "non-empty block pairs", "target", "result"]))
 
 
 if __name__ == "__main__":

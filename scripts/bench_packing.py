@@ -1,11 +1,11 @@
-"""Benchmark: segment-aware block skipping on packed documents (issue 13).
+"""Benchmark: segment-aware block skipping on packed documents.
 
 For causal attention over a sequence packed with documents (sorted segment ids), prints per
 (S, packing):
 
 * active blocks of the static MaskInfo work list vs the segment-refined one (per head, blocks
   512), and the exact number of block pairs holding a (query, key) pair of the same document
-  (computed independently, per document); ``refined == exact`` is the issue's target;
+  (computed independently, per document); ``refined == exact`` is the target;
 * the ideal FLOP ratio refined / static;
 * measured forward + backward time (``jit`` of ``vjp``; CPU, ``backend="xla"``, float32, 8
   heads, head_dim 128) with ``SplashConfig(segment_skipping=True)`` and ``False``, compiled
@@ -29,9 +29,13 @@ document: on <= 1.05x off; refined active blocks == exact.
 import argparse
 import os
 import statistics
+import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
+
+from _bench import fmt_tokens
 
 HEADS, HEAD_DIM, BLOCK = 8, 128, 512
 TPU_TARGET = "v5e:2x2"
@@ -146,13 +150,11 @@ def tpu_compile(seq_len: int) -> tuple[float, float]:
     """(compile seconds, temp MiB) of fwd + bwd Mosaic kernels with segment ids on v5e."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
 
     import ringsplash as rs
-    from ringsplash import masks
+    from ringsplash import aot, masks
 
-    dev = topologies.get_topology_desc(TPU_TARGET, "tpu").devices[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev)
+    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices(TPU_TARGET)[0])
     x = jax.ShapeDtypeStruct((HEADS, seq_len, HEAD_DIM), jnp.bfloat16, sharding=sharding)
     ids = jax.ShapeDtypeStruct((seq_len,), jnp.int32, sharding=sharding)
     mask = masks.CausalMask((seq_len, seq_len))
@@ -162,15 +164,9 @@ def tpu_compile(seq_len: int) -> tuple[float, float]:
         out = rs.splash_attention(q, k, v, mask, segment_ids=rs.SegmentIds(i, i), config=cfg)
         return jnp.vdot(out.astype(jnp.float32), w.astype(jnp.float32))
 
-    start = time.perf_counter()
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, x, ids).compile()
-    seconds = time.perf_counter() - start
-    assert "tpu_custom_call" in compiled.as_text()
-    return seconds, compiled.memory_analysis().temp_size_in_bytes / 2**20
-
-
-def fmt_len(n: int) -> str:
-    return f"{n // 1024}K"
+    report = aot.compile_report(jax.grad(loss, argnums=(0, 1, 2)), x, x, x, x, ids)
+    assert "tpu_custom_call" in report.hlo_text
+    return report.seconds, report.temp / 2**20
 
 
 def main():
@@ -202,7 +198,7 @@ def main():
         for name, ids in rows.items():
             static, refined, exact = counts(seq_len, ids)
             t = timed.get(name)
-            cells = [fmt_len(seq_len), name, str(static), str(refined), str(exact), f"{refined / static:.4f}"]
+            cells = [fmt_tokens(seq_len), name, str(static), str(refined), str(exact), f"{refined / static:.4f}"]
             if t:
                 cells += [f"{t['on']:.3f}", f"{t['off']:.3f}", f"{t['on'] / t['off']:.3f}"]
                 cells += [f"{t['cond']:.3f}"] if args.cond_skip else []
@@ -219,7 +215,7 @@ def main():
         print("|---|---|---|---|")
         for seq_len in (32768, 131072):
             seconds, temp = tpu_compile(seq_len)
-            print(f"| {TPU_TARGET} | {fmt_len(seq_len)} | {seconds:.1f} | {temp:.1f} |")
+            print(f"| {TPU_TARGET} | {fmt_tokens(seq_len)} | {seconds:.1f} | {temp:.1f} |")
         print("Compile only: not a TPU speed.")
 
 

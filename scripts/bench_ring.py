@@ -19,14 +19,12 @@ memory and a modelled step time.
    argument) compiles and fits the chip's HBM (args + out + temp + code - aliased), found by
    doubling then bisecting in multiples of 2N x 512; the same for single-device
    ``splash_attention``; per-device ring schedule bytes at S = 4M, N = 8; and the targets
-   table of issue 14. Each compile runs in a fresh subprocess.
+   table. Each compile runs in a fresh subprocess.
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,9 +34,11 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may hold libtpu
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 
-from ringsplash import build_mask_info, layouts, masks
+from _bench import child_main, peak_rss_mib, run_child
+from ringsplash import aot, build_mask_info, layouts, masks
 from ringsplash.splash.config import SplashConfig
 
 M = 1024 * 1024
@@ -56,6 +56,7 @@ def mask_of(kind: str, s: int):
     }[kind]()
 
 
+# TODO(merge): ring_work(plan) / critical_path(work) from parallel/ring_plan.py replace these two
 def pair_work(mask, s: int, n: int, layout: str, block: int) -> np.ndarray:
     """Non-empty blocks of each (q shard, kv shard) pair, int64 [N, N]."""
     perm = layouts.permutation(layout, s, n)
@@ -88,16 +89,17 @@ def table_balance(s=32 * K, block=512, ns=(4, 8, 16)):
 # host metadata: one fresh process per size
 
 
-def _metadata_child(s: int, n: int, runs: int) -> None:
-    import resource
+@child_main
+def _metadata_child(s: int, n: int, runs: int) -> dict:
     import tracemalloc
 
+    # TODO(merge): ring_plan.cache_clear() (parallel/ring_plan.py) replaces the private _ring_plan
     from ringsplash.parallel.ring import _ring_plan, ring_plan, ring_schedule
 
     config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="auto")
     mask = masks.CausalMask((s, s))
     layouts.permutation("zigzag", s, n)  # the layout itself is not metadata
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = int(peak_rss_mib() * 2**20)
     times = []
     for _ in range(runs):
         build_mask_info.cache_clear()
@@ -107,7 +109,7 @@ def _metadata_child(s: int, n: int, runs: int) -> None:
         # the per-device schedule in SMEM-sized pieces (v5e budget), as the ring runs it
         sched = ring_schedule(mask, n, "zigzag", config, heads=8, kv_heads=8, device_kind="TPU v5 lite")
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = int(peak_rss_mib() * 2**20)
     build_mask_info.cache_clear()
     _ring_plan.cache_clear()
     del plan
@@ -118,9 +120,9 @@ def _metadata_child(s: int, n: int, runs: int) -> None:
     nbytes = sum(a.nbytes for info in (plan.info, plan.info_dkv)
                  for a in (info.q_block, info.kv_block, info.kind, info.partial_index, info.num_active,
                            info.partial_mask_blocks))
-    print(json.dumps(dict(median=statistics.median(times), min=min(times), rss=peak, base=base, traced=traced, nbytes=nbytes,
-                          max_steps=plan.info.max_steps, sched_device=sched.nbytes_per_device,
-                          pieces=len(sched.fwd_pieces), pieces_dkv=len(sched.dkv_pieces))))
+    return dict(median=statistics.median(times), min=min(times), rss=peak, base=base, traced=traced, nbytes=nbytes,
+                max_steps=plan.info.max_steps, sched_device=sched.nbytes_per_device,
+                pieces=len(sched.fwd_pieces), pieces_dkv=len(sched.dkv_pieces))
 
 
 def table_metadata(sizes, n=8, runs=5):
@@ -142,7 +144,9 @@ def table_metadata(sizes, n=8, runs=5):
 # per process: a multi-host slice builds only its own devices' rows
 
 
-def _rows_child(s: int, n: int, runs: int) -> None:
+@child_main
+def _rows_child(s: int, n: int, runs: int) -> dict:
+    # TODO(merge): the process-rows schedule and the plan caches have no public name yet
     from ringsplash.parallel import ring
 
     config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="auto")
@@ -168,15 +172,13 @@ def _rows_child(s: int, n: int, runs: int) -> None:
             fn()
             times.append((time.perf_counter() - t0, time.process_time() - c0))
         out[name] = times
-    print(json.dumps(out))
+    return out
 
 
 def table_rows(s=4096 * K, n=8, runs=3):
     print(f"\n### Host metadata per process: ring_schedule at S = {s // K}K, N = {n} (causal, zigzag, blocks 512, "
           f"8 heads, forward + dK/dV views, SMEM pieces at the v5e budget), cold caches, {runs} runs\n")
-    r = subprocess.run([sys.executable, __file__, "--rows-child", str(s), str(n), str(runs)],
-                       capture_output=True, text=True, check=True)
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = _child(["--rows-child", s, n, runs])
     print("| what one process builds | min (s) | median (s) | runs (s) | median CPU (s, both threads) |")
     print("|---|---:|---:|---|---:|")
     for name, runs_ in res.items():
@@ -187,9 +189,15 @@ def table_rows(s=4096 * K, n=8, runs=3):
 
 
 def _metadata(s: int, n: int, runs: int) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--metadata-child", str(s), str(n), str(runs)],
-                       capture_output=True, text=True, check=True)
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return _child(["--metadata-child", s, n, runs])
+
+
+def _child(args) -> dict:
+    """This script's child ``args`` in a fresh process; its result, or an error if it failed."""
+    r = run_child([__file__, *args], label="child")
+    if isinstance(r, str):
+        raise RuntimeError(f"{' '.join(map(str, args))}: {r}")
+    return r
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,11 +207,9 @@ def _metadata(s: int, n: int, runs: int) -> dict:
 def table_tpu_memory(cases):
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ringsplash.parallel.ring import ring_attention_sharded
+    from ringsplash import ring_attention_sharded
 
     heads, d = 8, 128
     print("\n### Compiled per-device TPU memory, forward + backward (libtpu AOT from CPU; bf16, 8 heads, d = 128, "
@@ -211,10 +217,8 @@ def table_tpu_memory(cases):
     print("| topology | N | S | temp (MiB) | args (MiB) | temp / local q | compile (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for topology, s in cases:
-        topo = topologies.get_topology_desc(topology, "tpu")
-        devs = np.asarray(topo.devices)
-        n = devs.size
-        mesh = Mesh(devs.reshape(n), ("ctx",))
+        mesh = aot.topology_mesh(topology, ("ctx",))
+        n = mesh.size
         mask = masks.CausalMask((s, s))
 
         def fwd_bwd(q, k, v, do):
@@ -223,13 +227,11 @@ def table_tpu_memory(cases):
             out, vjp = jax.vjp(fn, q, k, v)
             return out, vjp(do)
 
-        spec = jax.ShapeDtypeStruct((heads, s, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ctx")))
-        t0 = time.perf_counter()
-        mem = jax.jit(fwd_bwd).lower(spec, spec, spec, spec).compile().memory_analysis()
-        dt = time.perf_counter() - t0
+        spec = aot.abstract((heads, s, d), jnp.bfloat16, mesh, P(None, "ctx"))
+        mem = aot.compile_report(fwd_bwd, spec, spec, spec, spec)
         local_q = heads * (s // n) * d * 2
-        print(f"| {topology} | {n} | {s // K}K | {mem.temp_size_in_bytes / 2**20:.0f} | "
-              f"{mem.argument_size_in_bytes / 2**20:.0f} | {mem.temp_size_in_bytes / local_q:.1f} | {dt:.1f} |")
+        print(f"| {topology} | {n} | {s // K}K | {mem.temp / 2**20:.0f} | "
+              f"{mem.args / 2**20:.0f} | {mem.temp / local_q:.1f} | {mem.seconds:.1f} |")
 
 
 # ----------------------------------------------------------------------------------------
@@ -258,24 +260,20 @@ def table_model(s=32 * K, block=512, heads=8, d=128, ns=(4, 8, 16)):
 # memory model: largest S that compiles and fits (one subprocess per compile)
 
 
-def _compile_child(kind: str, topology: str, s: int) -> None:
-    """Compile ring (``kind="ring"``) or single-device splash (``"splash"``) fwd + bwd at S = s
-    and print its per-device memory as JSON (``ok`` false with the error's first line)."""
+@child_main
+def _compile_child(kind: str, topology: str, s: int) -> dict:
+    """Compile ring (``kind="ring"``) or single-device splash (``"splash"``) fwd + bwd at S = s;
+    its per-device memory (``ok`` false with the error's first line)."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental import topologies
-    from jax.experimental.pallas import tpu as pltpu
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     from ringsplash import ring_attention_sharded, ring_schedule, splash_attention
-    from ringsplash.splash.work_pieces import _DEVICE_KINDS
 
     heads, d = 8, 128
-    topo = topologies.get_topology_desc(topology, "tpu")
-    devs = np.asarray(topo.devices)
-    kind_name = devs.flat[0].device_kind
-    hbm = pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(_DEVICE_KINDS[kind_name]), 1).hbm_capacity_bytes
+    devs = aot.topology_devices(topology)
+    hbm = aot.chip(topology).hbm_bytes
     mask = masks.CausalMask((s, s))
     config = SplashConfig(backend="mosaic_tpu")
     t0 = time.perf_counter()
@@ -283,7 +281,7 @@ def _compile_child(kind: str, topology: str, s: int) -> None:
     try:
         if kind == "ring":
             n = devs.size
-            mesh = Mesh(devs.reshape(n), ("ctx",))
+            mesh = aot.topology_mesh(topology, ("ctx",))
             sched = ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=heads, mesh=mesh, axis_name="ctx",
                                   shapes_only=True)
             sched_bytes = sum(int(np.prod(x.shape)) // n * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(sched))
@@ -294,27 +292,23 @@ def _compile_child(kind: str, topology: str, s: int) -> None:
                 out, vjp = jax.vjp(fn, q, k, v)
                 return out, vjp(do)
 
-            spec = jax.ShapeDtypeStruct((heads, s, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ctx")))
-            lowered = jax.jit(fwd_bwd).lower(spec, spec, spec, spec, sched)
+            spec = aot.abstract((heads, s, d), jnp.bfloat16, mesh, P(None, "ctx"))
+            mem = aot.compile_report(fwd_bwd, spec, spec, spec, spec, sched)
         else:
-            mesh = Mesh(devs.reshape(-1)[:1], ("x",))
+            mesh = Mesh(devs[:1], ("x",))
 
             def fwd_bwd(q, k, v, do):
                 out, vjp = jax.vjp(lambda q, k, v: splash_attention(q, k, v, mask, config=config), q, k, v)
                 return out, vjp(do)
 
-            spec = jax.ShapeDtypeStruct((heads, s, d), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
-            lowered = jax.jit(fwd_bwd).lower(spec, spec, spec, spec)
-        mem = lowered.compile().memory_analysis()
+            spec = aot.abstract((heads, s, d), jnp.bfloat16, mesh, P())
+            mem = aot.compile_report(fwd_bwd, spec, spec, spec, spec)
     except Exception as e:  # a failed compile is a result here
         msg = next((line for line in str(e).splitlines() if "memory" in line.lower()), str(e).splitlines()[0])
-        print(json.dumps(dict(ok=False, error=msg[:200], seconds=time.perf_counter() - t0)))
-        return
-    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-             + mem.generated_code_size_in_bytes - mem.alias_size_in_bytes)
-    print(json.dumps(dict(ok=total <= hbm, fits=total <= hbm, temp=mem.temp_size_in_bytes,
-                          args=mem.argument_size_in_bytes, out=mem.output_size_in_bytes, total=total, hbm=hbm,
-                          sched=sched_bytes, seconds=time.perf_counter() - t0)))
+        return dict(ok=False, error=msg[:200], seconds=time.perf_counter() - t0)
+    total = mem.total  # args + out + temp + code - aliased
+    return dict(ok=total <= hbm, fits=total <= hbm, temp=mem.temp, args=mem.args, out=mem.out, total=total, hbm=hbm,
+                sched=sched_bytes, seconds=time.perf_counter() - t0)
 
 
 _COMPILED: dict = {}
@@ -329,12 +323,8 @@ def _compile(kind: str, topology: str, s: int) -> dict:
 
 
 def _compile_process(kind: str, topology: str, s: int) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--compile-child", kind, topology, str(s)],
-                       capture_output=True, text=True)
-    lines = [line for line in r.stdout.strip().splitlines() if line.startswith("{")]
-    if not lines:
-        return dict(ok=False, error=(r.stderr.strip().splitlines() or ["crashed"])[-1][:200], seconds=0.0)
-    return json.loads(lines[-1])
+    r = run_child([__file__, "--compile-child", kind, topology, s])
+    return r if isinstance(r, dict) else dict(ok=False, error=r, seconds=0.0)
 
 
 def max_context(kind: str, topology: str, start: int, granularity: int, *, rel_tol: float = 0.25,
@@ -378,7 +368,7 @@ def _gib(x) -> str:
 
 
 def table_memory_model(metadata_4m: dict | None, *, rel_tol: float = 0.25):
-    """The issue-14 targets (fixed sizes first, each row printed as soon as it is compiled), then
+    """The targets (fixed sizes first, each row printed as soon as it is compiled), then
     the max-context searches, then the targets table."""
     print("\n### Memory model (causal zigzag ring / single-device splash, fwd + bwd, 8 heads, d = 128, bf16, "
           "blocks 512; libtpu AOT from CPU; fits = args + out + temp + code - aliased <= HBM)\n")
@@ -405,7 +395,7 @@ def table_memory_model(metadata_4m: dict | None, *, rel_tol: float = 0.25):
         print(f"| {kind} fwd+bwd | {where} | {n} | {s:,} | {sizes} | {tries} |")
     found = {topology: s for kind, topology, n, s, mem, tried in rows if kind == "ring"}
     today = 512 * K  # largest ring S compiling on main on v5e:2x2 (1M hit the SMEM wall)
-    print("\n### Targets (issue 14)\n")
+    print("\n### Targets\n")
     print("| what | topology | target | measured | met |")
     print("|---|---|---|---|---|")
     for (kind, topology, s), r in fixed.items():
@@ -433,7 +423,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="skip the 4M metadata size and the 16K compiles")
     p.add_argument("--skip-compile", action="store_true", help="skip the libtpu compiles")
     p.add_argument("--max-context", action="store_true",
-                   help="only the memory model: max S that compiles and fits, and the issue-14 targets")
+                   help="only the memory model: max S that compiles and fits, and the targets")
     p.add_argument("--rel-tol", type=float, default=0.25, help="bisection stops when hi / lo <= 1 + rel_tol")
     p.add_argument("--rows", action="store_true", help="only the per-process host metadata table (S = 4M, N = 8)")
     p.add_argument("--metadata-child", nargs=3, type=int, help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""Benchmark: the Pallas Splash kernels (issue 4, "scripts/bench_splash.py").
+"""Benchmark: the Pallas Splash kernels.
 
 For S in {8K, 32K, 128K} x {causal, local window 4096, chunked causal 8192}, 8 heads,
 head_dim 128, bfloat16, blocks 512 x 512 (forward, dq and dK/dV), this prints markdown tables:
@@ -8,7 +8,7 @@ head_dim 128, bfloat16, blocks 512 x 512 (forward, dq and dK/dV), this prints ma
 2. scalar-prefetch (SMEM) work-list bytes per Pallas kernel (forward, dq, dK/dV), per device;
 3. compiled TPU temporary memory of the forward and of forward+backward (``jit(grad)``) for
    v5e and v6e (one device of ``get_topology_desc("v5e:2x2" / "v6e:2x2", "tpu")``, compiled
-   from this CPU machine through libtpu), compile times, and pass/fail against the issue's
+   from this CPU machine through libtpu), compile times, and pass/fail against the
    limit 2 x |q| float32; compile errors are printed verbatim, not hidden;
 4. Pallas *interpreter* time on CPU (``backend="interpret"``) of the forward at S = 8K,
    causal: interpreter time, never a TPU speed;
@@ -44,10 +44,9 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 
 import ringsplash as rs  # noqa: E402
-from ringsplash import masks  # noqa: E402
+from ringsplash import aot, masks  # noqa: E402
 
 SIZES = {"8K": 8192, "32K": 32768, "128K": 131072}
 MASKS = {
@@ -161,21 +160,15 @@ def print_prefetch(rows):
 # 3. TPU compiles
 
 
-@functools.cache
-def _tpu_device(target: str):
-    return topologies.get_topology_desc(target, "tpu").devices[0]
-
-
 def compile_row(target: str, s: int, mask) -> dict:
     attn, grad = _functions(mask, _config())
-    sharding = jax.sharding.SingleDeviceSharding(_tpu_device(target))
+    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices(target)[0])
     q = jax.ShapeDtypeStruct((HEADS, s, HEAD_DIM), jnp.bfloat16, sharding=sharding)
     row = dict(limit=2 * HEADS * s * HEAD_DIM * 4)
     for key, fn, args in (("fwd", attn, (q, q, q)), ("bwd", grad, (q, q, q, q))):
         t0 = time.perf_counter()
         try:
-            compiled = jax.jit(fn).lower(*args).compile()
-            row[key] = compiled.memory_analysis().temp_size_in_bytes
+            row[key] = aot.compile_report(fn, *args).temp
         except Exception as exc:
             row[key] = None
             row[key + "_error"] = _fmt_err(exc)
@@ -185,7 +178,7 @@ def compile_row(target: str, s: int, mask) -> dict:
 
 def print_compile(rows, failures):
     print("### 3. Compiled TPU temporary memory (one device; bf16, 8 heads, d=128, blocks 512)\n")
-    print("Limit: 2 x |q| in float32 (issue 4) applied to forward+backward. Compile times "
+    print("Limit: 2 x |q| in float32 applied to forward+backward. Compile times "
           "include lowering; compiled from this CPU through libtpu. Temp = HBM temporaries from "
           "`compiled.memory_analysis().temp_size_in_bytes`; buffers that XLA's memory-space assignment "
           "places in VMEM (at 8K it moves the residuals and copies of q, k, v, d_out there) are not "

@@ -12,25 +12,22 @@ includes the Python + JAX baseline and the inputs); ``process`` is the peak afte
     python scripts/bench_splash_xla.py                 # 4K and 8K with dense, 32K ours only
     python scripts/bench_splash_xla.py --rows 4096:causal --repeats 5
 
-Targets (issue 4, item 5): causal <= 0.75x dense, local window 1024 <= 0.35x dense at 4K and
+Targets: causal <= 0.75x dense, local window 1024 <= 0.35x dense at 4K and
 8K; at 32K, where dense does not fit in memory, ours still runs.
 """
 
 import argparse
-import json
 import os
-import resource
-import subprocess
+import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench import child_main, peak_rss_mib, run_child
 
 DEFAULT_ROWS = ("4096:causal", "4096:local", "8192:causal", "8192:local", "32768:causal", "32768:local")
 NO_DENSE_FROM = 32768  # dense needs heads * S^2 * 4 B = 32 GiB per score array at 32K
 HEADS, HEAD_DIM, WINDOW = 8, 128, 1024
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def run_row(seq_len: int, mask_name: str, repeats: int, block_q: int, block_kv: int, dense: bool) -> dict:
@@ -79,7 +76,7 @@ def run_row(seq_len: int, mask_name: str, repeats: int, block_q: int, block_kv: 
 
     ours, ours_compile = compile_(ours_loss)
     ours_times = [timed(ours)]
-    rss_ours = _peak_rss_mib()
+    rss_ours = peak_rss_mib()
     dense_times, dense_compile = [], None
     if dense:
         dense_fn, dense_compile = compile_(dense_loss)
@@ -88,13 +85,13 @@ def run_row(seq_len: int, mask_name: str, repeats: int, block_q: int, block_kv: 
         ours_times.append(timed(ours))
         if dense:
             dense_times.append(timed(dense_fn))
-    median = lambda xs: sorted(xs)[len(xs) // 2] if len(xs) % 2 else sum(sorted(xs)[len(xs) // 2 - 1 : len(xs) // 2 + 1]) / 2
+    median = statistics.median
     return dict(
         S=seq_len, mask=mask_name if mask_name == "causal" else f"local {WINDOW}",
         blocks=f"{block_q}x{block_kv}", active=f"{active}/{total}", repeats=repeats,
         ours_s=median(ours_times), dense_s=median(dense_times) if dense else None,
         ours_compile_s=ours_compile, dense_compile_s=dense_compile,
-        rss_ours_mib=rss_ours, rss_process_mib=_peak_rss_mib(),
+        rss_ours_mib=rss_ours, rss_process_mib=peak_rss_mib(),
     )
 
 
@@ -112,10 +109,9 @@ def main() -> None:
         s, mask_name = args.worker.split(":")
         s = int(s)
         reps = args.repeats if s < NO_DENSE_FROM else args.repeats_large
-        print(json.dumps(run_row(s, mask_name, reps, args.block_q, args.block_kv, dense=s < NO_DENSE_FROM)))
+        child_main(run_row)(s, mask_name, reps, args.block_q, args.block_kv, dense=s < NO_DENSE_FROM)
         return
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     print(f"Splash backend='xla' vs jax.nn.dot_product_attention (XLA, dense) on this CPU "
           f"({os.cpu_count()} cores): fwd+bwd, float32, heads={HEADS}, d={HEAD_DIM}; "
           f"median of runs, timed alternately in one process per row.")
@@ -124,15 +120,12 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for row in args.rows:
-        cmd = [sys.executable, __file__, "--worker", row, "--repeats", str(args.repeats),
-               "--repeats-large", str(args.repeats_large), "--block-q", str(args.block_q),
-               "--block-kv", str(args.block_kv)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-        if proc.returncode or not lines:
-            print(f"{row}: failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+        r = run_child([__file__, "--worker", row, "--repeats", args.repeats, "--repeats-large", args.repeats_large,
+                       "--block-q", args.block_q, "--block-kv", args.block_kv], env=dict(JAX_PLATFORMS="cpu"),
+                      label="worker")
+        if isinstance(r, str):
+            print(f"{row}: {r}")
             continue
-        r = json.loads(lines[-1])
         target = 0.75 if r["mask"] == "causal" else 0.35
         if r["dense_s"] is None:
             dense, ratio, tgt = "n/a", "-", "runs"

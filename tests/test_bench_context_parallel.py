@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,9 +62,9 @@ def test_cached_timeout_is_retried_only_under_a_longer_timeout(tmp_path, monkeyp
 
     def run(cmd, **kw):
         calls.append(cmd[-4:])
-        raise bench.subprocess.TimeoutExpired(cmd, kw["timeout"])
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
 
-    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "run", run)
     assert bench.compile_row("ulysses", 8, 8, 8, 1500, str(cache)).endswith("after 1500 s on this CPU host")
     assert bench.compile_row("ring", 8, 8, 1, 9999, str(cache)) == "compile failed: x"
     assert not calls

@@ -6,20 +6,17 @@ that cannot fit (checked at lowering, before Mosaic's own out-of-memory error).
 Small S (bf16, GQA 8:2) keeps each compile short; the kernels' block shapes do not depend on S.
 """
 
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from head_dims import head_dim_params
-from ringsplash import masks
+from ringsplash import aot, masks
 from ringsplash.splash.vmem import ForwardVmem
 
 pytestmark = pytest.mark.tpu_compile
@@ -28,9 +25,8 @@ HEADS, KV_HEADS = 8, 2
 MOSAIC = rs.SplashConfig(backend="mosaic_tpu")
 
 
-@functools.cache
-def topology(target: str):
-    return topologies.get_topology_desc(target, "tpu")
+def device(target: str):
+    return aot.topology_devices(target)[0]
 
 
 def specs(sharding, s, d, dv, dtype=jnp.bfloat16):
@@ -62,10 +58,10 @@ def kernel_lines(text: str) -> dict[str, str]:
 def test_splash_head_dims_compile_for_v5e(dims):
     s = 2048
     mask = masks.CausalMask((s, s))
-    sharding = jax.sharding.SingleDeviceSharding(topology("v5e:2x2").devices[0])
+    sharding = jax.sharding.SingleDeviceSharding(device("v5e:2x2"))
     fn = lambda q, k, v: rs.splash_attention(q, k, v, mask, config=MOSAIC)
-    compiled = fwd_bwd(fn).lower(*specs(sharding, s, dims.d, dims.dv)).compile()
-    kernels = kernel_lines(compiled.as_text())
+    compiled = aot.compile_report(fwd_bwd(fn), *specs(sharding, s, dims.d, dims.dv))
+    kernels = kernel_lines(compiled.hlo_text)
     assert kernels.keys() == {"splash_forward", "splash_dq", "splash_dkv"}, kernels.keys()  # Mosaic, no fallback
     d, dv = dims
     outputs = {name: re.findall(r"(\w+)\[([\d,]+)\]", line.split(" custom-call(")[0]) for name, line in kernels.items()}
@@ -78,15 +74,13 @@ def test_splash_head_dims_compile_for_v5e(dims):
 def test_ring_head_dims_compile_for_v5e(dims):
     """V and dV travel around the ring with their own head size (4 chips, zigzag, S = 4096)."""
     s = 4096
-    devices = np.asarray(topology("v5e:2x2").devices)
-    mesh = Mesh(devices.reshape(devices.size), ("ctx",))
+    mesh = aot.topology_mesh("v5e:2x2", ("ctx",))
     mask = masks.CausalMask((s, s))
     fn = lambda q, k, v: rs.ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx", layout="zigzag",
                                                    config=MOSAIC)
-    compiled = fwd_bwd(fn).lower(*specs(NamedSharding(mesh, P(None, "ctx")), s, dims.d, dims.dv)).compile()
-    text = compiled.as_text()
+    text = aot.compile_report(fwd_bwd(fn), *specs(NamedSharding(mesh, P(None, "ctx")), s, dims.d, dims.dv)).hlo_text
     assert "tpu_custom_call" in text and "collective-permute" in text
-    out_shape = f"bf16[{HEADS},{s // devices.size},{dims.dv}]"  # the per-device output has v's head size
+    out_shape = f"bf16[{HEADS},{s // mesh.size},{dims.dv}]"  # the per-device output has v's head size
     assert out_shape in text, out_shape
 
 
@@ -109,7 +103,7 @@ def test_head_dim_too_large_for_v5e_vmem_names_block_head_dim_and_chip():
     mask = masks.CausalMask((s, s))
     fn = jax.jit(lambda q, k, v: rs.splash_attention(q, k, v, mask, config=MOSAIC))
     for target in ("v5e:2x2", "v6e:2x2"):
-        sharding = jax.sharding.SingleDeviceSharding(topology(target).devices[0])
+        sharding = jax.sharding.SingleDeviceSharding(device(target))
         q, k, v, _ = specs(sharding, s, d, d, jnp.float32)
         if target == "v6e:2x2":  # 19 MiB fit v6e's 32 MiB: lowers (and, measured, compiles)
             fn.lower(q, k, v)
@@ -127,8 +121,7 @@ def test_head_dim_too_large_for_v5e_vmem_names_block_head_dim_and_chip():
 
 def test_ring_head_dim_too_large_for_v5e_vmem_is_rejected():
     s, d = 8192, 1536
-    devices = np.asarray(topology("v5e:2x2").devices)
-    mesh = Mesh(devices.reshape(devices.size), ("ctx",))
+    mesh = aot.topology_mesh("v5e:2x2", ("ctx",))
     mask = masks.CausalMask((s, s))
     fn = lambda q, k, v: rs.ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx", layout="zigzag",
                                                    config=MOSAIC)

@@ -295,6 +295,7 @@ def test_return_max_logits_must_be_a_bool(fn):
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("cap", [None, 30.0], ids=["no_cap", "soft_cap"])
 def test_splash_forward_with_max_logits_compiles_for_v5e_within_heads_x_q_blocks(cap):
+    from ringsplash import aot
     from test_splash_tpu_compile import spec
 
     target, heads, s, block = "v5e:2x2", 8, 8192, 512
@@ -305,12 +306,12 @@ def test_splash_forward_with_max_logits_compiles_for_v5e_within_heads_x_q_blocks
     def compile_fwd(flag):
         fn = lambda q, k, v: rs.splash_attention(q, k, v, mask, logit_soft_cap=cap, config=config,
                                                  return_max_logits=flag)
-        return jax.jit(fn).lower(spec(target, heads), spec(target, 2), spec(target, 2)).compile()
+        return aot.compile_report(fn, spec(target, heads), spec(target, 2), spec(target, 2))
 
     plain, with_max = compile_fwd(False), compile_fwd(True)
-    assert "tpu_custom_call" in with_max.as_text()
-    extra_temp = with_max.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
-    extra_out = with_max.memory_analysis().output_size_in_bytes - plain.memory_analysis().output_size_in_bytes
+    assert "tpu_custom_call" in with_max.hlo_text
+    extra_temp = with_max.temp - plain.temp
+    extra_out = with_max.out - plain.out
     budget = heads * (s // block) * 128 * 4  # the kernel's [heads, 1, q_blocks * 128] float32 rows
     print(f"extra temp {extra_temp} B, extra output {extra_out} B, budget {budget} B")
     # measured (no cap and soft-cap): extra temp 0 B; extra output 1024 B (f32[8] in its padded TPU layout)

@@ -15,14 +15,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from ringsplash import masks
+from ringsplash import aot, masks
 from ringsplash.splash.config import SplashConfig
 from test_ring_tpu_compile import parse_hlo, permute_windows
 
@@ -34,16 +31,15 @@ TOPOLOGY, N = "v5p:2x2x2", 8
 
 @functools.cache
 def compiled(name: str):
-    devices = np.asarray(topologies.get_topology_desc(TOPOLOGY, "tpu").devices).reshape(-1)
     mask = masks.CausalMask((S, S))
     config = SplashConfig(backend="mosaic_tpu")
     if name == "usp":
-        mesh = Mesh(devices.reshape(4, 2), ("ring", "ulysses"))
+        mesh = aot.topology_mesh(TOPOLOGY, ("ring", "ulysses"), (4, 2))
         seq = P(None, ("ring", "ulysses"))
         fn = functools.partial(rs.usp_attention_sharded, mask=mask, mesh=mesh, ulysses_axis="ulysses",
                                ring_axis="ring", layout="zigzag", config=config)
     else:
-        mesh, seq = Mesh(devices, ("ctx",)), P(None, "ctx")
+        mesh, seq = aot.topology_mesh(TOPOLOGY, ("ctx",)), P(None, "ctx")
         sharded = {"allgather": rs.allgather_attention_sharded, "ulysses": rs.ulysses_attention_sharded}[name]
         fn = functools.partial(sharded, mask=mask, mesh=mesh, axis_name="ctx", layout="zigzag", config=config)
 
@@ -51,9 +47,9 @@ def compiled(name: str):
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
 
-    spec = lambda h: jax.ShapeDtypeStruct((h, S, D), jnp.bfloat16, sharding=NamedSharding(mesh, seq))
-    c = jax.jit(fwd_bwd).lower(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), spec(HEADS)).compile()
-    return c.as_text(), c.memory_analysis()
+    spec = lambda h: aot.abstract((h, S, D), jnp.bfloat16, mesh, seq)
+    report = aot.compile_report(fwd_bwd, spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), spec(HEADS))
+    return report.hlo_text, report
 
 
 def ops(text: str) -> dict[str, int]:
@@ -77,8 +73,8 @@ def test_allgather_tpu_compile_gathers_kv_and_reduce_scatters_grads():
     assert counts["all-to-all"] == 0 and counts["collective-permute"] == 0, counts
     assert kernels(text) == {"splash_forward": 1, "splash_dq": 1, "splash_dkv": 1}, kernels(text)
     # the gathered K, V (kv_heads x S x d each, = the local q size here) and float32 dK, dV of S
-    print(f"allgather temp {mem.temp_size_in_bytes / 2**20:.0f} MiB = {mem.temp_size_in_bytes / LOCAL_Q:.1f} x local q")
-    assert mem.temp_size_in_bytes <= 16 * LOCAL_Q
+    print(f"allgather temp {mem.temp / 2**20:.0f} MiB = {mem.temp / LOCAL_Q:.1f} x local q")
+    assert mem.temp <= 16 * LOCAL_Q
 
 
 def test_ulysses_tpu_compile_uses_all_to_all():
@@ -87,8 +83,8 @@ def test_ulysses_tpu_compile_uses_all_to_all():
     assert counts["all-to-all"] >= 4, counts  # q, k, v, out forward; their transposes backward
     assert counts["collective-permute"] == 0 and counts["reduce-scatter"] == 0, counts
     assert kernels(text) == {"splash_forward": 1, "splash_dq": 1, "splash_dkv": 1}, kernels(text)
-    print(f"ulysses temp {mem.temp_size_in_bytes / 2**20:.0f} MiB = {mem.temp_size_in_bytes / LOCAL_Q:.1f} x local q")
-    assert mem.temp_size_in_bytes <= 24 * LOCAL_Q
+    print(f"ulysses temp {mem.temp / 2**20:.0f} MiB = {mem.temp / LOCAL_Q:.1f} x local q")
+    assert mem.temp <= 24 * LOCAL_Q
 
 
 def test_usp_tpu_compile_overlaps_every_ring_transfer_with_a_kernel():
@@ -113,5 +109,5 @@ def test_usp_tpu_compile_overlaps_every_ring_transfer_with_a_kernel():
     assert all("all-to-all" in ops_between(*b) for b in bare), bare
     # the inner ring of 4: forward (loop, last), dq and dK/dV (first, loop, last)
     assert kernels(text) == {"splash_forward": 2, "splash_dq": 3, "splash_dkv": 3}, kernels(text)
-    print(f"usp temp {mem.temp_size_in_bytes / 2**20:.0f} MiB = {mem.temp_size_in_bytes / LOCAL_Q:.1f} x local q")
-    assert mem.temp_size_in_bytes <= 24 * LOCAL_Q
+    print(f"usp temp {mem.temp / 2**20:.0f} MiB = {mem.temp / LOCAL_Q:.1f} x local q")
+    assert mem.temp <= 24 * LOCAL_Q

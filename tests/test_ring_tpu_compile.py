@@ -15,13 +15,10 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import masks
+from ringsplash import aot, masks
 from ringsplash.parallel.ring import ring_attention_sharded
 from ringsplash.splash.config import SplashConfig
 
@@ -36,9 +33,7 @@ TEMP_LIMIT_IN_LOCAL_Q = 24
 
 @functools.cache
 def compiled_ring(topology: str, layout: str = "zigzag"):
-    topo = topologies.get_topology_desc(topology, "tpu")
-    devices = np.asarray(topo.devices)
-    mesh = Mesh(devices.reshape(devices.size), ("ctx",))
+    mesh = aot.topology_mesh(topology, ("ctx",))
     mask = masks.CausalMask((S, S))
     config = SplashConfig(backend="mosaic_tpu")
 
@@ -48,9 +43,9 @@ def compiled_ring(topology: str, layout: str = "zigzag"):
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
 
-    spec = jax.ShapeDtypeStruct((HEADS, S, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ctx")))
-    compiled = jax.jit(fwd_bwd).lower(spec, spec, spec, spec).compile()
-    return devices.size, compiled.as_text(), compiled.memory_analysis()
+    spec = aot.abstract((HEADS, S, D), jnp.bfloat16, mesh, P(None, "ctx"))
+    report = aot.compile_report(fwd_bwd, spec, spec, spec, spec)
+    return mesh.size, report.hlo_text, report
 
 
 # ----------------------------------------------------------------------------------------
@@ -209,7 +204,7 @@ def test_ring_tpu_compile_overlaps_every_transfer_with_a_kernel(topology, layout
 def test_ring_tpu_compile_temp_memory_is_per_shard(topology, record_property):
     n, _, mem = compiled_ring(topology)
     local_q = HEADS * (S // n) * D * 2  # bf16 bytes of one device's q shard
-    record_property("temp_bytes_per_device", mem.temp_size_in_bytes)
-    print(f"{topology}: temp {mem.temp_size_in_bytes / 2**20:.0f} MiB per device "
-          f"= {mem.temp_size_in_bytes / local_q:.1f} x local q ({local_q / 2**20:.0f} MiB)")
-    assert mem.temp_size_in_bytes <= TEMP_LIMIT_IN_LOCAL_Q * local_q
+    record_property("temp_bytes_per_device", mem.temp)
+    print(f"{topology}: temp {mem.temp / 2**20:.0f} MiB per device "
+          f"= {mem.temp / local_q:.1f} x local q ({local_q / 2**20:.0f} MiB)")
+    assert mem.temp <= TEMP_LIMIT_IN_LOCAL_Q * local_q

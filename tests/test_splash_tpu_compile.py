@@ -9,19 +9,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental import topologies
 
 import ringsplash as rs
-from ringsplash import masks
+from ringsplash import aot, masks
 
 pytestmark = pytest.mark.tpu_compile
 
 S, HEADS, D = 8192, 8, 128
 
 
-@functools.cache
 def device(target: str):
-    return topologies.get_topology_desc(target, "tpu").devices[0]
+    return aot.topology_devices(target)[0]
 
 
 def spec(target, heads, dtype=jnp.bfloat16):
@@ -38,10 +36,9 @@ def compile_fwd_bwd(target, mask, kv_heads, config, remat=False):
         _, vjp = jax.vjp(attn, q, k, v)
         return vjp(d_out)
 
-    fwd = jax.jit(attn).lower(spec(target, HEADS), spec(target, kv_heads), spec(target, kv_heads)).compile()
-    bwd = jax.jit(bwd).lower(
-        spec(target, HEADS), spec(target, kv_heads), spec(target, kv_heads), spec(target, HEADS)
-    ).compile()
+    fwd = aot.compile_report(attn, spec(target, HEADS), spec(target, kv_heads), spec(target, kv_heads))
+    bwd = aot.compile_report(bwd, spec(target, HEADS), spec(target, kv_heads), spec(target, kv_heads),
+                             spec(target, HEADS))
     return fwd, bwd
 
 
@@ -58,18 +55,18 @@ def test_splash_compiles_for_tpu_within_memory_budget(target, case):
     mask, kv_heads = CASES[case]
     fwd, bwd = compile_fwd_bwd(target, mask, kv_heads, rs.SplashConfig(backend="mosaic_tpu"))
     for compiled in (fwd, bwd):
-        assert "tpu_custom_call" in compiled.as_text()  # the Mosaic kernels, not a fallback
+        assert "tpu_custom_call" in compiled.hlo_text  # the Mosaic kernels, not a fallback
     q_f32_bytes = HEADS * S * D * 4
-    temp = bwd.memory_analysis().temp_size_in_bytes
+    temp = bwd.temp
     assert temp <= 2 * q_f32_bytes, f"backward temp {temp / 2**20:.1f} MiB > 2 x |q| f32"
-    assert fwd.memory_analysis().temp_size_in_bytes <= q_f32_bytes
+    assert fwd.temp <= q_f32_bytes
 
 
 def test_splash_auto_backend_picks_mosaic_when_lowered_for_tpu():
     mask = masks.ChunkedCausalMask((S, S), chunk_size=1000)  # in-kernel // and %
     config = rs.SplashConfig(backend="auto")
     fwd, bwd = compile_fwd_bwd("v5e:2x2", mask, HEADS, config, remat=True)
-    assert "tpu_custom_call" in fwd.as_text() and "tpu_custom_call" in bwd.as_text()
+    assert "tpu_custom_call" in fwd.hlo_text and "tpu_custom_call" in bwd.hlo_text
 
 
 def test_splash_segment_ids_soft_cap_and_sinks_compile_for_tpu():
@@ -84,8 +81,8 @@ def test_splash_segment_ids_soft_cap_and_sinks_compile_for_tpu():
         return jnp.sum(out.astype(jnp.float32))
 
     args = (spec("v6e:2x2", HEADS), spec("v6e:2x2", 2), spec("v6e:2x2", 2), sinks, ids, ids)
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile()
-    assert "tpu_custom_call" in compiled.as_text()
+    compiled = aot.compile_report(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
+    assert "tpu_custom_call" in compiled.hlo_text
 
 
 def _prefetch_bytes(jaxpr, found):
@@ -122,8 +119,8 @@ def test_splash_128k_causal_work_lists_fit_smem_and_compile():
     expected = 2 * steps * 4 + HEADS * 4  # (blocks, kinds) words + the list of each (kv) head
     found = _prefetch_bytes(jax.make_jaxpr(grad)(x, x, x, x).jaxpr, {})
     assert found == {"splash_forward": expected, "splash_dq": expected, "splash_dkv": expected}
-    compiled = jax.jit(grad).lower(x, x, x, x).compile()
-    assert "tpu_custom_call" in compiled.as_text()
+    compiled = aot.compile_report(grad, x, x, x, x)
+    assert "tpu_custom_call" in compiled.hlo_text
 
 
 def test_splash_segment_skipping_kernels_compile_for_v5e_at_32k():
@@ -147,6 +144,6 @@ def test_splash_segment_skipping_kernels_compile_for_v5e_at_32k():
     expected = 2 * (blocks * (blocks + 1) // 2) * 4 + HEADS * 4
     found = _prefetch_bytes(jax.make_jaxpr(grad)(x, x, x, x, ids).jaxpr, {})
     assert found == {"splash_forward": expected, "splash_dq": expected, "splash_dkv": expected}
-    compiled = jax.jit(grad).lower(x, x, x, x, ids).compile()
-    assert "tpu_custom_call" in compiled.as_text()
-    assert compiled.memory_analysis().temp_size_in_bytes <= 2 * HEADS * s * D * 4  # as the 8K budget above
+    compiled = aot.compile_report(grad, x, x, x, x, ids)
+    assert "tpu_custom_call" in compiled.hlo_text
+    assert compiled.temp <= 2 * HEADS * s * D * 4  # as the 8K budget above

@@ -11,12 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from ringsplash import masks
+from ringsplash import aot, masks
 from ringsplash.splash import work_pieces
 from ringsplash.splash.config import SplashConfig
 
@@ -40,9 +38,8 @@ def _entry_parameters(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def test_ring_compiles_in_pieces_with_per_device_schedule():
     s, topology = 16384, "v5e:2x2"  # zigzag blocks 512, 8 q blocks per shard
-    devices = np.asarray(topologies.get_topology_desc(topology, "tpu").devices)
-    n = devices.size
-    mesh = Mesh(devices.reshape(n), ("ctx",))
+    mesh = aot.topology_mesh(topology, ("ctx",))
+    n = mesh.size
     mask = masks.CausalMask((s, s))
     config = SplashConfig(backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 24)  # 24 steps per call
     sched = rs.ring_schedule(mask, n, "zigzag", config, heads=HEADS, kv_heads=HEADS, mesh=mesh, axis_name="ctx",
@@ -56,9 +53,8 @@ def test_ring_compiles_in_pieces_with_per_device_schedule():
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
 
-    spec = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "ctx")))
-    compiled = jax.jit(fwd_bwd).lower(spec, spec, spec, spec, sched).compile()
-    hlo = compiled.as_text()
+    spec = aot.abstract((HEADS, s, D), jnp.bfloat16, mesh, P(None, "ctx"))
+    hlo = aot.compile_report(fwd_bwd, spec, spec, spec, spec, sched).hlo_text
     whole_bytes = sum(x.nbytes for x in jax.tree.leaves(whole))
     assert whole.nbytes_per_device == whole_bytes // n
     # the compiled per-device program's integer parameters are exactly this device's schedule
@@ -78,8 +74,7 @@ def test_ring_compiles_in_pieces_with_per_device_schedule():
 
 def test_single_device_splash_compiles_in_pieces():
     s = 4096
-    device = np.asarray(topologies.get_topology_desc("v5e:2x2", "tpu").devices).reshape(-1)[:1]
-    mesh = Mesh(device, ("x",))
+    mesh = jax.sharding.Mesh(aot.topology_devices("v5e:2x2")[:1], ("x",))
     mask = masks.CausalMask((s, s))
     config = SplashConfig(backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 12)  # 8 blocks: 36 entries
     info = rs.build_mask_info(mask, (512, 512))
@@ -89,8 +84,8 @@ def test_single_device_splash_compiles_in_pieces():
         out, vjp = jax.vjp(lambda q, k, v: rs.splash_attention(q, k, v, mask, config=config), q, k, v)
         return out, vjp(d_out)
 
-    spec = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
-    hlo = jax.jit(fwd_bwd).lower(spec, spec, spec, spec).compile().as_text()
+    spec = aot.abstract((HEADS, s, D), jnp.bfloat16, mesh, P())
+    hlo = aot.compile_report(fwd_bwd, spec, spec, spec, spec).hlo_text
     fwd = work_pieces.split_work_lists(info, work_pieces.forward_max_steps(config.smem_budget_bytes, info, HEADS))
     info_t = rs.build_mask_info(mask, (512, 512), transpose=True)
     dkv = work_pieces.split_work_lists(info_t, work_pieces.dkv_max_steps(config.smem_budget_bytes, info_t, HEADS,

@@ -23,18 +23,12 @@ import dataclasses
 
 import numpy as np
 
+from ringsplash import aot
 from ringsplash.splash.config import NUM_LANES
 
-__all__ = ["SCOPED_VMEM_LIMIT_BYTES", "ForwardVmem", "forward_vmem"]
+__all__ = ["ForwardVmem", "forward_vmem"]
 
 _MIB = 1 << 20
-
-#: default scoped VMEM limit per chip (``device_kind``), read from Mosaic's out-of-memory
-#: error when compiling for each target with libtpu ("... limit 16.00M")
-SCOPED_VMEM_LIMIT_BYTES = {
-    "TPU v5 lite": 16 * _MIB,  # v5e
-    "TPU v6 lite": 32 * _MIB,  # v6e
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +57,7 @@ class ForwardVmem:
         """Raise a ValueError when the bound exceeds the limit on ``chip`` (a ``device_kind``)."""
         limit = self.vmem_limit_bytes
         if limit is None:
-            limit = SCOPED_VMEM_LIMIT_BYTES.get(chip)
+            limit = getattr(aot.find_chip(chip), "scoped_vmem_bytes", None)  # ringsplash.aot's chip table
         need = self.bytes
         if limit is None or need <= limit:
             return

@@ -24,19 +24,15 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ringsplash import aot
 from ringsplash.mask_info import BlockSchedule, MaskInfo
 from ringsplash.masks import EMPTY
 from ringsplash.splash._kernel_common import uniform_group_lists
 
 #: fraction of the chip's SMEM a work list may take (Mosaic keeps scalars of its own there)
 SMEM_FRACTION = 0.75
-#: ``jax.Device.device_kind`` -> ``pltpu.ChipVersion`` value (as pltpu's own table)
-_DEVICE_KINDS = {
-    "TPU v4": "v4", "TPU v4 lite": "v4i", "TPU v5e": "v5e", "TPU v5 lite": "v5e", "TPU v5": "v5p",
-    "TPU v5p": "v5p", "TPU v6e": "v6e", "TPU v6 lite": "v6e", "TPU7x": "7x",
-}
 #: the generations the kernels target; with no TPU in sight the budget is their smallest SMEM
-_TARGET_CHIPS = ("v4", "v5e", "v5p", "v6e", "7x")
+_TARGET_CHIPS = ("v4", "v5e", "v5p", "v6e", "tpu7x")
 WORD = 4  # bytes of one int32
 
 
@@ -47,11 +43,9 @@ WORD = 4  # bytes of one int32
 def smem_bytes(device_kind: str | None = None) -> int:
     """SMEM bytes per TensorCore of ``device_kind`` (a ``jax.Device.device_kind``); None or
     a non-TPU kind: the smallest SMEM of the generations the kernels target."""
-    from jax.experimental.pallas import tpu as pltpu
-
-    chip = _DEVICE_KINDS.get(device_kind or "")
-    chips = (chip,) if chip is not None else _TARGET_CHIPS
-    return min(pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(c), 1).smem_capacity_bytes for c in chips)
+    known = aot.find_chip(device_kind)
+    chips = (known,) if known is not None else tuple(aot.chip(c) for c in _TARGET_CHIPS)
+    return min(c.smem_bytes for c in chips)
 
 
 def default_device_kind() -> str | None:
