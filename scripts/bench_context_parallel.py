@@ -45,8 +45,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 
 from _bench import child_main, fmt_tokens, run_child
-from ringsplash import aot, build_mask_info, layouts, masks
+from ringsplash import aot, masks
 from ringsplash.parallel.heads import valid_ulysses_degrees
+from ringsplash.parallel.ring_plan import critical_path, ring_plan, ring_work
+from ringsplash.splash.config import SplashConfig
 
 K = 1024
 HEADS, KV_HEADS, D, BLOCK, BYTES = 32, 8, 128, 512, 2  # bf16
@@ -66,16 +68,8 @@ BWD_FLOP_RATIO = 3.5  # dq kernel 3 matmuls + dK/dV kernel 4 matmuls vs the forw
 
 def pair_work(s: int, n: int) -> np.ndarray:
     """Non-empty blocks of each (q shard, kv shard) pair, causal, zigzag over n, one head."""
-    perm = layouts.permutation("zigzag", s, n)
-    info = build_mask_info(masks.CausalMask((s, s)), (BLOCK, BLOCK), q_shards=n, kv_shards=n, q_positions=perm,
-                           kv_positions=perm)
-    return np.asarray(info.num_active, np.int64).sum(0)
-
-
-def ring_critical(work: np.ndarray) -> int:
-    n = work.shape[0]
-    a = np.arange(n)
-    return int(sum(work[a, (a - t) % n].max() for t in range(n)))
+    config = SplashConfig(block_q=BLOCK, block_kv=BLOCK, block_q_dkv=BLOCK, block_kv_dkv=BLOCK, backend="xla")
+    return ring_work(ring_plan(masks.CausalMask((s, s)), n, "zigzag", config))
 
 
 def kv_repeat(a: int) -> int:
@@ -88,7 +82,7 @@ def analytic(strategy: str, s: int, n: int, a: int = 1):
     if strategy == "ring":
         kv = 2 * KV_HEADS * local * D
         fwd, bwd = kv * BYTES * (n - 1), kv * BYTES * (n - 1) + kv * 4 * n  # K, V hops; float32 dK, dV hops
-        return fwd, bwd, HEADS * ring_critical(pair_work(s, n)), fwd + bwd
+        return fwd, bwd, HEADS * critical_path(pair_work(s, n)), fwd + bwd
     if strategy == "allgather":
         kv = 2 * KV_HEADS * s * D * BYTES * (n - 1) // n  # gather K, V; reduce-scatter dK, dV (bf16)
         return kv * AG_AS_ALL_REDUCE.get(n, 1), kv * RS_AS_ALL_REDUCE, HEADS * int(pair_work(s, n).sum(1).max()), 0
@@ -98,7 +92,7 @@ def analytic(strategy: str, s: int, n: int, a: int = 1):
         return per, per, HEADS // a * int(pair_work(s, 1).sum()), 0
     ring_kv = 2 * (KV_HEADS * kv_repeat(a) // a) * (s // b) * D  # the inner ring's K, V per member
     rfwd, rbwd = ring_kv * BYTES * (b - 1), ring_kv * BYTES * (b - 1) + ring_kv * 4 * b
-    return per + rfwd, per + rbwd, HEADS // a * ring_critical(pair_work(s, b)), rfwd + rbwd
+    return per + rfwd, per + rbwd, HEADS // a * critical_path(pair_work(s, b)), rfwd + rbwd
 
 
 def model_time(strategy, fwd, bwd, blocks, overlapped, peak, link):
@@ -205,7 +199,6 @@ def compile_child(strategy: str, s: int, n: int, a: int) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import ringsplash as rs
-    from ringsplash.splash.config import SplashConfig
 
     mask, config = masks.CausalMask((s, s)), SplashConfig(backend="mosaic_tpu")
     if strategy == "usp":

@@ -39,6 +39,7 @@ import numpy as np
 
 from _bench import child_main, peak_rss_mib, run_child
 from ringsplash import aot, build_mask_info, layouts, masks
+from ringsplash.parallel import ring_plan as ring_plan_lib
 from ringsplash.splash.config import SplashConfig
 
 M = 1024 * 1024
@@ -56,19 +57,10 @@ def mask_of(kind: str, s: int):
     }[kind]()
 
 
-# TODO(merge): ring_work(plan) / critical_path(work) from parallel/ring_plan.py replace these two
 def pair_work(mask, s: int, n: int, layout: str, block: int) -> np.ndarray:
     """Non-empty blocks of each (q shard, kv shard) pair, int64 [N, N]."""
-    perm = layouts.permutation(layout, s, n)
-    info = build_mask_info(mask, (block, block), q_shards=n, kv_shards=n, q_positions=perm, kv_positions=perm)
-    return np.asarray(info.num_active, np.int64).sum(0)
-
-
-def critical_path(work: np.ndarray) -> int:
-    """Σ_t max_a work[a, (a - t) mod N]: device a holds kv shard (a - t) mod N at step t."""
-    n = work.shape[0]
-    a = np.arange(n)
-    return int(sum(work[a, (a - t) % n].max() for t in range(n)))
+    config = SplashConfig(block_q=block, block_kv=block, block_q_dkv=block, block_kv_dkv=block, backend="xla")
+    return ring_plan_lib.ring_work(ring_plan_lib.ring_plan(mask, n, layout, config))
 
 
 def table_balance(s=32 * K, block=512, ns=(4, 8, 16)):
@@ -81,7 +73,7 @@ def table_balance(s=32 * K, block=512, ns=(4, 8, 16)):
             cells = []
             for n in ns:
                 work = pair_work(mask, s, n, layout, block)
-                cells.append(f"{critical_path(work) / (work.sum() / n):.3f}")
+                cells.append(f"{ring_plan_lib.critical_path(work) / (work.sum() / n):.3f}")
             print(f"| {kind} | {layout} | " + " | ".join(cells) + " |")
 
 
@@ -93,8 +85,7 @@ def table_balance(s=32 * K, block=512, ns=(4, 8, 16)):
 def _metadata_child(s: int, n: int, runs: int) -> dict:
     import tracemalloc
 
-    # TODO(merge): ring_plan.cache_clear() (parallel/ring_plan.py) replaces the private _ring_plan
-    from ringsplash.parallel.ring import _ring_plan, ring_plan, ring_schedule
+    from ringsplash.parallel.ring_plan import ring_plan, ring_schedule
 
     config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="auto")
     mask = masks.CausalMask((s, s))
@@ -103,7 +94,7 @@ def _metadata_child(s: int, n: int, runs: int) -> dict:
     times = []
     for _ in range(runs):
         build_mask_info.cache_clear()
-        _ring_plan.cache_clear()
+        ring_plan.cache_clear()
         t0 = time.perf_counter()
         plan = ring_plan(mask, n, "zigzag", config)
         # the per-device schedule in SMEM-sized pieces (v5e budget), as the ring runs it
@@ -111,7 +102,7 @@ def _metadata_child(s: int, n: int, runs: int) -> dict:
         times.append(time.perf_counter() - t0)
     peak = int(peak_rss_mib() * 2**20)
     build_mask_info.cache_clear()
-    _ring_plan.cache_clear()
+    ring_plan.cache_clear()
     del plan
     tracemalloc.start()
     plan = ring_plan(mask, n, "zigzag", config)  # numpy allocations are traced
@@ -146,8 +137,7 @@ def table_metadata(sizes, n=8, runs=5):
 
 @child_main
 def _rows_child(s: int, n: int, runs: int) -> dict:
-    # TODO(merge): the process-rows schedule and the plan caches have no public name yet
-    from ringsplash.parallel import ring
+    from ringsplash.parallel import ring_plan as ring
 
     config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="auto")
     mask = masks.CausalMask((s, s))
@@ -155,10 +145,10 @@ def _rows_child(s: int, n: int, runs: int) -> dict:
     kw = dict(heads=8, kv_heads=8, device_kind="TPU v5 lite")
     cases = {  # what one process builds: the whole schedule (one host), or shapes + pieces + its rows
         "whole schedule (1 host)": lambda: ring.ring_schedule(mask, n, "zigzag", config, **kw),
-        f"rows 0-{n // 2 - 1} (1 of 2 hosts)": lambda: ring._rows_schedule(
+        f"rows 0-{n // 2 - 1} (1 of 2 hosts)": lambda: ring.rows_schedule(
             mask, n, "zigzag", config, **kw, rows=tuple(range(n // 2))),
-        "row 0 (1 of 8 hosts)": lambda: ring._rows_schedule(mask, n, "zigzag", config, **kw, rows=(0,)),
-        "list-less plan only (shapes, pieces, active)": lambda: ring._rows_schedule(
+        "row 0 (1 of 8 hosts)": lambda: ring.rows_schedule(mask, n, "zigzag", config, **kw, rows=(0,)),
+        "list-less plan only (shapes, pieces, active)": lambda: ring.rows_schedule(
             mask, n, "zigzag", config, **kw, rows=()),
     }
     out = {}
@@ -166,8 +156,7 @@ def _rows_child(s: int, n: int, runs: int) -> dict:
         times = []
         for _ in range(runs):
             build_mask_info.cache_clear()
-            ring._ring_plan.cache_clear()
-            ring._LISTLESS.clear()
+            ring.ring_plan.cache_clear()
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times.append((time.perf_counter() - t0, time.process_time() - c0))
@@ -250,7 +239,7 @@ def table_model(s=32 * K, block=512, heads=8, d=128, ns=(4, 8, 16)):
         t1 = {c: single * flops_per_block / p * 1e3 for c, p in PEAK_BF16.items()}
         for layout in layouts.LAYOUTS:
             for n in ns:
-                crit = critical_path(pair_work(mask, s, n, layout, block))
+                crit = ring_plan_lib.critical_path(pair_work(mask, s, n, layout, block))
                 tr = {c: crit * flops_per_block / p * 1e3 for c, p in PEAK_BF16.items()}
                 print(f"| {kind} | {layout} | {n} | {tr['v5e']:.2f} | {t1['v5e']:.2f} | "
                       f"{t1['v5e'] / tr['v5e']:.2f} | {n} | {tr['v6e']:.3f} |")

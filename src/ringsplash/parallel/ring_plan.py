@@ -39,8 +39,8 @@ from ringsplash.splash.config import NUM_LANES, SplashConfig
 from ringsplash.splash.work_pieces import Piece, SplitLists
 
 __all__ = ["RingBlocks", "RingPlan", "RingSchedule", "check_schedule", "critical_path", "fit_ring_blocks",
-           "process_rows", "ring_plan", "ring_schedule", "ring_work", "schedule_arrays", "schedule_from_splits",
-           "schedule_shapes"]
+           "process_rows", "ring_plan", "ring_schedule", "ring_work", "rows_schedule", "schedule_arrays",
+           "schedule_from_splits", "schedule_shapes"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,7 +207,6 @@ def critical_path(work: np.ndarray) -> int:
     return int(sum(work[a, (a - t) % n].max() for t in range(n)))
 
 
-
 # ----------------------------------------------------------------------------------------
 # the per-device schedule: a plan's work lists in SMEM-sized pieces, sharded over the ring axis
 
@@ -353,7 +352,7 @@ def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_
     """``ring_schedule`` on a process holding only the ring devices ``rows``: the shapes and pieces
     come from a plan without lists (every process computes the same ones, as the program they all
     compile must agree), the arrays from a plan of this process's rows only."""
-    whole, local = _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind,
+    whole, local = rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind,
                                   () if shapes_only else rows)
     if shapes_only:
         return schedule_shapes(whole, mesh, axis_name)
@@ -367,7 +366,7 @@ def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_
     return schedule_arrays(pick, whole, mesh, axis_name)
 
 
-def _rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, rows):
+def rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, rows):
     """``(whole, local)``: the whole schedule's ``ShapeDtypeStruct`` s and pieces (from a plan
     without lists, which ``ring_attention`` uses too) and the numpy schedule of the q shards
     ``rows`` (``[lists, len(rows), ...]``; None for ``()``). Every pair is classified once."""
@@ -389,7 +388,6 @@ def _ring_splits(plan: RingPlan, config: SplashConfig, heads: int, kv_heads: int
         steps = work_pieces.dkv_max_steps(budget, plan.info_dkv, heads, kv_heads)
         split_dkv = work_pieces.split_work_lists(plan.info_dkv, steps)
     return split, split_dkv
-
 
 
 def check_schedule(schedule, plan: RingPlan, n: int) -> None:
