@@ -1,0 +1,92 @@
+"""The import graph of ``src/ringsplash`` follows DESIGN.md's layers: imports point one way only
+(never from a lower layer to a higher one) and no module imports itself back through others."""
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+
+#: layer of each top-level unit (a module, or a subpackage as a whole); imports go to the same
+#: layer's unit itself or to a lower layer
+LAYERS = {
+    "_types": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0,
+    "masks": 1, "layouts": 1, "segment_ids": 1,
+    "_checks": 2,
+    "mask_blocks": 3, "mask_info": 4, "reference": 3, "distributed": 3,
+    "splash": 5,
+    "parallel": 6,
+    "model": 7, "partitioning": 7, "data": 7, "checkpoints": 7,
+    "train": 8,
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for path in (SRC / "ringsplash").rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = path
+    return mods
+
+
+def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> the ringsplash modules it imports (``from ringsplash import masks`` counts as
+    ``ringsplash.masks``; the package itself only when a name is taken from its __init__)."""
+    edges = {}
+    for name, path in mods.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ringsplash":
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+                found.update(subs or [node.module])
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in mods)
+        edges[name] = found - {name}
+    return edges
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in _modules()} - {None}
+    assert units <= set(LAYERS), f"modules without a layer in this test: {sorted(units - set(LAYERS))}"
+
+
+def test_imports_point_down_the_layers():
+    bad = []
+    for module, targets in _imports(_modules()).items():
+        unit = _unit(module)
+        if unit is None:  # the package __init__ re-exports the public API: it may import anything
+            continue
+        for target in targets:
+            other = _unit(target)
+            if other is None:
+                bad.append(f"{module} imports the package root (import the submodule instead)")
+            elif other != unit and LAYERS[other] >= LAYERS[unit]:
+                bad.append(f"{module} (layer {LAYERS[unit]}) imports {target} (layer {LAYERS[other]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    edges = _imports(_modules())
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if nxt == "ringsplash":
+                continue
+            if state.get(nxt) == 1:
+                pytest.fail("import cycle: " + " -> ".join([*path, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*path, node])
+        state[node] = 2
+
+    for module in sorted(edges):
+        if module != "ringsplash" and module not in state:
+            visit(module, [])
