@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import checkpoints, partitioning, train
-from test_train import _setup
+from support.training import setup as _setup
 
 # Leaf name -> (shape, PartitionSpec on the data 2 x context 4 mesh): a different spec per leaf.
 PARAMS = {

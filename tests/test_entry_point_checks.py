@@ -18,9 +18,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import masks
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import inputs, max_err
 
 S, HEADS, KV_HEADS, D = 256, 2, 1, 16
 N = 2  # ring devices in the bad-input matrix (each shard holds 128 tokens)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
-from head_dims import HEAD_DIMS, INTERPRET_HEAD_DIMS, head_dim_params
 from ringsplash import layouts, masks
 from ringsplash.model import Attention, TransformerConfig
 from ringsplash.splash.config import SplashConfig
-from test_parallel import INTERPRET, XLA, strategy
+from support.attention_inputs import inputs, max_err
+from support.head_dims import HEAD_DIMS, INTERPRET_HEAD_DIMS, head_dim_params
+from support.strategies import INTERPRET, XLA, strategy
 
 # the generic Pallas interpreter (plain JAX ops, no TPU memory model; same numerics, much cheaper):
 # the TPU interpreter keeps the d = 96 case (a lane size that is not a multiple of 128, where its

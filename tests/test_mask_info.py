@@ -12,12 +12,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import build_mask_info, layouts, masks
 from ringsplash import mask_info as mask_info_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL
 from ringsplash.splash import work_pieces
-from test_masks import any_masks
+from support.attention_inputs import inputs, max_err
+from support.masks import any_masks
 
 # ----------------------------------------------------------------------------------------
 # helpers

@@ -18,7 +18,8 @@ import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.parallel import usp_mesh
 from ringsplash.splash.config import SplashConfig
-from test_ring import MASK_KINDS, make_mask, mesh, packed_segments
+from support.masks import MASK_KINDS, make_mask, packed_segments
+from support.meshes import mesh
 
 # Measured: every backend / strategy below reproduces the reference's float32 maxima exactly
 # (max relative error 0.0: the same float32 q·k dot, then the same multiply by scale). Allowed:

@@ -21,14 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel.ring import ring_attention, ring_attention_sharded, ring_plan
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import max_err
+from support.masks import MASK_KINDS, make_mask, packed_segments
+from support.meshes import mesh
 
 # Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla
 # backend, 19 of 21 cases) and the five interpret cases: out <= 9.5e-7, dq / dk / dv <= 5.7e-6,
@@ -38,43 +39,6 @@ GRAD_TOL = 5e-5  # ~9x headroom (dK/dV sum S/N-row partial products on each of N
 TOLS = {"out": OUT_TOL, "dq": GRAD_TOL, "dk": GRAD_TOL, "dv": GRAD_TOL, "d_sinks": GRAD_TOL}
 LAYOUTS = ("contiguous", "zigzag", "striped")
 XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-
-
-def mesh(n: int, name: str = "ctx"):
-    return jax.make_mesh((n,), (name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
-
-
-def make_mask(kind: str, s: int, heads: int):
-    shape = (s, s)
-    if kind == "causal":
-        return masks.CausalMask(shape)
-    if kind == "local":
-        return masks.LocalMask(shape, window=(200, 37))
-    if kind == "chunked":
-        return masks.ChunkedCausalMask(shape, chunk_size=300)
-    if kind == "prefix_lm":
-        return masks.PrefixLMMask(shape, prefix_len=333)
-    if kind == "composed":  # (causal & window) | a bidirectional prefix
-        return (masks.CausalMask(shape) & masks.LocalMask(shape, window=(150, 0))) | masks.PrefixLMMask(shape, 100)
-    if kind == "numpy":
-        rng = np.random.default_rng(s)
-        arr = np.tril(rng.random(shape) < 0.4) | np.eye(s, dtype=bool)
-        arr[: s // 8, :] = False  # some rows attend nothing at all
-        return masks.NumpyMask(arr)
-    if kind == "multi_head":
-        per_head = [masks.CausalMask(shape), masks.LocalMask(shape, window=(64, 64)),
-                    masks.ChunkedCausalMask(shape, chunk_size=256), masks.CausalMask(shape)]
-        return masks.MultiHeadMask(per_head[:heads])
-    raise ValueError(kind)
-
-
-MASK_KINDS = ("causal", "local", "chunked", "prefix_lm", "composed", "numpy", "multi_head")
-
-
-def packed_segments(key, s: int):
-    """Segment ids of a packed batch: runs of random lengths (original token order)."""
-    starts = jax.random.bernoulli(key, 1 / 150, (s,)).at[0].set(True)
-    return jnp.cumsum(starts).astype(jnp.int32)
 
 
 def run_both(key, mask, *, n, layout, heads=2, kv_heads=1, s=1024, d=32, segments=False, sinks=False,

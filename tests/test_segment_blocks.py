@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel import ring as ring_lib
 from ringsplash.splash import attention as attention_lib
 from ringsplash.splash import segment_blocks
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
-from test_ring import mesh
+from support.attention_inputs import inputs, max_err
+from support.meshes import mesh
 
 # float32 max abs error vs the reference, measured over these cases: out <= 6e-7,
 # dq / dk / dv <= 4e-6 (single device); ring as tests/test_ring.py. ~10x headroom.

@@ -21,11 +21,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash.splash import attention as attention_lib
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 NAN_PARAMS = pltpu.InterpretParams(uninitialized_memory="nan")

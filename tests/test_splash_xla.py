@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash._checks import default_scale
 from ringsplash.splash import xla
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
+from support.attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 

@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash.masks import EMPTY
 from ringsplash.parallel.ring import ring_attention_sharded
 from ringsplash.splash import work_pieces
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import inputs, max_err
 
 B128 = dict(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
 # vs the float32 reference at S <= 512: measured out <= 9.6e-7, grads <= 4.8e-6 (both backends)
