@@ -395,7 +395,7 @@ def test_schedule_with_traced_shard_indices():
 
 
 # ----------------------------------------------------------------------------------------
-# every composition of every mask type, NumpyMask included (issue 9, defect 8)
+# every composition of every mask type, NumpyMask included
 
 C = 64  # 8 blocks of 8; zigzag over 4 shards gives chunks of 8, striped over 4 a stride of 4
 LEAVES = {

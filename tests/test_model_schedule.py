@@ -1,4 +1,4 @@
-"""The trainer hands the model's ring its work lists per device (issue 14): the schedule is a
+"""The trainer hands the model's ring its work lists per device: the schedule is a
 ``jit`` argument sharded over the ring axis, each device holding its own q shard's rows (1/N
 of the bytes), and no longer a constant of the whole ``[lists, N, N, steps]`` schedule baked
 into the program and replicated on every device. Numerics of the per-device path: the model

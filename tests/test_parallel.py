@@ -24,7 +24,7 @@ from support.masks import make_mask as ring_mask
 from support.meshes import mesh
 from support.strategies import INTERPRET, XLA, strategy
 
-# measured max abs error over this file <= 8.1e-6 (dv, float32); ~6x headroom (the bound is 1e-4)
+# measured max abs error over this file <= 8.1e-6 (dv, float32); ~6x headroom (the bound is 1e-4)
 TOL = 5e-5
 LAYOUTS = ("contiguous", "zigzag", "striped")
 def make_mask(kind: str, s: int, heads: int, period: int):

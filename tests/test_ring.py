@@ -231,8 +231,8 @@ def test_ring_non_finite_values_at_unattended_positions_never_leak(key, layout):
 
 # ----------------------------------------------------------------------------------------
 # Pallas TPU kernels (interpreter) inside the ring. The interpreter synchronises all devices
-# at every kernel call, so a ring whose devices run different numbers of kernels hangs (issue
-# 9, defect 1): each case runs in a subprocess under a timeout, so a hang fails the test
+# at every kernel call, so a ring whose devices run different numbers of kernels hangs:
+# each case runs in a subprocess under a timeout, so a hang fails the test
 # instead of stalling the suite, and reports its errors back as JSON.
 
 INTERPRET_TIMEOUT_S = 900  # a case takes 1-3 min on the shared 2-core machine, up to ~5 under heavy load
@@ -297,6 +297,8 @@ INTERPRET_CASES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(INTERPRET_TIMEOUT_S + 60)  # the subprocess's own timeout names the case first
 @pytest.mark.parametrize("case", INTERPRET_CASES)
 def test_ring_interpret_backend_matches_reference(case):
     errs = run_interpret_case(**INTERPRET_CASES[case]._asdict())
