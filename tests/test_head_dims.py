@@ -19,6 +19,7 @@ from ringsplash.splash.config import SplashConfig
 from support.attention_inputs import inputs, max_err
 from support.head_dims import HEAD_DIMS, INTERPRET_HEAD_DIMS, head_dim_params
 from support.strategies import INTERPRET, XLA, strategy
+from support.tiers import fast_first
 
 # the generic Pallas interpreter (plain JAX ops, no TPU memory model; same numerics, much cheaper):
 # the TPU interpreter keeps the d = 96 case (a lane size that is not a multiple of 128, where its
@@ -67,7 +68,7 @@ def splash(config, mask, cap=None):
                                                     config=config)
 
 
-@pytest.mark.parametrize("dims", head_dim_params())
+@pytest.mark.parametrize("dims", fast_first(head_dim_params()))
 def test_splash_xla_head_dims_match_reference(key, dims):
     s = 256
     mask = masks.LocalMask((s, s), window=(100, 0))  # full, partial and empty blocks
@@ -75,6 +76,7 @@ def test_splash_xla_head_dims_match_reference(key, dims):
     assert_close(got, want, dims)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims", head_dim_params(INTERPRET_HEAD_DIMS))
 def test_splash_interpret_head_dims_match_reference(key, dims):
     s = 256
@@ -101,6 +103,7 @@ def parallel(name, n, layout, config, mask, degrees=None):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dims", head_dim_params())
 def test_ring_xla_head_dims_match_reference(key, dims):
     s, n = 256, 2
@@ -109,6 +112,7 @@ def test_ring_xla_head_dims_match_reference(key, dims):
     assert_close(got, want, dims)
 
 
+@pytest.mark.slow
 def test_ring_interpret_mla_head_dims_match_reference(key):
     # zigzag causal: every shard pair is active, so every device runs every step's kernels; the generic
     # interpreter (the TPU interpreter's barriers around the ring are covered by test_ring.py)
@@ -119,6 +123,7 @@ def test_ring_interpret_mla_head_dims_match_reference(key):
     assert_close(got, want, dims)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, n, degrees, dims", [
     ("allgather", 2, None, HEAD_DIMS["mla_d192_dv128"]),  # q shards of one 128-block
     ("ulysses", 4, None, HEAD_DIMS["d64_dv128"]),
@@ -135,6 +140,7 @@ def test_strategy_head_dims_match_reference(key, name, n, degrees, dims):
 # the model: TransformerConfig(v_head_dim=...)
 
 
+@pytest.mark.slow
 def test_model_attention_v_head_dim_splash_matches_reference(key):
     """The attention module with v / output head size 20 != q / k head size 12: parameter
     shapes, and the splash strategy's output and parameter gradients equal the reference's."""

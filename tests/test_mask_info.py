@@ -531,6 +531,7 @@ def test_random_compositions_round_trip(data):
     check_info(info, mask, q_pos, kv_pos, mode)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["local|eye", "causal&random"])
 def test_splash_on_numpy_composites_matches_reference(key, name):
     n = 256  # 2 x 2 blocks of 128 (the smallest block the config allows)

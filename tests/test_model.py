@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ringsplash import data, layouts, train
 from ringsplash.model import Transformer, TransformerConfig
@@ -57,6 +58,7 @@ def _run(config, model, batch):
     return logits, jax.device_get(grads), float(metrics["loss"])
 
 
+@pytest.mark.slow
 def test_model_strategies_agree():
     """Splash and the ring under both layouts against the reference model, one reference run for all
     three (one test rather than a shared fixture, so that a parallel run cannot repeat the reference on
@@ -94,6 +96,7 @@ def test_model_shapes_and_options(key):
     assert model.layers.attention.sinks.shape == (2, 4)
 
 
+@pytest.mark.slow
 def test_model_remat_recomputes_without_changing_value_or_gradients(key):
     config = _config(max_seq_len=128, remat="full")
     remat = Transformer(config, key=key)

@@ -23,6 +23,7 @@ from support.masks import MASK_KINDS, packed_segments
 from support.masks import make_mask as ring_mask
 from support.meshes import mesh
 from support.strategies import INTERPRET, XLA, strategy
+from support.tiers import fast_first
 
 # measured max abs error over this file <= 8.1e-6 (dv, float32); ~6x headroom (the bound is 1e-4)
 TOL = 5e-5
@@ -95,6 +96,7 @@ def features(i: int) -> dict:
                 cap=30.0 if i % 3 == 2 else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_allgather_mask_layout_matches_reference(key, kind, layout):
@@ -107,7 +109,7 @@ CP_KINDS = ("causal", "composed", "numpy", "multi_head")
 CP_S = 512  # the smallest S every case's layout allows (USP (2, 4) contiguous/striped: 128 tokens per ring shard)
 
 
-@pytest.mark.parametrize("kind", CP_KINDS)
+@pytest.mark.parametrize("kind", fast_first(CP_KINDS))
 def test_ulysses_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
     kw = features(i)
@@ -117,7 +119,7 @@ def test_ulysses_mask_matches_reference(key, kind):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("kind", CP_KINDS)
+@pytest.mark.parametrize("kind", fast_first(CP_KINDS))
 def test_usp_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
     a, b = ((2, 4), (4, 2))[i % 2]
@@ -131,6 +133,7 @@ def test_usp_mask_matches_reference(key, kind):
 # 8 devices, every feature at once, on each strategy and both USP factorisations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, degrees, layout, heads, kv_heads",
     [
@@ -151,6 +154,7 @@ def test_strategy_eight_devices_all_features(key, name, degrees, layout, heads, 
 # USP contiguous: causal gives its inner ring an empty shard pair, which the ring computes (as
 # zeros) on the interpret backend instead of skipping (the interpreter needs every device in
 # every kernel), so this also covers that path inside USP
+@pytest.mark.slow
 @pytest.mark.parametrize("name, degrees", [("allgather", None), ("ulysses", None), ("usp", (2, 2))])
 def test_strategy_interpret_backend_matches_reference(key, name, degrees):
     s, layout = 256, "contiguous"  # one 128-block per shard (USP: per ring member)
@@ -174,6 +178,7 @@ def test_usp_refuses_the_tpu_interpreter_on_its_whole_mesh():
 # inside the caller's own shard_map
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["allgather", "ulysses"])
 def test_strategy_inside_user_shard_map(key, name):
     n, s, layout = 4, 1024, "zigzag"

@@ -30,6 +30,7 @@ from ringsplash.splash.config import SplashConfig
 from support.attention_inputs import max_err
 from support.masks import MASK_KINDS, make_mask, packed_segments
 from support.meshes import mesh
+from support.tiers import fast_first
 
 # Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla
 # backend, 19 of 21 cases) and the five interpret cases: out <= 9.5e-7, dq / dk / dv <= 5.7e-6,
@@ -89,6 +90,7 @@ def assert_close(got, want):
 # layout is run both with and without segment ids, and GQA / MQA / soft-cap / sinks all appear.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_ring_mask_layout_matches_reference(key, kind, layout):
@@ -104,13 +106,14 @@ def test_ring_mask_layout_matches_reference(key, kind, layout):
 # single-device Splash error on the same inputs
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", fast_first(("zigzag", "contiguous", "striped")))
 def test_ring_two_devices_all_features(key, layout):
     got, want = run_both(key, make_mask("causal", 512, 4), n=2, layout=layout, heads=4, kv_heads=2, s=512,
                          segments=True, sinks=True, cap=20.0, unroll=2)
     assert_close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_ring_eight_devices_error_within_twice_single_device(key, layout):
     s, heads, kv_heads, d = 2048, 4, 2, 32
@@ -145,6 +148,7 @@ def test_ring_eight_devices_error_within_twice_single_device(key, layout):
 # all break these
 
 
+@pytest.mark.slow
 def test_ring_remote_only_keys_and_mostly_empty_rows(key):
     """Rows of q shard ``a`` attend keys of one remote kv shard, the one visiting at step
     ``t_a`` (each of the steps 1 .. N-1 is some shard's), half of them also their own shard
@@ -171,6 +175,7 @@ def test_ring_remote_only_keys_and_mostly_empty_rows(key):
     assert np.all(empty_rows == 0), "rows attending nothing must return exactly 0"
 
 
+@pytest.mark.slow
 def test_ring_scores_spread_over_all_shards_need_every_step(key):
     """Full attention with large logits: each shard holds a similar share of the softmax mass,
     so a dropped step, a base-2 lse or a per-step sink moves the output far beyond 1e-4."""
@@ -179,6 +184,7 @@ def test_ring_scores_spread_over_all_shards_need_every_step(key):
     assert_close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_non_finite_values_at_unattended_positions_never_leak(key, layout):
     """The masked-values contract through the ring: K / V at positions no query attends (the
@@ -311,6 +317,7 @@ def test_ring_interpret_backend_matches_reference(case):
 # ring_attention inside the caller's own shard_map
 
 
+@pytest.mark.slow
 def test_ring_attention_inside_user_shard_map(key):
     n, s, layout = 4, 1024, "zigzag"
     mask = masks.CausalMask((s, s))

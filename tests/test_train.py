@@ -15,6 +15,7 @@ from support.training import BLOCKS, TASK
 from support.training import setup as _setup
 
 
+@pytest.mark.slow
 def test_train_reduces_loss(tmp_path):
     config, tc, stream = _setup(steps=30)
     train.fit(config, tc, stream, str(tmp_path))
@@ -25,6 +26,7 @@ def test_train_reduces_loss(tmp_path):
     assert os.path.exists(train.MetricsLog(str(tmp_path)).plot())
 
 
+@pytest.mark.slow
 def test_train_ring_on_data_by_context_mesh_reduces_loss(tmp_path):
     config, tc, stream = _setup(seq=512, steps=6, attention="ring", ring_axis_name="context", ring_size=2)
     tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "context_parallel": 2, "learning_rate": 1e-2})
@@ -44,6 +46,7 @@ def test_layout_batch_permutes_every_field_once():
     np.testing.assert_array_equal(laid.positions[0], layouts.permutation("zigzag", 1024, 4))
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     config, tc, stream = _setup(steps=3)
     state = train.fit(config, tc, stream, str(tmp_path / "a"))
@@ -56,6 +59,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_uninterrupted(tmp_path):
     config, tc, stream = _setup(steps=8)
     full = train.fit(config, tc, stream, str(tmp_path / "full"))
@@ -155,6 +159,7 @@ def test_make_mesh_rejects_a_process_count_that_does_not_divide_it(monkeypatch):
         train.make_mesh(1, 3)
 
 
+@pytest.mark.slow
 def test_resume_with_a_different_config_names_the_fields(tmp_path):
     config, tc, stream = _setup(steps=4)
     train.fit(config, tc, stream, str(tmp_path), stop_after=2)
@@ -169,6 +174,7 @@ def test_resume_with_a_different_config_names_the_fields(tmp_path):
     assert int(train.fit(config, changed, stream, str(tmp_path), resume=False).step) == 4
 
 
+@pytest.mark.slow
 def test_metrics_past_the_checkpoint_are_dropped_on_resume(tmp_path):
     config, tc, stream = _setup(steps=6)
     tc = tc.__class__(**{**tc.__dict__, "log_every": 1, "checkpoint_every": 2})
