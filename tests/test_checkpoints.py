@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import checkpoints, partitioning, train
-from support.tiers import fast_first
 from support.training import setup as _setup
 
 # Leaf name -> (shape, PartitionSpec on the data 2 x context 4 mesh): a different spec per leaf.
@@ -80,6 +79,7 @@ def _abstract(tree, mesh, specs):
     return jax.tree_util.tree_map_with_path(target, tree)
 
 
+@pytest.mark.slow
 def test_round_trip_of_sharded_state_is_bit_exact(tmp_path, key):
     mesh = _mesh(2, 4)
     state = _sharded_state(key, mesh)
@@ -92,7 +92,8 @@ def test_round_trip_of_sharded_state_is_bit_exact(tmp_path, key):
     assert mu.addressable_shards[0].data.shape == (4, 4)
 
 
-@pytest.mark.parametrize("target", fast_first(["1x8", "replicated", "replicated->sharded"]))
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["1x8", "replicated", "replicated->sharded"])
 def test_restore_onto_another_mesh_shape_gives_identical_values(tmp_path, key, target):
     mesh24 = _mesh(2, 4)
     if target == "replicated->sharded":

@@ -264,8 +264,9 @@ SEGMENT_ENTRY_POINTS = {
 # strategies renumber ids through the same check, so the dtype matrix over them adds only compiles).
 WIDE_DTYPES = [(np.int64, 2**32), (np.uint64, 2**63), (np.uint32, 2**31)]
 SINGLE_DEVICE = ("reference_attention", "splash_attention", "splash_forward")
-# the strategies compile a sharded program each (tens of seconds on 2 cores): slow tier
-WIDE_CASES = [pytest.param(name, *dt, marks=() if name in SINGLE_DEVICE else pytest.mark.slow)
+# fast tier: int64 ids on the reference and on splash_forward; every other case compiles another program (slow)
+FAST_WIDE = {("reference_attention", np.int64), ("splash_forward", np.int64)}
+WIDE_CASES = [pytest.param(name, *dt, marks=() if (name, dt[0]) in FAST_WIDE else pytest.mark.slow)
               for name in SEGMENT_ENTRY_POINTS for dt in WIDE_DTYPES if dt == WIDE_DTYPES[0] or name in SINGLE_DEVICE]
 
 
@@ -307,6 +308,7 @@ def test_traced_uint32_segment_ids_bitcast_exactly():
 # the ring fits its blocks to its shards
 
 
+@pytest.mark.slow
 def test_ring_default_config_fits_short_shards():
     """S = 2048 on 8 devices with a default SplashConfig (512 blocks; zigzag half-shards of 128
     tokens, refused before): the ring shrinks its blocks and matches the reference, forward and

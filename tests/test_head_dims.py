@@ -19,7 +19,6 @@ from ringsplash.splash.config import SplashConfig
 from support.attention_inputs import inputs, max_err
 from support.head_dims import HEAD_DIMS, INTERPRET_HEAD_DIMS, head_dim_params
 from support.strategies import INTERPRET, XLA, strategy
-from support.tiers import fast_first
 
 # the generic Pallas interpreter (plain JAX ops, no TPU memory model; same numerics, much cheaper):
 # the TPU interpreter keeps the d = 96 case (a lane size that is not a multiple of 128, where its
@@ -68,7 +67,8 @@ def splash(config, mask, cap=None):
                                                     config=config)
 
 
-@pytest.mark.parametrize("dims", fast_first(head_dim_params()))
+@pytest.mark.slow
+@pytest.mark.parametrize("dims", head_dim_params())
 def test_splash_xla_head_dims_match_reference(key, dims):
     s = 256
     mask = masks.LocalMask((s, s), window=(100, 0))  # full, partial and empty blocks

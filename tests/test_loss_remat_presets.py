@@ -13,7 +13,6 @@ from ringsplash import train
 from ringsplash.cli import parse_config
 from ringsplash.model import REMAT_POLICIES, Transformer, TransformerConfig
 from ringsplash.model.presets import PRESET_NAMES, PRESETS, preset
-from support.tiers import fast_first
 
 
 def _loss_inputs(key, tokens=96, d=16, vocab=40):
@@ -25,7 +24,8 @@ def _loss_inputs(key, tokens=96, d=16, vocab=40):
     return hidden, w, labels, weights
 
 
-@pytest.mark.parametrize("chunk", fast_first([8, 32, 96]))
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [8, 32, 96])
 def test_chunked_loss_equals_unchunked_value_and_gradient(key, chunk):
     hidden, w, labels, weights = _loss_inputs(key)
 

@@ -510,6 +510,7 @@ def test_or_of_disjoint_bands_lists_no_empty_gap():
         assert int(info.num_active[0, 0, 0]) == info.kind.shape[-1]  # no kind-0 step at all
 
 
+@pytest.mark.slow
 @settings(max_examples=150)
 @given(data=st.data())
 def test_random_compositions_round_trip(data):

@@ -122,6 +122,7 @@ def test_model_remat_recomputes_without_changing_value_or_gradients(key):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_model_positions_are_explicit(key):
     """RoPE uses the positions passed in: a permuted sequence with its positions, under full
     attention, gives the permuted logits."""
@@ -134,6 +135,7 @@ def test_model_positions_are_explicit(key):
     np.testing.assert_allclose(out_perm, out[perm], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_model_dropout_only_with_key(key):
     config = _config(max_seq_len=128, attention="reference", attention_dropout=0.3)
     model = Transformer(config, key=key)
@@ -151,6 +153,7 @@ def test_model_dropout_only_with_key(key):
     assert np.abs(dropped - no_key).max() > 1e-2 and np.abs(np.asarray(call(model, k2)) - dropped).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_model_bfloat16(key):
     config = _config(max_seq_len=128, param_dtype="bfloat16", compute_dtype="bfloat16")
     model = Transformer(config, key=key)

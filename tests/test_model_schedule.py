@@ -34,6 +34,7 @@ def _constants_of_shape(text: str, shape) -> int:
     return len(re.findall(rf"stablehlo\.constant dense<[^\n]*> : tensor<{dims}x\w+>", text))
 
 
+@pytest.mark.slow
 def test_train_step_takes_the_ring_schedule_sharded_not_as_a_constant():
     mesh = train.mesh_for(CONFIG)
     tc = train.TrainConfig(steps=2, batch_size=1, context_parallel=N, warmup_steps=1)

@@ -109,7 +109,8 @@ CP_KINDS = ("causal", "composed", "numpy", "multi_head")
 CP_S = 512  # the smallest S every case's layout allows (USP (2, 4) contiguous/striped: 128 tokens per ring shard)
 
 
-@pytest.mark.parametrize("kind", fast_first(CP_KINDS))
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", CP_KINDS)
 def test_ulysses_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
     kw = features(i)

@@ -21,7 +21,6 @@ from ringsplash._checks import default_scale
 from ringsplash.splash import xla
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from support.attention_inputs import inputs, max_err
-from support.tiers import fast_first
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
@@ -120,7 +119,8 @@ def check_direct(key, mask, *, heads=4, kv_heads=2, q_len=S, kv_len=S, d=64, dty
     return out, lse, grads
 
 
-@pytest.mark.parametrize("name", fast_first(list(MASKS)))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MASKS))
 def test_xla_forward_backward_match_reference_for_every_mask(key, name):
     check_direct(key, MASKS[name]())
 
@@ -141,7 +141,8 @@ def test_xla_multi_head_mask_with_gqa_groups_and_subsets(key):
     check_direct(key, mask, heads=8, kv_heads=2)
 
 
-@pytest.mark.parametrize("kv_heads", fast_first([2, 4, 1]), ids=["gqa_4_2", "mha", "mqa"])
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa_4_2", "mqa"])
 def test_xla_gqa_and_mqa(key, kv_heads):
     check_direct(key, masks.CausalMask((S, S)), heads=4, kv_heads=kv_heads)
 
@@ -155,6 +156,7 @@ def test_xla_permuted_positions(key, layout):
     check_direct(jax.random.fold_in(key, 1), mask, perm_q=perm, perm_kv=perm, partial_mode="function")
 
 
+@pytest.mark.slow
 def test_xla_segment_ids_soft_cap_scale_and_fully_masked_rows(key):
     ids = np.repeat(np.arange(4), S // 4).astype(np.int32)
     kv_ids = ids.copy()
