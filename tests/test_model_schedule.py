@@ -71,7 +71,6 @@ def test_train_step_takes_the_ring_schedule_sharded_not_as_a_constant():
     assert _constants_of_shape(const, whole_shape) == len(schedule.fwd) - 1  # the four work-list arrays
 
 
-@pytest.mark.slow
 def test_model_ring_schedule_matches_what_each_strategy_runs():
     """USP's inner ring runs over the ring degree b with heads / a q heads; others have no ring."""
     usp = CONFIG.replace(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4,
