@@ -57,6 +57,7 @@ def pytest_configure(config):
         settings.load_profile("fast")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the markers added here take part in it
 def pytest_collection_modifyitems(config, items):
     """Tier every test: an expensive kind (``tpu_compile``, ``multiprocess``, ``e2e``) is also
     ``slow`` unless it is marked ``cheap``; whatever is not ``slow`` is ``fast``, so a new
