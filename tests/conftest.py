@@ -57,6 +57,10 @@ def pytest_configure(config):
         settings.load_profile("fast")
 
 
+def pytest_report_header(config):
+    return f"ringsplash: hypothesis profile {settings.get_current_profile_name()!r}, fast-tier budget {FAST_BUDGET_S:g} s"
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the markers added here take part in it
 def pytest_collection_modifyitems(config, items):
     """Tier every test: an expensive kind (``tpu_compile``, ``multiprocess``, ``e2e``) is also
