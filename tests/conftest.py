@@ -18,18 +18,83 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
+# Run single-device CPU computations inline, not queued on a dispatch thread. The Pallas TPU
+# interpreter executes kernel bodies in io_callbacks that dispatch eager JAX ops themselves; with
+# asynchronous dispatch those ops could queue behind work the callback is waiting for (eager ops
+# the test dispatched after the interpreted kernel), and the suite deadlocked. Inline dispatch
+# leaves nothing queued, so no test has to wait on an interpreted kernel by hand.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile(
-    "ringsplash",
-    deadline=None,
-    max_examples=25,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+settings.register_profile("ringsplash", deadline=None, max_examples=25, suppress_health_check=_SUPPRESS)
+# the fast tier (-m "not slow" / -m fast): few examples per property; the other tiers keep 25
+settings.register_profile("fast", deadline=None, max_examples=5, suppress_health_check=_SUPPRESS)
 settings.load_profile("ringsplash")
 
 import pytest  # noqa: E402
+
+#: markers whose tests are expensive by kind: they are also ``slow`` unless marked ``cheap``
+EXPENSIVE_KINDS = ("tpu_compile", "multiprocess", "e2e")
+#: a fast-tier test over this many seconds (setup + call) is listed in the terminal summary
+FAST_BUDGET_S = float(os.environ.get("RINGSPLASH_FAST_BUDGET_S", "5"))
+#: RINGSPLASH_FAST_BUDGET_STRICT=1: a fast-tier test over 3x the budget fails the session (off by
+#: default: this machine is shared and its timings are noisy)
+FAST_BUDGET_STRICT = os.environ.get("RINGSPLASH_FAST_BUDGET_STRICT") == "1"
+_fast_durations: dict[str, float] = {}  # nodeid -> setup + call seconds
+
+
+def _fast_tier_selected(config) -> bool:
+    expr = " ".join((config.getoption("markexpr", "") or "").split())
+    return "not slow" in expr or expr == "fast"
+
+
+def pytest_configure(config):
+    if os.environ.get("HYPOTHESIS_PROFILE"):
+        settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
+    elif _fast_tier_selected(config):
+        settings.load_profile("fast")
+
+
+def pytest_report_header(config):
+    return f"ringsplash: hypothesis profile {settings.get_current_profile_name()!r}, fast-tier budget {FAST_BUDGET_S:g} s"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the markers added here take part in it
+def pytest_collection_modifyitems(config, items):
+    """Tier every test: an expensive kind (``tpu_compile``, ``multiprocess``, ``e2e``) is also
+    ``slow`` unless it is marked ``cheap``; whatever is not ``slow`` is ``fast``, so a new
+    unmarked test lands in the fast tier and the duration guard watches it."""
+    for item in items:
+        names = {m.name for m in item.iter_markers()}
+        if "slow" not in names and "cheap" not in names and names.intersection(EXPENSIVE_KINDS):
+            item.add_marker(pytest.mark.slow)
+            names.add("slow")
+        if "slow" not in names:
+            item.add_marker(pytest.mark.fast)
+
+
+def pytest_runtest_logreport(report):
+    """Duration guard: add up setup + call time of every fast-tier test (runs on the xdist
+    controller too, where the workers' reports arrive)."""
+    if report.when not in ("setup", "call") or "fast" not in report.keywords:
+        return
+    _fast_durations[report.nodeid] = _fast_durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if FAST_BUDGET_STRICT and exitstatus == 0 and any(t > 3 * FAST_BUDGET_S for t in _fast_durations.values()):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    over = sorted(((t, n) for n, t in _fast_durations.items() if t > FAST_BUDGET_S), reverse=True)
+    if over:
+        terminalreporter.section(f"fast-tier tests over {FAST_BUDGET_S:g} s (RINGSPLASH_FAST_BUDGET_S): "
+                                 "make them cheaper or mark them slow")
+        for t, nodeid in over:
+            terminalreporter.write_line(f"{t:8.1f} s  {nodeid}")
 
 
 @pytest.fixture

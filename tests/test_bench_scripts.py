@@ -11,6 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.tpu_compile
+@pytest.mark.e2e
 def test_bench_splash_quick_prints_tables():
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     proc = subprocess.run(

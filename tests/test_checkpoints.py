@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import checkpoints, partitioning, train
-from test_train import _setup
+from support.training import setup as _setup
 
 # Leaf name -> (shape, PartitionSpec on the data 2 x context 4 mesh): a different spec per leaf.
 PARAMS = {
@@ -79,6 +79,7 @@ def _abstract(tree, mesh, specs):
     return jax.tree_util.tree_map_with_path(target, tree)
 
 
+@pytest.mark.slow
 def test_round_trip_of_sharded_state_is_bit_exact(tmp_path, key):
     mesh = _mesh(2, 4)
     state = _sharded_state(key, mesh)
@@ -91,6 +92,7 @@ def test_round_trip_of_sharded_state_is_bit_exact(tmp_path, key):
     assert mu.addressable_shards[0].data.shape == (4, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["1x8", "replicated", "replicated->sharded"])
 def test_restore_onto_another_mesh_shape_gives_identical_values(tmp_path, key, target):
     mesh24 = _mesh(2, 4)
@@ -108,6 +110,7 @@ def test_restore_onto_another_mesh_shape_gives_identical_values(tmp_path, key, t
     _assert_equal_in_sharding(restored, state, like)
 
 
+@pytest.mark.slow
 def test_train_state_saved_on_2x4_restores_on_1x8(tmp_path):
     config, tc, stream = _setup(steps=3)
     state = train.init_state(config, tc, stream.seed)
@@ -179,6 +182,7 @@ checkpoints.save_state({directory!r}, jax.tree.map(lambda x: x, state), step=2)
 """
 
 
+@pytest.mark.e2e
 def test_process_killed_during_save_leaves_previous_checkpoint(tmp_path):
     directory = str(tmp_path / "ckpt")
     script = _KILLED_SAVE.format(tests=os.path.dirname(__file__), directory=directory)
@@ -217,6 +221,7 @@ def test_metadata_is_readable_without_the_arrays(tmp_path, key):
     assert len(meta.leaves) == len(jax.tree.leaves(state))
 
 
+@pytest.mark.slow
 def test_resumed_fit_equals_uninterrupted(tmp_path, monkeypatch):
     """... and ``fit`` restores straight into the FSDP shardings: the restore target is
     abstract (``ShapeDtypeStruct``s carrying the plan's shardings, no array of the state made
@@ -295,6 +300,7 @@ def test_restore_mismatch_names_first_leaf_and_both_shapes(tmp_path, key):
     assert checkpoints.all_steps(str(tmp_path)) == [1]
 
 
+@pytest.mark.multiprocess
 def test_host_local_arrays_are_stored_as_numpy_with_several_processes():
     """orbax refuses host-local jax.Arrays when there are several processes; such a leaf (every
     process holds the same value) is handed to orbax as numpy, which the primary host writes."""
@@ -329,6 +335,7 @@ def _run_processes(mode, directory, num_processes=2):
         assert p.returncode == 0 and f"process {i}: {mode} ok" in out, out[-3000:]
 
 
+@pytest.mark.multiprocess
 def test_saved_in_two_processes_restores_in_one_and_back(tmp_path):
     """Each process writes only its shards (nothing gathered on process 0); the checkpoint
     restores in a single process onto a 1 × 8 mesh, and a single-process one in two processes."""

@@ -1,4 +1,5 @@
-"""The one validation path: every attention entry point x every bad input, and defects 2-5 of issue 9.
+"""The one validation path: every attention entry point x every bad input; integer operands, soft-caps,
+wide segment ids, scale and config errors.
 
 Each entry point is called through ``inspect.unwrap``, i.e. without the test run's
 jaxtyping/beartype wrapper, so these tests see what a user without runtime type checking
@@ -18,9 +19,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import masks
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import inputs, max_err
 
 S, HEADS, KV_HEADS, D = 256, 2, 1, 16
 N = 2  # ring devices in the bad-input matrix (each shard holds 128 tokens)
@@ -153,7 +154,7 @@ class Bad(NamedTuple):
 
 
 BAD = {
-    # defect 2: integer q/k/v (the reference and the ring returned a silently wrong int output)
+    # integer q/k/v (the reference and the ring returned a silently wrong int output)
     "int_qkv": Bad(None, lambda: _qkv(jnp.int32), {}, TypeError,
                    r"q must be a floating-point array, got q\.dtype=int32"),
     "int_v": Bad(None, lambda: (*_qkv()[:2], _qkv(jnp.int32)[2]), {}, TypeError,
@@ -170,7 +171,7 @@ BAD = {
                     rf"got v\.shape=\({KV_HEADS}, \d+, {2 * D}\)"),  # lengths: local ones in shard_map
     "v_kv_heads": Bad(None, lambda: (*_qkv()[:2], jnp.ones((KV_HEADS + 1, S, D // 2))), {}, ValueError,
                       rf"k's kv_heads and kv_len: .*, got v\.shape=\({KV_HEADS + 1}, \d+, {D // 2}\)"),
-    # defect 3: logit_soft_cap 0 / negative / non-finite (uniform attention, NaN at a zero logit)
+    # logit_soft_cap 0 / negative / non-finite (uniform attention, NaN at a zero logit)
     "soft_cap_zero": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap=0), ValueError,
                          r"logit_soft_cap must be > 0, got logit_soft_cap=0\.0"),
     "soft_cap_negative": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap=-30.0), ValueError,
@@ -179,11 +180,11 @@ BAD = {
                         r"logit_soft_cap must be finite, got logit_soft_cap=inf"),
     "soft_cap_str": Bad("logit_soft_cap", _qkv, dict(logit_soft_cap="30"), TypeError,
                         r"logit_soft_cap must be a real number, got logit_soft_cap='30'"),
-    # defect 5: scale errors name scale
+    # scale errors name scale
     "scale_str": Bad("scale", _qkv, dict(scale="a"), TypeError, r"scale must be a real number, got scale='a'"),
     "scale_zero": Bad("scale", _qkv, dict(scale=0.0), ValueError, r"scale must be > 0, got scale=0\.0"),
     "scale_nan": Bad("scale", _qkv, dict(scale=float("nan")), ValueError, r"scale must be finite, got scale=nan"),
-    # defect 5: a config of the wrong type is named before anything reads its attributes
+    # a config of the wrong type is named before anything reads its attributes
     "config_dict": Bad("config", _qkv, dict(config={"block_q": 128}), TypeError,
                        r"config must be a SplashConfig, got config=\{'block_q': 128\} \(dict\)"),
     "config_none": Bad("config", _qkv, dict(config=None), TypeError, r"config must be a SplashConfig, got config=None"),
@@ -192,7 +193,7 @@ BAD = {
                        r"sinks must have shape \(heads,\)=\(2,\), got \(3,\)"),
     "sinks_int": Bad("sinks", _qkv, dict(sinks=jnp.zeros((HEADS,), jnp.int32)), TypeError,
                      r"sinks must be a floating-point array, got sinks\.dtype=int32"),
-    # segment ids (defect 4's value rule is tested numerically below)
+    # segment ids (the wide-id value rule is tested numerically below)
     "segment_ids_float": Bad("segment_ids", _qkv, dict(segment_ids=rs.SegmentIds(IDS, IDS.astype(jnp.float32))),
                              TypeError, r"segment_ids\.kv must be an integer array, got dtype float32"),
     "segment_ids_bool": Bad("segment_ids", _qkv, dict(segment_ids=rs.SegmentIds(IDS > 1, IDS)),
@@ -223,7 +224,7 @@ def test_entry_point_rejects_bad_input(entry, bad):
 
 
 def test_config_type_is_checked_before_lengths():
-    """Defect 5: ring_attention_sharded(config=<dict>) raised AttributeError from a length check."""
+    """ring_attention_sharded(config=<dict>) raised AttributeError from a length check."""
     q, k, v = _qkv()
     with pytest.raises(TypeError, match=r"config must be a SplashConfig, got config=\{\} \(dict\)"):
         _unchecked(rs.ring_attention_sharded)(q, k, v, CAUSAL, mesh=_mesh(8), axis_name="ctx", config={})
@@ -236,7 +237,7 @@ def test_every_entry_point_is_in_the_matrix():
 
 
 # ----------------------------------------------------------------------------------------
-# defect 4: segment ids wider than int32 are never merged silently
+# segment ids wider than int32 are never merged silently
 
 
 def _documents(dtype, offset):
@@ -262,8 +263,11 @@ SEGMENT_ENTRY_POINTS = {
 # Every entry point with int64 ids; every wide dtype on the cheap single-device entry points (the
 # strategies renumber ids through the same check, so the dtype matrix over them adds only compiles).
 WIDE_DTYPES = [(np.int64, 2**32), (np.uint64, 2**63), (np.uint32, 2**31)]
-WIDE_CASES = [(name, *dt) for name in SEGMENT_ENTRY_POINTS for dt in WIDE_DTYPES
-              if dt == WIDE_DTYPES[0] or name in ("reference_attention", "splash_attention", "splash_forward")]
+SINGLE_DEVICE = ("reference_attention", "splash_attention", "splash_forward")
+# fast tier: int64 ids on the reference and on splash_forward; every other case compiles another program (slow)
+FAST_WIDE = {("reference_attention", np.int64), ("splash_forward", np.int64)}
+WIDE_CASES = [pytest.param(name, *dt, marks=() if (name, dt[0]) in FAST_WIDE else pytest.mark.slow)
+              for name in SEGMENT_ENTRY_POINTS for dt in WIDE_DTYPES if dt == WIDE_DTYPES[0] or name in SINGLE_DEVICE]
 
 
 @pytest.mark.parametrize("name, dtype, offset", WIDE_CASES)
@@ -304,6 +308,7 @@ def test_traced_uint32_segment_ids_bitcast_exactly():
 # the ring fits its blocks to its shards
 
 
+@pytest.mark.slow
 def test_ring_default_config_fits_short_shards():
     """S = 2048 on 8 devices with a default SplashConfig (512 blocks; zigzag half-shards of 128
     tokens, refused before): the ring shrinks its blocks and matches the reference, forward and

@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from head_dims import head_dim_params
 from ringsplash import aot, masks
 from ringsplash.splash.vmem import ForwardVmem
+from support.head_dims import head_dim_params
 
 pytestmark = pytest.mark.tpu_compile
 

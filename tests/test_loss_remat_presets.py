@@ -24,6 +24,7 @@ def _loss_inputs(key, tokens=96, d=16, vocab=40):
     return hidden, w, labels, weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [8, 32, 96])
 def test_chunked_loss_equals_unchunked_value_and_gradient(key, chunk):
     hidden, w, labels, weights = _loss_inputs(key)
@@ -53,6 +54,7 @@ def test_chunked_loss_rejects_a_chunk_that_does_not_divide(key):
         train.TrainConfig(loss_chunk=-1)
 
 
+@pytest.mark.slow
 def test_every_remat_policy_gives_the_gradients_of_none(key):
     config = TransformerConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
                                sinks=True)
@@ -146,11 +148,14 @@ def test_byte_lm_takes_a_preset_and_overrides():
     assert (tiny.vocab_size, tiny.d_model, tiny.num_layers, tiny.num_heads, tiny.mlp_ratio) == (256, 64, 2, 1, 2.0)
 
 
+@pytest.mark.slow
 def test_save_attention_does_not_rerun_the_ring_forward():
     """Under "full" the backward pass re-runs each layer, ring included (more collective-permutes
-    in the compiled step); "save_attention" keeps the ring's named output / lse residuals, so its
-    step has exactly the permutes of "none" (measured: none 13, full 16, save_attention 13).
-    One layer and S = 512 (half-shards of 64 tokens): the counts are per compiled program, not per layer."""
+    in the step); "save_attention" keeps the ring's named output / lse residuals, so its step has
+    exactly the permutes of "none" (measured: none 13, full 16, save_attention 13). Remat is
+    decided before XLA runs: the lowered (StableHLO) program gives the same counts as the compiled
+    one (checked for all three policies), without three XLA compiles.
+    One layer and S = 512 (half-shards of 64 tokens): the counts are per program, not per layer."""
     import equinox as eqx
 
     from ringsplash import data
@@ -167,6 +172,6 @@ def test_save_attention_does_not_rerun_the_ring_forward():
         params, static = eqx.partition(Transformer(config, key=jax.random.key(0)), eqx.is_array)
         batch = train.shard_batch(task.batch(np.random.default_rng(0), 2), mesh, config)
         grad_fn = train.make_grad_fn(config, mesh)
-        hlo = jax.jit(lambda p, b, g=grad_fn, s=static: g(p, s, b)).lower(params, batch).compile().as_text()
-        counts[policy] = hlo.count("collective-permute(") + hlo.count("collective-permute-start(")
+        lowered = jax.jit(lambda p, b, g=grad_fn, s=static: g(p, s, b)).lower(params, batch).as_text()
+        counts[policy] = lowered.count("collective_permute")
     assert counts["full"] > counts["none"] == counts["save_attention"], counts

@@ -12,12 +12,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import build_mask_info, layouts, mask_blocks, masks
 from ringsplash import mask_info as mask_info_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL
 from ringsplash.splash import work_pieces
-from test_masks import any_masks
+from support.attention_inputs import inputs, max_err
+from support.masks import any_masks
 
 # ----------------------------------------------------------------------------------------
 # helpers
@@ -395,7 +395,7 @@ def test_schedule_with_traced_shard_indices():
 
 
 # ----------------------------------------------------------------------------------------
-# every composition of every mask type, NumpyMask included (issue 9, defect 8)
+# every composition of every mask type, NumpyMask included
 
 C = 64  # 8 blocks of 8; zigzag over 4 shards gives chunks of 8, striped over 4 a stride of 4
 LEAVES = {
@@ -510,6 +510,7 @@ def test_or_of_disjoint_bands_lists_no_empty_gap():
         assert int(info.num_active[0, 0, 0]) == info.kind.shape[-1]  # no kind-0 step at all
 
 
+@pytest.mark.slow
 @settings(max_examples=150)
 @given(data=st.data())
 def test_random_compositions_round_trip(data):
@@ -531,6 +532,7 @@ def test_random_compositions_round_trip(data):
     check_info(info, mask, q_pos, kv_pos, mode)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["local|eye", "causal&random"])
 def test_splash_on_numpy_composites_matches_reference(key, name):
     n = 256  # 2 x 2 blocks of 128 (the smallest block the config allows)

@@ -18,7 +18,8 @@ import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.parallel import usp_mesh
 from ringsplash.splash.config import SplashConfig
-from test_ring import MASK_KINDS, make_mask, mesh, packed_segments
+from support.masks import MASK_KINDS, make_mask, packed_segments
+from support.meshes import mesh
 
 # Measured: every backend / strategy below reproduces the reference's float32 maxima exactly
 # (max relative error 0.0: the same float32 q·k dot, then the same multiply by scale). Allowed:
@@ -89,6 +90,7 @@ def test_reference_max_logits_match_a_float64_numpy_oracle(key):
 # splash_attention, every mask kind; GQA / MQA / soft-cap / segment ids rotate over the kinds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_splash_max_logits_match_reference_xla(key, kind):
     i = MASK_KINDS.index(kind)
@@ -105,6 +107,7 @@ def test_splash_max_logits_match_reference_xla(key, kind):
     assert_max_logits(mx, reference(q, k, v, mask, seg, cap))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["causal_gqa_segments_cap", "numpy_mqa_empty_rows", "empty_head_mha_cap"])
 def test_splash_max_logits_match_reference_and_xla_interpret(key, case):
     s = 256
@@ -132,6 +135,7 @@ def test_splash_max_logits_match_reference_and_xla_interpret(key, case):
         assert np.isneginf(np.asarray(got["interpret"])[-1])
 
 
+@pytest.mark.slow
 def test_splash_forward_max_logits_per_shard_pair_reduce_to_the_whole(key):
     """``splash_forward(return_max_logits=True)`` on each of 2 x 2 shard pairs (what the ring
     runs): the max over the pairs is the whole sequence's; a pair with nothing attended is -inf."""
@@ -148,6 +152,7 @@ def test_splash_forward_max_logits_per_shard_pair_reduce_to_the_whole(key):
     assert_max_logits(whole, reference(q, k, v, mask))
 
 
+@pytest.mark.slow
 def test_max_logits_carry_no_gradient_and_leave_the_gradients_alone(key):
     s = 256
     q, k, v = operands(key, 4, 2, s)
@@ -177,6 +182,7 @@ def test_max_logits_carry_no_gradient_and_leave_the_gradients_alone(key):
 RING_CASES = [(2, "zigzag"), (4, "contiguous"), (4, "striped"), (8, "striped")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, layout", RING_CASES, ids=[f"n{n}-{lay}" for n, lay in RING_CASES])
 def test_ring_max_logits_match_reference(key, n, layout):
     i = RING_CASES.index((n, layout))
@@ -196,6 +202,7 @@ def test_ring_max_logits_match_reference(key, n, layout):
     assert_max_logits(mx, reference(q, k, v, mask, seg, cap))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interpreter, n", [("tpu", 2), ("generic", 4)])
 def test_ring_max_logits_interpret_backend_and_empty_head(key, interpreter, n):
     s, heads = 128 * n, 4  # one 128-block per shard (zigzag: two half chunks)
@@ -223,6 +230,7 @@ STRATEGY_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", STRATEGY_CASES)
 def test_strategy_max_logits_match_reference(key, case):
     name, n, degrees, layout, (heads, kv_heads), kind, segments, cap = STRATEGY_CASES[case]
@@ -252,6 +260,7 @@ def test_strategy_max_logits_match_reference(key, case):
     assert_max_logits(mx, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ring", "ulysses"])
 def test_max_logits_inside_user_shard_map_are_replicated(key, name):
     from jax.sharding import PartitionSpec as P
@@ -296,10 +305,10 @@ def test_return_max_logits_must_be_a_bool(fn):
 @pytest.mark.parametrize("cap", [None, 30.0], ids=["no_cap", "soft_cap"])
 def test_splash_forward_with_max_logits_compiles_for_v5e_within_heads_x_q_blocks(cap):
     from ringsplash import aot
-    from test_splash_tpu_compile import spec
 
     target, heads, s, block = "v5e:2x2", 8, 8192, 512
-    assert spec(target, heads).shape == (heads, s, 128)
+    device = jax.sharding.SingleDeviceSharding(aot.topology_devices(target)[0])
+    spec = lambda target, heads: jax.ShapeDtypeStruct((heads, s, 128), jnp.bfloat16, sharding=device)
     mask = masks.CausalMask((s, s))
     config = SplashConfig(backend="mosaic_tpu")
 

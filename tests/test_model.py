@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ringsplash import data, layouts, train
 from ringsplash.model import Transformer, TransformerConfig
@@ -57,6 +58,7 @@ def _run(config, model, batch):
     return logits, jax.device_get(grads), float(metrics["loss"])
 
 
+@pytest.mark.slow
 def test_model_strategies_agree():
     """Splash and the ring under both layouts against the reference model, one reference run for all
     three (one test rather than a shared fixture, so that a parallel run cannot repeat the reference on
@@ -94,6 +96,7 @@ def test_model_shapes_and_options(key):
     assert model.layers.attention.sinks.shape == (2, 4)
 
 
+@pytest.mark.slow
 def test_model_remat_recomputes_without_changing_value_or_gradients(key):
     config = _config(max_seq_len=128, remat="full")
     remat = Transformer(config, key=key)
@@ -119,6 +122,7 @@ def test_model_remat_recomputes_without_changing_value_or_gradients(key):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_model_positions_are_explicit(key):
     """RoPE uses the positions passed in: a permuted sequence with its positions, under full
     attention, gives the permuted logits."""
@@ -131,6 +135,7 @@ def test_model_positions_are_explicit(key):
     np.testing.assert_allclose(out_perm, out[perm], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_model_dropout_only_with_key(key):
     config = _config(max_seq_len=128, attention="reference", attention_dropout=0.3)
     model = Transformer(config, key=key)
@@ -148,6 +153,7 @@ def test_model_dropout_only_with_key(key):
     assert np.abs(dropped - no_key).max() > 1e-2 and np.abs(np.asarray(call(model, k2)) - dropped).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_model_bfloat16(key):
     config = _config(max_seq_len=128, param_dtype="bfloat16", compute_dtype="bfloat16")
     model = Transformer(config, key=key)

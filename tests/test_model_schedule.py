@@ -1,4 +1,4 @@
-"""The trainer hands the model's ring its work lists per device (issue 14): the schedule is a
+"""The trainer hands the model's ring its work lists per device: the schedule is a
 ``jit`` argument sharded over the ring axis, each device holding its own q shard's rows (1/N
 of the bytes), and no longer a constant of the whole ``[lists, N, N, steps]`` schedule baked
 into the program and replicated on every device. Numerics of the per-device path: the model
@@ -12,6 +12,7 @@ import re
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import data, train
@@ -33,6 +34,7 @@ def _constants_of_shape(text: str, shape) -> int:
     return len(re.findall(rf"stablehlo\.constant dense<[^\n]*> : tensor<{dims}x\w+>", text))
 
 
+@pytest.mark.slow
 def test_train_step_takes_the_ring_schedule_sharded_not_as_a_constant():
     mesh = train.mesh_for(CONFIG)
     tc = train.TrainConfig(steps=2, batch_size=1, context_parallel=N, warmup_steps=1)

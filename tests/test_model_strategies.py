@@ -81,6 +81,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_model_strategy_matches_reference(reference, case):
     model, batch, (ref_logits, ref_grads) = reference

@@ -16,6 +16,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
 WORKERS = os.path.join(ROOT, "tests", "multiprocess")
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _launch(*args, timeout=300, env=None):
     env = {**os.environ, **(env or {})}
@@ -67,6 +69,7 @@ def test_mismatched_configs_fail_at_start_not_hang():
     assert "CONFIG OK" not in r.stdout
 
 
+@pytest.mark.cheap  # in this process: no process is started
 def test_launcher_rejects_bad_process_count(capsys):
     """Argument checking happens before any process starts (tested in this process)."""
     import importlib.util

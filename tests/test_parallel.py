@@ -13,23 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel import usp_mesh
-from ringsplash.splash.config import SplashConfig
-from test_ring import MASK_KINDS, mesh
-from test_ring import make_mask as ring_mask
+from support.attention_inputs import max_err
+from support.masks import MASK_KINDS, packed_segments
+from support.masks import make_mask as ring_mask
+from support.meshes import mesh
+from support.strategies import INTERPRET, XLA, strategy
+from support.tiers import fast_first
 
-# measured max abs error over this file <= 8.1e-6 (dv, float32); ~6x headroom (the issue's bound is 1e-4)
+# measured max abs error over this file <= 8.1e-6 (dv, float32); ~6x headroom (the bound is 1e-4)
 TOL = 5e-5
 LAYOUTS = ("contiguous", "zigzag", "striped")
-XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-INTERPRET = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret",
-                         interpret_params=pltpu.InterpretParams(uninitialized_memory="nan"))
 def make_mask(kind: str, s: int, heads: int, period: int):
     """The ring tests' mask of one kind; ``multi_head`` repeats its per-head masks with ``period``
     (the heads per Ulysses rank) so every rank's head group has the same masks."""
@@ -39,35 +37,6 @@ def make_mask(kind: str, s: int, heads: int, period: int):
     per_head = [masks.LocalMask(shape, window=(64, 64)), masks.CausalMask(shape),
                 masks.ChunkedCausalMask(shape, chunk_size=256), masks.CausalMask(shape)]
     return masks.MultiHeadMask(per_head[:period] * (heads // period))
-
-
-def packed_segments(key, s: int):
-    """Segment ids of a packed batch: runs of random lengths (original token order)."""
-    starts = jax.random.bernoulli(key, 1 / 150, (s,)).at[0].set(True)
-    return jnp.cumsum(starts).astype(jnp.int32)
-
-
-def strategy(name: str, n: int, layout: str, config=XLA, degrees=None):
-    """(function of global laid-out (q, k, v, ids, sinks, mask, cap), number of layout shards)."""
-    if name == "usp":
-        a, b = degrees
-        m = usp_mesh(a, b, devices=jax.devices()[: a * b])
-
-        def fn(q, k, v, ids, snk, mask, cap):
-            return rs.usp_attention_sharded(q, k, v, mask, mesh=m, ulysses_axis="ulysses", ring_axis="ring",
-                                            segment_ids=ids, layout=layout, logit_soft_cap=cap, sinks=snk,
-                                            config=config)
-
-        return fn, b  # the input is laid out over the ring degree
-    m = mesh(n)
-    sharded = {"allgather": rs.allgather_attention_sharded, "ulysses": rs.ulysses_attention_sharded,
-               "ring": rs.ring_attention_sharded}[name]
-
-    def fn(q, k, v, ids, snk, mask, cap):
-        return sharded(q, k, v, mask, mesh=m, axis_name="ctx", segment_ids=ids, layout=layout, logit_soft_cap=cap,
-                       sinks=snk, config=config)
-
-    return fn, n
 
 
 def run_both(key, name, mask, *, layout, n=4, degrees=None, heads=4, kv_heads=2, s=1024, d=32, segments=False,
@@ -127,6 +96,7 @@ def features(i: int) -> dict:
                 cap=30.0 if i % 3 == 2 else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_allgather_mask_layout_matches_reference(key, kind, layout):
@@ -139,6 +109,7 @@ CP_KINDS = ("causal", "composed", "numpy", "multi_head")
 CP_S = 512  # the smallest S every case's layout allows (USP (2, 4) contiguous/striped: 128 tokens per ring shard)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", CP_KINDS)
 def test_ulysses_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
@@ -149,7 +120,7 @@ def test_ulysses_mask_matches_reference(key, kind):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("kind", CP_KINDS)
+@pytest.mark.parametrize("kind", fast_first(CP_KINDS))
 def test_usp_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
     a, b = ((2, 4), (4, 2))[i % 2]
@@ -163,6 +134,7 @@ def test_usp_mask_matches_reference(key, kind):
 # 8 devices, every feature at once, on each strategy and both USP factorisations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, degrees, layout, heads, kv_heads",
     [
@@ -183,6 +155,7 @@ def test_strategy_eight_devices_all_features(key, name, degrees, layout, heads, 
 # USP contiguous: causal gives its inner ring an empty shard pair, which the ring computes (as
 # zeros) on the interpret backend instead of skipping (the interpreter needs every device in
 # every kernel), so this also covers that path inside USP
+@pytest.mark.slow
 @pytest.mark.parametrize("name, degrees", [("allgather", None), ("ulysses", None), ("usp", (2, 2))])
 def test_strategy_interpret_backend_matches_reference(key, name, degrees):
     s, layout = 256, "contiguous"  # one 128-block per shard (USP: per ring member)
@@ -206,6 +179,7 @@ def test_usp_refuses_the_tpu_interpreter_on_its_whole_mesh():
 # inside the caller's own shard_map
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["allgather", "ulysses"])
 def test_strategy_inside_user_shard_map(key, name):
     n, s, layout = 4, 1024, "zigzag"

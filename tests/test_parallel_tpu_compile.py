@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import ringsplash as rs
 from ringsplash import aot, masks
 from ringsplash.splash.config import SplashConfig
-from test_ring_tpu_compile import parse_hlo, permute_windows
+from support.hlo import parse_hlo, permute_windows
 
 pytestmark = pytest.mark.tpu_compile
 

@@ -6,6 +6,7 @@ reported."""
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import data, partitioning, train
@@ -171,6 +172,7 @@ def _check_eval_and_logits_run_on_the_sharded_parameters(runs):
     np.testing.assert_allclose(logits, np.asarray(train.make_logits_fn(config, mesh)(model, batch)), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_fsdp_training_equals_replicated_training():
     """One replicated and one FSDP run feed every check (one test rather than a module fixture
     shared by four, so that a parallel run cannot repeat both trainings on two workers)."""

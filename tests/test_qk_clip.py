@@ -60,6 +60,7 @@ def _max_logits(model, config, batch):
     return np.asarray(_batch_max_logits(m, batch.tokens, batch.positions, batch.segment_ids))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention, heads, kv_heads, data_parallel, context_parallel",
                          [("splash", 4, 2, 2, 1), ("ring", 2, 2, 1, 2)], ids=["splash_gqa_fsdp", "ring_mha"])
 def test_qk_clip_step_brings_every_head_to_the_threshold(attention, heads, kv_heads, data_parallel,
@@ -102,6 +103,7 @@ def test_qk_clip_step_brings_every_head_to_the_threshold(attention, heads, kv_he
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_fit_with_qk_clip_logs_max_logits_and_resumes_exactly(tmp_path):
     task = TASK
     config = TransformerConfig(vocab_size=task.vocab_size, d_model=32, num_layers=2, num_heads=2,

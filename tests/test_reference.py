@@ -7,6 +7,7 @@ import pytest
 
 import ringsplash as rs
 from ringsplash import masks
+from support.tiers import fast_first
 
 # ----------------------------------------------------------------------------------------
 # independent float64 oracle: explicit loops over heads and rows
@@ -87,7 +88,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", fast_first(list(CASES), 3))
 def test_reference_matches_numpy(key, name):
     heads, kv_heads, q_len, kv_len, d, factory = CASES[name]
     q, k, v = make_qkv(key, heads, kv_heads, q_len, kv_len, d)
@@ -164,6 +165,7 @@ def test_reference_fully_masked_rows(key, with_sinks):
     assert_matches(out, lse, want_out, want_lse)
 
 
+@pytest.mark.slow
 def test_reference_vmaps_over_batch(key):
     q, k, v = make_qkv(key, 4, 2, 8, 8, 8)
     qb, kb, vb = (jnp.stack([x, 2 * x]) for x in (q, k, v))
@@ -265,7 +267,7 @@ GRAD_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(GRAD_CASES))
+@pytest.mark.parametrize("name", fast_first(list(GRAD_CASES)))
 def test_reference_gradients_match_float64(key, name):
     heads, kv_heads, q_len, kv_len, d, factory, opts = GRAD_CASES[name]
     q, k, v = make_qkv(key, heads, kv_heads, q_len, kv_len, d)
@@ -310,6 +312,7 @@ def test_reference_gradients_finite_for_fully_masked_rows(key, with_sinks):
     # (the values of these gradients: test_reference_gradients_match_float64, "masked_rows*")
 
 
+@pytest.mark.slow
 def test_reference_dropout_drops_probabilities_with_the_key(key):
     kq, kk, kv, kd = jax.random.split(key, 4)
     q = jax.random.normal(kq, (4, 32, 16))

@@ -21,15 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
 from ringsplash.parallel.ring_plan import critical_path, ring_plan, ring_work
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import max_err
+from support.masks import MASK_KINDS, make_mask, packed_segments
+from support.meshes import mesh
+from support.tiers import fast_first
 
 # Float32 max abs error vs the reference, measured on the N = 4 mask x layout grid (xla
 # backend, 19 of 21 cases) and the five interpret cases: out <= 9.5e-7, dq / dk / dv <= 5.7e-6,
@@ -39,43 +41,6 @@ GRAD_TOL = 5e-5  # ~9x headroom (dK/dV sum S/N-row partial products on each of N
 TOLS = {"out": OUT_TOL, "dq": GRAD_TOL, "dk": GRAD_TOL, "dv": GRAD_TOL, "d_sinks": GRAD_TOL}
 LAYOUTS = ("contiguous", "zigzag", "striped")
 XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-
-
-def mesh(n: int, name: str = "ctx"):
-    return jax.make_mesh((n,), (name,), devices=jax.devices()[:n], axis_types=(AxisType.Auto,))
-
-
-def make_mask(kind: str, s: int, heads: int):
-    shape = (s, s)
-    if kind == "causal":
-        return masks.CausalMask(shape)
-    if kind == "local":
-        return masks.LocalMask(shape, window=(200, 37))
-    if kind == "chunked":
-        return masks.ChunkedCausalMask(shape, chunk_size=300)
-    if kind == "prefix_lm":
-        return masks.PrefixLMMask(shape, prefix_len=333)
-    if kind == "composed":  # (causal & window) | a bidirectional prefix
-        return (masks.CausalMask(shape) & masks.LocalMask(shape, window=(150, 0))) | masks.PrefixLMMask(shape, 100)
-    if kind == "numpy":
-        rng = np.random.default_rng(s)
-        arr = np.tril(rng.random(shape) < 0.4) | np.eye(s, dtype=bool)
-        arr[: s // 8, :] = False  # some rows attend nothing at all
-        return masks.NumpyMask(arr)
-    if kind == "multi_head":
-        per_head = [masks.CausalMask(shape), masks.LocalMask(shape, window=(64, 64)),
-                    masks.ChunkedCausalMask(shape, chunk_size=256), masks.CausalMask(shape)]
-        return masks.MultiHeadMask(per_head[:heads])
-    raise ValueError(kind)
-
-
-MASK_KINDS = ("causal", "local", "chunked", "prefix_lm", "composed", "numpy", "multi_head")
-
-
-def packed_segments(key, s: int):
-    """Segment ids of a packed batch: runs of random lengths (original token order)."""
-    starts = jax.random.bernoulli(key, 1 / 150, (s,)).at[0].set(True)
-    return jnp.cumsum(starts).astype(jnp.int32)
 
 
 def run_both(key, mask, *, n, layout, heads=2, kv_heads=1, s=1024, d=32, segments=False, sinks=False,
@@ -126,6 +91,7 @@ def assert_close(got, want):
 # layout is run both with and without segment ids, and GQA / MQA / soft-cap / sinks all appear.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_ring_mask_layout_matches_reference(key, kind, layout):
@@ -141,13 +107,14 @@ def test_ring_mask_layout_matches_reference(key, kind, layout):
 # single-device Splash error on the same inputs
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", fast_first(("zigzag", "contiguous", "striped")))
 def test_ring_two_devices_all_features(key, layout):
     got, want = run_both(key, make_mask("causal", 512, 4), n=2, layout=layout, heads=4, kv_heads=2, s=512,
                          segments=True, sinks=True, cap=20.0, unroll=2)
     assert_close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_ring_eight_devices_error_within_twice_single_device(key, layout):
     s, heads, kv_heads, d = 2048, 4, 2, 32
@@ -182,6 +149,7 @@ def test_ring_eight_devices_error_within_twice_single_device(key, layout):
 # all break these
 
 
+@pytest.mark.slow
 def test_ring_remote_only_keys_and_mostly_empty_rows(key):
     """Rows of q shard ``a`` attend keys of one remote kv shard, the one visiting at step
     ``t_a`` (each of the steps 1 .. N-1 is some shard's), half of them also their own shard
@@ -208,6 +176,7 @@ def test_ring_remote_only_keys_and_mostly_empty_rows(key):
     assert np.all(empty_rows == 0), "rows attending nothing must return exactly 0"
 
 
+@pytest.mark.slow
 def test_ring_scores_spread_over_all_shards_need_every_step(key):
     """Full attention with large logits: each shard holds a similar share of the softmax mass,
     so a dropped step, a base-2 lse or a per-step sink moves the output far beyond 1e-4."""
@@ -216,6 +185,7 @@ def test_ring_scores_spread_over_all_shards_need_every_step(key):
     assert_close(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ring_non_finite_values_at_unattended_positions_never_leak(key, layout):
     """The masked-values contract through the ring: K / V at positions no query attends (the
@@ -268,8 +238,8 @@ def test_ring_non_finite_values_at_unattended_positions_never_leak(key, layout):
 
 # ----------------------------------------------------------------------------------------
 # Pallas TPU kernels (interpreter) inside the ring. The interpreter synchronises all devices
-# at every kernel call, so a ring whose devices run different numbers of kernels hangs (issue
-# 9, defect 1): each case runs in a subprocess under a timeout, so a hang fails the test
+# at every kernel call, so a ring whose devices run different numbers of kernels hangs:
+# each case runs in a subprocess under a timeout, so a hang fails the test
 # instead of stalling the suite, and reports its errors back as JSON.
 
 INTERPRET_TIMEOUT_S = 900  # a case takes 1-3 min on the shared 2-core machine, up to ~5 under heavy load
@@ -334,6 +304,8 @@ INTERPRET_CASES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(INTERPRET_TIMEOUT_S + 60)  # the subprocess's own timeout names the case first
 @pytest.mark.parametrize("case", INTERPRET_CASES)
 def test_ring_interpret_backend_matches_reference(case):
     errs = run_interpret_case(**INTERPRET_CASES[case]._asdict())
@@ -346,6 +318,7 @@ def test_ring_interpret_backend_matches_reference(case):
 # ring_attention inside the caller's own shard_map
 
 
+@pytest.mark.slow
 def test_ring_attention_inside_user_shard_map(key):
     n, s, layout = 4, 1024, "zigzag"
     mask = masks.CausalMask((s, s))

@@ -16,6 +16,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 TINY = ["--seq-len", "2048", "--d-model", "256", "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1",
         "--vocab-size", "512", "--block", "256"]
 
+pytestmark = pytest.mark.e2e
+
 
 def _run(args, timeout=300):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -65,6 +67,7 @@ def test_aot_preflight_rejects_an_unknown_preset():
     assert result.returncode == 2 and "choose one of ('tiny', '1b', 'llama3-8b')" in result.stderr
 
 
+@pytest.mark.cheap  # prints the commands, starts nothing heavy
 def test_launch_dry_run_prints_the_commands():
     result = _run(["scripts/tpu/launch.py", "--tpu", "pod", "--zone", "us-east5-b", "--project", "p", "--dry-run",
                    "experiments/train_long_context.py", "--", "--context-parallel", "8", "--backend", "auto"])

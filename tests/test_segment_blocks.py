@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash.parallel import ring as ring_lib
 from ringsplash.splash import attention as attention_lib
@@ -22,7 +21,8 @@ from ringsplash.splash import pallas as pallas_backend
 from ringsplash.splash import segment_blocks
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
-from test_ring import mesh
+from support.attention_inputs import inputs, max_err
+from support.meshes import mesh
 
 # float32 max abs error vs the reference, measured over these cases: out <= 6e-7,
 # dq / dk / dv <= 4e-6 (single device); ring as tests/test_ring.py. ~10x headroom.
@@ -187,6 +187,7 @@ def check_against_reference(key, mask, q_ids, kv_ids, cfg, *, heads=2, kv_heads=
     return got
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None)
 @given(
     docs=st.integers(1, 12), pad=st.sampled_from([0, 3, 100]),
@@ -199,6 +200,7 @@ def test_xla_backend_matches_reference_on_random_packings(docs, pad, order, pad_
     check_against_reference(jax.random.key(seed), MASKS[mask](s), q_ids, kv_ids, config("xla"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order, pad_mode, docs, full_same", [("sorted", "disjoint", 7, set()),
                                                               ("relabelled", "shared", 3, {(1, 0)})])
 def test_interpret_kernels_match_reference_on_packings(key, order, pad_mode, docs, full_same):
@@ -209,6 +211,7 @@ def test_interpret_kernels_match_reference_on_packings(key, order, pad_mode, doc
     check_against_reference(key, masks.CausalMask((s, s)), q_ids, kv_ids, config("interpret"), d=64)
 
 
+@pytest.mark.slow
 def test_kernels_compute_exactly_the_refined_entries(key):
     """In-kernel step counters (forward, dq, dK/dV): computing steps == refined entries ==
     block pairs holding a same-document pair (sorted ids), far fewer than the static lists."""
@@ -247,6 +250,7 @@ def test_kernels_compute_exactly_the_refined_entries(key):
 RING_CASES = [(2, "contiguous", 512), (4, "zigzag", 1024), (8, "striped", 1024)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, layout, s", RING_CASES)
 def test_ring_skips_shard_pairs_without_a_shared_segment(monkeypatch, key, n, layout, s):
     """Counts the forward and backward block calls the ring runs (a host callback inside the

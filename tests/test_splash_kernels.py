@@ -21,11 +21,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash.splash import pallas as pallas_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 NAN_PARAMS = pltpu.InterpretParams(uninitialized_memory="nan")
@@ -59,8 +59,7 @@ def check_against_reference(key, mask, *, heads=2, kv_heads=2, q_len=256, kv_len
         grad = jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3) if sinks else (0, 1, 2), has_aux=True)
         return jax.jit(grad)(q, k, v, s)
 
-    # finish the (interpreted) kernels before dispatching more: see the zigzag shard-pair test
-    grads, (out, lse) = jax.block_until_ready(run(functools.partial(rs.splash_attention, config=cfg)))
+    grads, (out, lse) = run(functools.partial(rs.splash_attention, config=cfg))
     ref_grads, (ref_out, ref_lse) = run(rs.reference_attention)
 
     tol = TOL[dtype]
@@ -106,6 +105,7 @@ MASKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MASKS))
 def test_splash_matches_reference_for_every_mask(key, name):
     mask = MASKS[name]
@@ -113,6 +113,7 @@ def test_splash_matches_reference_for_every_mask(key, name):
     check_against_reference(key, mask, heads=heads, kv_heads=heads // 2 if heads > 2 else heads)
 
 
+@pytest.mark.slow
 def test_splash_multi_head_mask_with_uniform_groups(key):
     """Each GQA group shares one mask, groups differ: the dK/dV kernel walks each kv head's
     own list with the group's q heads innermost (no merged list)."""
@@ -121,6 +122,7 @@ def test_splash_multi_head_mask_with_uniform_groups(key):
                             sinks=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa_8_2", "mqa"])
 def test_splash_gqa_and_mqa(key, kv_heads):
     check_against_reference(key, masks.CausalMask((S, S)), heads=8, kv_heads=kv_heads, d=32)
@@ -131,6 +133,7 @@ def test_splash_soft_cap_and_sinks(key):
                             sinks=True, logit_soft_cap=3.0)
 
 
+@pytest.mark.slow
 def test_splash_segment_ids_with_fully_masked_rows(key):
     # q tokens of segment 3 have no kv token of their segment: those rows attend nothing
     q_ids = jnp.asarray(np.repeat([0, 1, 2, 3], S // 4), jnp.int32)
@@ -140,11 +143,13 @@ def test_splash_segment_ids_with_fully_masked_rows(key):
     assert bool(jnp.all(out[:, 3 * S // 4 :] == 0))  # with sinks, lse of those rows = sink
 
 
+@pytest.mark.slow
 def test_splash_q_len_differs_from_kv_len(key):
     mask = masks.CausalMask((128, 384), offset=256)
     check_against_reference(key, mask, q_len=128, kv_len=384, sinks=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "blocks",
     [dict(bq=256, bkv=128, bq_dkv=128, bkv_dkv=256), dict(bq=128, bkv=256, bkv_compute=128, bq_dkv=256, bkv_dkv=128)],
@@ -154,10 +159,12 @@ def test_splash_block_shapes(key, blocks):
     check_against_reference(key, masks.LocalMask((S, S), window=(90, 0)), cfg=config(**blocks))
 
 
+@pytest.mark.slow
 def test_splash_bfloat16(key):
     check_against_reference(key, masks.CausalMask((S, S)), heads=4, kv_heads=2, dtype=jnp.bfloat16, sinks=True)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(
     q_blocks=st.integers(1, 2), kv_blocks=st.integers(1, 2), group=st.sampled_from([1, 2]),
@@ -170,6 +177,7 @@ def test_splash_hypothesis_shapes(q_blocks, kv_blocks, group, d, window, seed):
                             kv_len=kv_len, d=d, sinks=True)
 
 
+@pytest.mark.slow
 def test_splash_forward_backward_on_zigzag_shard_pairs(key):
     """Ring usage: zigzag-permuted positions, every (q shard, kv shard) pair run separately
     with *traced* shard indices, merged by logsumexp, vs the reference in original order."""
@@ -192,10 +200,7 @@ def test_splash_forward_backward_on_zigzag_shard_pairs(key):
 
     outs, lses = [], []
     for a in range(shards):
-        # wait for each interpreted kernel before the next eager op: the TPU interpreter's
-        # io_callbacks run eager JAX ops, which deadlocked against eager ops queued behind it
-        pairs = [jax.block_until_ready(fwd_pair(shard(qp, a), shard(kp, b), shard(vp, b), a, b))
-                 for b in range(shards)]
+        pairs = [fwd_pair(shard(qp, a), shard(kp, b), shard(vp, b), a, b) for b in range(shards)]
         lse = jax.nn.logsumexp(jnp.stack([p[1] for p in pairs]), axis=0)
         outs.append(sum(p[0] * jnp.exp(p[1] - lse)[..., None] for p in pairs))
         lses.append(lse)
@@ -218,8 +223,8 @@ def test_splash_forward_backward_on_zigzag_shard_pairs(key):
     dv = [0.0] * shards
     for a in range(shards):
         for b in range(shards):
-            g = jax.block_until_ready(bwd_pair(shard(qp, a), shard(kp, b), shard(vp, b), shard(dop, a), lses[a],
-                                               shard(delta, a), a, b))
+            g = bwd_pair(shard(qp, a), shard(kp, b), shard(vp, b), shard(dop, a), lses[a],
+                         shard(delta, a), a, b)
             assert all(x.dtype == jnp.float32 for x in g)
             dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
     _, vjp = jax.vjp(lambda q, k, v: rs.reference_attention(q, k, v, mask), q, k, v)
@@ -228,6 +233,7 @@ def test_splash_forward_backward_on_zigzag_shard_pairs(key):
         assert max_err(got, ref) <= 1e-4
 
 
+@pytest.mark.slow
 def test_splash_forward_out_dtype(key):
     """``splash_forward(out_dtype=float32)`` (the ring's partial outputs) for bf16 inputs."""
     mask = masks.CausalMask((S, S))
@@ -265,6 +271,7 @@ def test_splash_packed_work_list_round_trips_and_rejects_overflow():
 # work check: only non-empty blocks compute
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mask",
     [masks.CausalMask((512, 512)), masks.LocalMask((512, 512), window=(130, 0)),
@@ -300,6 +307,7 @@ def test_splash_computes_only_non_empty_blocks(key, mask):
 # transformations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, remat", [("interpret", False), ("xla", True)])
 def test_splash_under_jit_vmap_grad_and_checkpoint(key, backend, remat):
     """jit(value_and_grad(vmap over batch)). ``jax.checkpoint`` is checked with the xla
@@ -325,6 +333,7 @@ def test_splash_under_jit_vmap_grad_and_checkpoint(key, backend, remat):
         assert max_err(g, r) <= 1e-4
 
 
+@pytest.mark.slow
 def test_splash_under_shard_map_over_heads(key):
     devices = np.array(jax.devices()[:2])
     assert devices.size == 2, "tests/conftest.py provides 8 simulated CPU devices"
@@ -427,6 +436,7 @@ def test_splash_rejects_bad_input(what, error, match):
         _bad_call(what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("probs_dtype", ["input", "float32"])
 def test_splash_backends_agree_in_bfloat16_under_the_same_probs_dtype(key, probs_dtype):
     """interpret and xla round P / dS the same way (SplashConfig.probs_dtype), so in bf16 they
@@ -477,6 +487,7 @@ def _unattended_mask_and_segments():
     return masks.NumpyMask(arr), rs.SegmentIds(q=jnp.asarray(seg_q), kv=jnp.asarray(seg_kv)), unattended
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["interpret", "xla", "reference"])
 def test_non_finite_values_at_unattended_positions_never_leak(key, backend):
     """The masked-values contract: K / V at kv positions that no query attends (masked
@@ -522,6 +533,7 @@ FN_MASKS = {  # masks evaluated in kernel (partial_mode="function"); positions z
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FN_MASKS))
 def test_splash_in_kernel_mask_function_path(key, name):
     """Partial blocks without a stored block (partial_index -1) make the kernels evaluate
@@ -576,6 +588,7 @@ def _float64_attention(q, k, v, allowed, scale):
     return np.einsum("hqk,hkd->hqd", p, v) / np.where(l > 0, l, 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["interpret", "xla"])
 def test_splash_bfloat16_forward_within_the_rounding_bound_of_a_float64_oracle(key, backend):
     """bf16 inputs (exact in float64) vs the float64 oracle on the same values, rounded to
@@ -624,6 +637,7 @@ def _float64_attention_grads(q, k, v, d_out, allowed, scale):
     return (dq, dk, dv), (p, ds, o, ke, ve, fold)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["interpret", "xla"])
 def test_splash_bfloat16_gradients_within_the_rounding_bound_of_a_float64_oracle(key, backend):
     """bf16 q, k, v, d_out (exact in float64): dq, dk, dv vs the float64 oracle rounded to bf16.

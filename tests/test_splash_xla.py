@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash._checks import default_scale
 from ringsplash.splash import xla
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
+from support.attention_inputs import inputs, max_err
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 
@@ -121,17 +121,20 @@ def check_direct(key, mask, *, heads=4, kv_heads=2, q_len=S, kv_len=S, d=64, dty
     return out, lse, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MASKS))
 def test_xla_forward_backward_match_reference_for_every_mask(key, name):
     check_direct(key, MASKS[name]())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partial_mode", ["stored", "function"])
 def test_xla_partial_blocks_stored_or_mask_function(key, partial_mode):
     mask = masks.ChunkedCausalMask((S, S), chunk_size=96) | masks.LocalMask((S, S), window=(3, 3))
     check_direct(key, mask, partial_mode=partial_mode)
 
 
+@pytest.mark.slow
 def test_xla_multi_head_mask_with_gqa_groups_and_subsets(key):
     # 8 heads, 2 kv heads (groups of 4): lists {0,1,2,3} (a whole group), {4,6}, {5}, {7}
     c, l1 = masks.CausalMask((S, S)), masks.LocalMask((S, S), window=(40, 0))
@@ -140,11 +143,13 @@ def test_xla_multi_head_mask_with_gqa_groups_and_subsets(key):
     check_direct(key, mask, heads=8, kv_heads=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa_4_2", "mqa"])
 def test_xla_gqa_and_mqa(key, kv_heads):
     check_direct(key, masks.CausalMask((S, S)), heads=4, kv_heads=kv_heads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
 def test_xla_permuted_positions(key, layout):
     perm = layouts.permutation(layout, S, 2)
@@ -153,6 +158,7 @@ def test_xla_permuted_positions(key, layout):
     check_direct(jax.random.fold_in(key, 1), mask, perm_q=perm, perm_kv=perm, partial_mode="function")
 
 
+@pytest.mark.slow
 def test_xla_segment_ids_soft_cap_scale_and_fully_masked_rows(key):
     ids = np.repeat(np.arange(4), S // 4).astype(np.int32)
     kv_ids = ids.copy()
@@ -165,6 +171,7 @@ def test_xla_segment_ids_soft_cap_scale_and_fully_masked_rows(key):
     assert bool(jnp.all(grads[0][:, rows] == 0))
 
 
+@pytest.mark.slow
 def test_xla_q_len_differs_from_kv_len_with_empty_rows(key):
     # bottom-right aligned causal with more queries than keys: the first 128 rows attend nothing
     mask = masks.CausalMask((384, 256), offset=-128)
@@ -173,10 +180,12 @@ def test_xla_q_len_differs_from_kv_len_with_empty_rows(key):
     check_direct(key, masks.LocalMask((128, 512), window=(200, 50), offset=300), q_len=128, kv_len=512)
 
 
+@pytest.mark.slow
 def test_xla_bfloat16(key):
     check_direct(key, masks.LocalMask((S, S), window=(100, 0)), dtype=jnp.bfloat16)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(
     q_blocks=st.integers(1, 3), kv_blocks=st.integers(1, 3), bq=st.sampled_from([64, 128]),
@@ -190,6 +199,7 @@ def test_xla_hypothesis_shapes(q_blocks, kv_blocks, bq, bkv, group, d, window, s
                  kv_len=kv_len, d=d, block_shape=(bq, bkv))
 
 
+@pytest.mark.slow
 def test_xla_shard_pairs_of_a_zigzag_ring(key):
     """Each (q shard, kv shard) schedule of a sharded MaskInfo, merged, equals the reference."""
     shards, heads, d = 2, 2, 64
@@ -244,6 +254,7 @@ def check_splash(key, mask, *, heads=4, kv_heads=2, q_len=S, kv_len=S, d=64, dty
         assert max_err(a, b) <= tol, f"d{name}: {max_err(a, b)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["causal", "numpy", "or"])
 def test_xla_splash_attention_matches_reference(key, name):
     check_splash(key, MASKS[name]())
@@ -257,6 +268,7 @@ def test_xla_splash_attention_sinks_soft_cap_segments_bf16(key):
     check_splash(key, masks.CausalMask((S, S)), sinks=True, dtype=jnp.bfloat16, cfg=xla_config(256, 128))
 
 
+@pytest.mark.slow
 def test_xla_splash_attention_under_vmap_checkpoint_and_shard_map(key):
     batch, heads, d = 2, 4, 32
     mask = masks.CausalMask((S, S))
@@ -295,6 +307,7 @@ def test_xla_splash_sinks_replicated_over_a_batch_shard_map_with_vma_checks(key)
     assert max_err(got, want) <= 1e-4
 
 
+@pytest.mark.slow
 def test_xla_scans_type_check_under_shard_map_with_traced_shard_indices(key):
     """Ring-style use: the shard pair comes from ``axis_index`` (a varying, traced schedule)."""
     shards, n, heads, d = 4, S // 4, 2, 32

@@ -11,21 +11,11 @@ import pytest
 
 from ringsplash import data, layouts, train
 from ringsplash.model import TransformerConfig
-from ringsplash.splash import SplashConfig
-
-BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-TASK = data.RecallTask(seq_len=128, num_pairs=8, num_queries=8, num_keys=16, num_values=8, num_filler=8)
+from support.training import BLOCKS, TASK
+from support.training import setup as _setup
 
 
-def _setup(seq=128, steps=12, **model_kw):
-    config = TransformerConfig(**{**dict(vocab_size=TASK.vocab_size, d_model=32, num_layers=2, num_heads=2,
-                                         max_seq_len=seq, splash=BLOCKS), **model_kw})
-    tc = train.TrainConfig(steps=steps, batch_size=4, learning_rate=3e-3, warmup_steps=2, log_every=2, progress=False)
-    task = TASK if seq == TASK.seq_len else TASK.__class__(**{**TASK.__dict__, "seq_len": seq})
-    stream = data.DataStream(make=lambda rng, n, step: task.batch(rng, n), batch_size=4, seed=3)
-    return config, tc, stream
-
-
+@pytest.mark.slow
 def test_train_reduces_loss(tmp_path):
     config, tc, stream = _setup(steps=30)
     train.fit(config, tc, stream, str(tmp_path))
@@ -36,6 +26,7 @@ def test_train_reduces_loss(tmp_path):
     assert os.path.exists(train.MetricsLog(str(tmp_path)).plot())
 
 
+@pytest.mark.slow
 def test_train_ring_on_data_by_context_mesh_reduces_loss(tmp_path):
     config, tc, stream = _setup(seq=512, steps=6, attention="ring", ring_axis_name="context", ring_size=2)
     tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "context_parallel": 2, "learning_rate": 1e-2})
@@ -55,6 +46,7 @@ def test_layout_batch_permutes_every_field_once():
     np.testing.assert_array_equal(laid.positions[0], layouts.permutation("zigzag", 1024, 4))
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     config, tc, stream = _setup(steps=3)
     state = train.fit(config, tc, stream, str(tmp_path / "a"))
@@ -67,15 +59,26 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_resumed_run_equals_uninterrupted(tmp_path):
+@pytest.mark.slow
+def test_resumed_run_equals_uninterrupted_and_drops_metrics_past_its_checkpoint(tmp_path):
+    """One interrupted-and-resumed run feeds both checks (one test rather than a fixture shared
+    by two, so that a parallel run cannot repeat the runs on two workers): the resumed run ends
+    bit for bit where the uninterrupted one ends, and metrics logged past the last checkpoint
+    are dropped when it resumes."""
     config, tc, stream = _setup(steps=8)
+    tc = tc.__class__(**{**tc.__dict__, "log_every": 1, "checkpoint_every": 2})
     full = train.fit(config, tc, stream, str(tmp_path / "full"))
     train.fit(config, tc, stream, str(tmp_path / "resumed"), stop_after=3)  # "interrupted" after 3 steps
+    log = train.MetricsLog(str(tmp_path / "resumed"))
+    # an interruption after step 4 was logged but before its checkpoint: the last one is step 3
+    log.write({"split": "train", "step": 4, "loss": -1.0})
     resumed = train.fit(config, tc, stream, str(tmp_path / "resumed"))  # picks up the checkpoint
     assert int(resumed.step) == int(full.step) == 8
     for x, y in zip(jax.tree.leaves(eqx.filter(full, eqx.is_array)), jax.tree.leaves(eqx.filter(resumed, eqx.is_array)),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    steps = [r["step"] for r in log.read()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8] and all(r["loss"] > 0 for r in log.read())
 
 
 def test_pack_documents_segments_and_labels():
@@ -166,6 +169,7 @@ def test_make_mesh_rejects_a_process_count_that_does_not_divide_it(monkeypatch):
         train.make_mesh(1, 3)
 
 
+@pytest.mark.slow
 def test_resume_with_a_different_config_names_the_fields(tmp_path):
     config, tc, stream = _setup(steps=4)
     train.fit(config, tc, stream, str(tmp_path), stop_after=2)
@@ -178,17 +182,3 @@ def test_resume_with_a_different_config_names_the_fields(tmp_path):
     state = train.fit(config, tc.__class__(**{**tc.__dict__, "progress": True, "log_every": 1}), stream, str(tmp_path))
     assert int(state.step) == 4
     assert int(train.fit(config, changed, stream, str(tmp_path), resume=False).step) == 4
-
-
-def test_metrics_past_the_checkpoint_are_dropped_on_resume(tmp_path):
-    config, tc, stream = _setup(steps=6)
-    tc = tc.__class__(**{**tc.__dict__, "log_every": 1, "checkpoint_every": 2})
-    train.fit(config, tc, stream, str(tmp_path), stop_after=4)
-    log = train.MetricsLog(str(tmp_path))
-    # an interruption after step 5 was logged but before its checkpoint: the last one is step 4
-    log.write({"split": "train", "step": 5, "loss": -1.0})
-    train.fit(config, tc, stream, str(tmp_path))
-    steps = [r["step"] for r in log.read()]
-    assert steps == [1, 2, 3, 4, 5, 6] and all(r["loss"] > 0 for r in log.read())
-
-

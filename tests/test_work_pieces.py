@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType
 
 import ringsplash as rs
-from attention_inputs import inputs, max_err
 from ringsplash import layouts, masks
 from ringsplash.masks import EMPTY
 from ringsplash.parallel.ring import ring_attention_sharded
 from ringsplash.splash import work_pieces
 from ringsplash.splash.config import SplashConfig
+from support.attention_inputs import inputs, max_err
 
 B128 = dict(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)
 # vs the float32 reference at S <= 512: measured out <= 9.6e-7, grads <= 4.8e-6 (both backends)
@@ -68,6 +68,7 @@ def _needed(q_block, kv_block, kind, partial, transpose):
     return np.stack([major[keep], minor[keep], kind[keep], partial[keep]]).astype(np.int64)
 
 
+@pytest.mark.slow
 @settings(max_examples=6)
 @given(kind=st.sampled_from(["causal", "local", "numpy", "multi_head"]), shards=st.sampled_from([1, 2, 4]),
        transpose=st.booleans(), layout=st.sampled_from(layouts.LAYOUTS), extra=st.integers(0, 6))
@@ -167,6 +168,7 @@ def _assert_split_matches(split, whole, want, *, exact):
         assert max_err(a, w) <= (OUT_TOL if name == "out" else GRAD_TOL), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal", "multi_head"])
 def test_single_device_xla_tiny_budget_equals_unsplit_and_reference(key, kind):
     s, heads, kv_heads = 384, 4, 2
@@ -181,6 +183,7 @@ def test_single_device_xla_tiny_budget_equals_unsplit_and_reference(key, kind):
     _assert_split_matches(got, base, _reference(q, k, v, d_out, mask, seg), exact=False)
 
 
+@pytest.mark.slow
 def test_single_device_interpret_tiny_budget_equals_unsplit_and_reference(key):
     """GQA, causal: forward, dq and dK/dV kernels each run in several pieces (bit-exact)."""
     s, heads, kv_heads = 384, 2, 1
@@ -218,6 +221,7 @@ def _ring(q, k, v, d_out, mask, mesh, layout, config, schedule=None):
     return jax.jit(run)(q, k, v, d_out, schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n, layout", [(2, "zigzag"), (4, "contiguous"), (4, "striped"), (8, "zigzag")])
 def test_ring_xla_tiny_budget_equals_unsplit_and_reference(key, n, layout):
     s, heads, kv_heads = 256 * n, 2, 1  # two 128-blocks per shard
@@ -235,6 +239,7 @@ def test_ring_xla_tiny_budget_equals_unsplit_and_reference(key, n, layout):
     _assert_split_matches(got, base, _reference(q, k, v, d_out, mask), exact=False)
 
 
+@pytest.mark.slow
 def test_ring_interpret_tiny_budget_per_device_schedule(key):
     """N = 2, zigzag, GQA: every kernel in pieces, schedule rows sharded over the ring axis."""
     n, s, heads, kv_heads = 2, 512, 2, 1
@@ -340,7 +345,7 @@ CP_CASES = [
 
 def _cp_run(name, degrees, layout, mask, config):
     """``run(q, k, v, d_out) -> (out, dq, dk, dv)`` of a strategy on 8 devices, in original token order."""
-    from test_parallel import strategy
+    from support.strategies import strategy
 
     fn, shards = strategy(name, 8, layout, config, degrees)
     lay = lambda x: layouts.permute(x, layout, shards, axis=1)
@@ -370,6 +375,7 @@ def _cp_info(name, degrees, layout, mask, s, config):
 CP_SPLIT_TOL, CP_OUT_TOL, CP_GRAD_TOL = 7e-6, 3e-6, 6e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, degrees, layout, s, heads, kv_heads, steps", CP_CASES)
 def test_strategy_xla_tiny_budget_equals_unsplit_and_reference(key, name, degrees, layout, s, heads, kv_heads,
                                                                 steps):
