@@ -4,6 +4,10 @@ Each case asserts the exception type and that the message names the offending ar
 Kernel / ring / model entry points add their own cases in their test files.
 """
 
+import functools
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -201,3 +205,42 @@ def test_mask_indexing_errors():
     mh = masks.MultiHeadMask([m, m])
     with pytest.raises(IndexError, match=r"mask\[head, q_index, kv_index\]"):
         mh[0, 0]
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((0, 8, 16), (1, 8, 16), (1, 8, 16)), r"heads \(q\.shape\[0\]\) must be >= 1"),
+    (((4, 8, 16), (0, 8, 16), (0, 8, 16)), r"kv_heads \(k\.shape\[0\]\) must be >= 1"),
+    (((4, 8, 0), (2, 8, 0), (2, 8, 16)), r"head_dim \(q\.shape\[2\]\) must be >= 1"),
+    (((4, 8, 16), (2, 8, 16), (2, 8, 0)), r"head_dim_v \(v\.shape\[2\]\) must be >= 1"),
+], ids=["heads", "kv_heads", "head_dim", "head_dim_v"])
+def test_zero_sized_heads_are_refused_by_name(shapes, match):
+    q, k, v = (jnp.ones(s, jnp.float32) for s in shapes)
+    with pytest.raises(ValueError, match=match):  # was a ZeroDivisionError from the GQA / scale arithmetic
+        _checks.check_attention_inputs(q, k, v)
+
+
+@pytest.mark.parametrize("sinks, bad", [([np.nan, 0.0], "[0]"), ([0.0, np.inf], "[1]")], ids=["nan", "pos_inf"])
+@pytest.mark.parametrize("entry", ["reference", "splash"])
+def test_sinks_must_be_finite_or_minus_inf(sinks, bad, entry):
+    q, k, v = _qkv(heads=2, kv_heads=2, q_len=128, kv_len=128)
+    attn = rs.reference_attention if entry == "reference" else functools.partial(
+        rs.splash_attention, config=rs.SplashConfig(backend="xla"))
+    with pytest.raises(ValueError, match=r"sinks must be finite or -inf.*heads " + re.escape(bad)):
+        attn(q, k, v, masks.CausalMask((128, 128)), sinks=jnp.asarray(sinks, jnp.float32))
+    # -inf (a head without a sink) is allowed and equals no sink at all
+    ok = attn(q + 1, k + 1, v + 1, masks.CausalMask((128, 128)), sinks=jnp.asarray([-np.inf, -np.inf], jnp.float32))
+    assert np.array_equal(np.asarray(ok), np.asarray(attn(q + 1, k + 1, v + 1, masks.CausalMask((128, 128)))))
+
+
+@pytest.mark.parametrize("unroll", ["x", 0, -1, 1.5, None])
+def test_unroll_is_checked_by_name(unroll):
+    message = r"unroll must be an int >= 1 or a bool.*unroll=" + re.escape(repr(unroll))
+    with pytest.raises(ValueError, match=message):  # "x" was a TypeError from a comparison inside lax.scan
+        _checks.check_unroll("unroll", unroll)
+    if isinstance(unroll, int):  # what the annotation lets through reaches the ring's own check
+        q, k, v = _qkv(heads=2, kv_heads=2, q_len=256, kv_len=256)
+        mesh = jax.make_mesh((2,), ("c",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+        with pytest.raises(ValueError, match=message):
+            rs.ring_attention_sharded(q, k, v, masks.CausalMask((256, 256)), mesh=mesh, axis_name="c",
+                                      unroll=unroll, config=rs.SplashConfig(backend="xla"))
+    assert _checks.check_unroll("unroll", True) is True and _checks.check_unroll("unroll", 2) == 2

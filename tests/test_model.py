@@ -160,3 +160,29 @@ def test_model_bfloat16(key):
     assert model.embedding.dtype == jnp.bfloat16
     logits = model(jnp.arange(128) % 48, jnp.arange(128))
     assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+def test_model_input_errors_name_the_argument(key):
+    from ringsplash.model.transformer import _check_example
+
+    config = _config(max_seq_len=256, attention="splash")
+    model = Transformer(config, key=key)
+    tokens, positions = jnp.arange(256) % 48, jnp.arange(256)
+    with pytest.raises(ValueError, match=r"tokens must be \[seq\].*batch with jax.vmap.*\(1, 256\)"):
+        _check_example(tokens[None], positions[None], None, 48)  # the library's own check (no jaxtyping hook)
+    with pytest.raises(ValueError, match=r"positions must have the shape of tokens \(256,\).*\(255,\)"):
+        _check_example(tokens, positions[:255], None, 48)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=48\), got ids in \[0, 48\]"):
+        model(tokens.at[3].set(48), positions)
+    with pytest.raises(TypeError, match=r"segment_ids must be integers"):
+        _check_example(tokens, positions, jnp.zeros(256), 48)
+    # through the model, under the suite's jaxtyping hook the annotation may fire first: either names tokens
+    with pytest.raises((ValueError, TypeError), match=r"tokens"):
+        model(tokens[None], positions[None])
+
+
+def test_ring_model_outside_shard_map_says_how_to_call_it(key):
+    config = _config(max_seq_len=512, attention="ring", ring_size=2, ring_axis_name="context")
+    model = Transformer(config, key=key)
+    with pytest.raises(ValueError, match=r"attention='ring'.*inside jax.shard_map.*make_logits_fn"):
+        model(jnp.arange(256) % 48, jnp.arange(256))  # was NameError: unbound axis name

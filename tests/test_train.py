@@ -182,3 +182,16 @@ def test_resume_with_a_different_config_names_the_fields(tmp_path):
     state = train.fit(config, tc.__class__(**{**tc.__dict__, "progress": True, "log_every": 1}), stream, str(tmp_path))
     assert int(state.step) == 4
     assert int(train.fit(config, changed, stream, str(tmp_path), resume=False).step) == 4
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_stops_training_naming_the_step(tmp_path):
+    """A run whose loss becomes NaN/Inf (here: a learning rate that overflows the weights) stops
+    with the step instead of training on and reporting accuracy 0, and writes no checkpoint."""
+    config, tc, stream = _setup(steps=8)
+    tc = tc.__class__(**{**tc.__dict__, "learning_rate": 1e30, "warmup_steps": 0, "checkpoint_every": 4})
+    with pytest.raises(FloatingPointError, match=r"NaN/Inf at step (\d+); no checkpoint was written"):
+        train.fit(config, tc, stream, str(tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(np.isfinite(r["loss"]) for r in records)  # nothing non-finite was logged
+    assert not os.path.isdir(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")

@@ -25,6 +25,7 @@ from ringsplash._scalar_checks import (
     check_int,
     check_positive_int,
     check_positive_multiple,
+    check_unroll,
     literal_choices,
 )
 from ringsplash.masks import Mask, MultiHeadMask
@@ -42,6 +43,8 @@ __all__ = [
     "check_positive_int",
     "check_positive_multiple",
     "check_segment_ids",
+    "check_sink_values",
+    "check_unroll",
     "default_scale",
     "literal_choices",
     "normalize_segment_ids",
@@ -148,6 +151,11 @@ def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, 
             raise TypeError(f"{name} must be a floating-point array, got {name}.dtype={x.dtype}")
     heads, q_len, d = q.shape
     kv_heads, kv_len, dk = k.shape
+    for what, size in (("heads (q.shape[0])", heads), ("kv_heads (k.shape[0])", kv_heads),
+                       ("head_dim (q.shape[2])", d), ("head_dim_v (v.shape[2])", v.shape[2])):
+        if size == 0:
+            raise ValueError(f"{what} must be >= 1, got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, "
+                             f"v.shape={tuple(v.shape)}")
     if dk != d:
         raise ValueError(f"head_dim mismatch: q has head_dim={d}, k has head_dim={dk}")
     if v.shape[:2] != k.shape[:2]:
@@ -179,7 +187,21 @@ def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, 
             raise ValueError(f"sinks must have shape (heads,)={(heads,)}, got {getattr(sinks, 'shape', sinks)}")
         if not jnp.issubdtype(sinks.dtype, jnp.floating):
             raise TypeError(f"sinks must be a floating-point array, got sinks.dtype={sinks.dtype}")
+        check_sink_values(sinks)
     return heads, kv_heads, q_len, kv_len, d
+
+
+def check_sink_values(sinks) -> None:
+    """Concrete sinks must be finite or ``-inf`` (a head without a sink): NaN would make every
+    row of its head NaN and ``+inf`` its output 0 with a NaN gradient. Traced sinks are not
+    inspected (every path then propagates a NaN / +inf alike)."""
+    if not _is_concrete(sinks):
+        return
+    values = np.asarray(sinks, np.float32)
+    bad = np.isnan(values) | np.isposinf(values)
+    if bad.any():
+        raise ValueError(f"sinks must be finite or -inf (no sink), got sinks={values.tolist()} "
+                         f"(heads {np.flatnonzero(bad).tolist()})")
 
 
 def check_segment_ids(segment_ids, q_len: int, kv_len: int) -> None:

@@ -46,6 +46,15 @@ def check_positive_multiple(name: str, value: Any, multiple: int) -> int:
     return int(value)
 
 
+def check_unroll(name: str, value: Any) -> int | bool:
+    """A ``lax.scan`` unroll: ``True`` / ``False`` or an ``int >= 1``."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or a bool (True: unroll fully), got {name}={value!r}")
+    return int(value)
+
+
 def check_float(name: str, value: Any, *, positive: bool = False, minimum: float | None = None,
                 maximum: float | None = None) -> float:
     """``value`` as a finite python ``float`` (ints accepted; bools, strings, arrays rejected)."""

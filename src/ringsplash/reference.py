@@ -100,7 +100,7 @@ def reference_attention(
     l = jnp.sum(p, axis=-1)
     if sinks is not None:
         l = l + jnp.exp(sinks.astype(jnp.float32)[:, None] - m)
-    safe_l = jnp.where(l > 0, l, 1.0)
+    safe_l = jnp.where(l == 0, 1.0, l)  # a NaN denominator (NaN input) stays NaN, as in the kernels
     if dropout_rate > 0:  # dropping unnormalised p then dividing by l = dropping probabilities
         keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, p.shape)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
@@ -112,6 +112,6 @@ def reference_attention(
         extra = (jax.lax.stop_gradient(jnp.max(jnp.where(allowed, raw, -jnp.inf), axis=(1, 2))),)
     if not return_residuals:
         return (out, *extra) if extra else out
-    lse = jnp.where(l > 0, m + jnp.log(safe_l), MASKED_LSE)
+    lse = jnp.where(l == 0, MASKED_LSE, m + jnp.log(safe_l))
     return out, lse, *extra
 

@@ -53,7 +53,15 @@ def attend(
     cp = config.context_parallel
     for role in cp.roles:
         axis_name, size = cp.axis(role), cp.size(role)
-        actual = jax.lax.axis_size(axis_name)
+        try:
+            actual = jax.lax.axis_size(axis_name)
+        except NameError:
+            raise ValueError(
+                f"TransformerConfig(attention={config.attention!r}) runs attention inside jax.shard_map over "
+                f"the mesh axis {axis_name!r}, which is not bound here: call the model through "
+                f"ringsplash.train.make_logits_fn / make_train_step (they shard_map it over train.mesh_for(config)), "
+                f"or inside your own shard_map over such a mesh; attention='splash' runs on one device"
+            ) from None
         if actual != size:
             raise ValueError(
                 f"mesh axis {axis_name!r} has {actual} devices but the config says {role}_size={size}"

@@ -113,6 +113,27 @@ class Block(eqx.Module):
         return (x, max_logits) if return_max_logits else x
 
 
+def _check_example(tokens, positions, segment_ids, vocab_size: int) -> None:
+    """One example's token ids, positions and segment ids: int ``[seq]`` each, of one length;
+    concrete token ids inside the vocabulary (traced ids cannot be inspected)."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 1:
+        raise ValueError(f"tokens must be [seq] token ids of one example (batch with jax.vmap, or use the "
+                         f"train/eval step functions, which do), got tokens.shape={shape}")
+    for name, x in (("tokens", tokens), ("positions", positions), ("segment_ids", segment_ids)):
+        if x is None:
+            continue
+        if getattr(x, "shape", None) != shape:
+            raise ValueError(f"{name} must have the shape of tokens {tuple(shape)}, got {name}.shape="
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must be integers, got {name}.dtype={x.dtype}")
+    if not isinstance(tokens, jax.core.Tracer) and shape[0]:
+        lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"token ids must be in [0, vocab_size={vocab_size}), got ids in [{lo}, {hi}]")
+
+
 class Transformer(eqx.Module):
     """Embedding, ``num_layers`` stacked blocks, final RMSNorm, unembedding (optionally tied)."""
 
@@ -179,6 +200,7 @@ class Transformer(eqx.Module):
                 layer's ring holds the whole schedule as a constant replicated on every device.
         """
         c = self.config
+        _check_example(tokens, positions, segment_ids, c.vocab_size)
         cdt = dtype_of(c.compute_dtype)
         x = self.embedding[tokens].astype(cdt)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import _softmax, layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call
+from ringsplash._checks import check_attention_call, check_unroll
 from ringsplash._shard_map import axis_size, varying, vma
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
@@ -372,6 +372,7 @@ def ring_attention(
         this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order (and
         ``max_logits`` with ``return_max_logits``).
     """
+    unroll = check_unroll("unroll", unroll)
     n = axis_size(axis_name, "ring_attention")
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
                             segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name,
@@ -394,8 +395,6 @@ def ring_attention(
     else:
         check_schedule(schedule, plan, n)
     return _ring(static, q, k, v, q_seg, kv_seg, sinks, schedule)
-
-
 
 
 def _kind(mesh) -> str:
@@ -465,6 +464,7 @@ def ring_attention_sharded(
     """
     call = _check_ring_call(q, k, v, mask, None, segment_ids, scale, logit_soft_cap, sinks, config,
                             local=False, axis_name=axis_name, return_max_logits=return_max_logits)
+    unroll = check_unroll("unroll", unroll)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:

@@ -15,7 +15,7 @@ import jax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_positive_int
+from ringsplash._checks import check_positive_int, check_unroll
 from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.parallel._common import (
@@ -95,6 +95,7 @@ def usp_attention(
             replicated on every device.
     """
     _check_axes(ulysses_axis, ring_axis)
+    unroll = check_unroll("unroll", unroll)
     a, b = axis_size(ulysses_axis, "usp_attention"), axis_size(ring_axis, "usp_attention")
     heads, kv_heads, q_len, _, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=a * b, what=f"axes {ulysses_axis!r} x {ring_axis!r}",

@@ -37,6 +37,26 @@ def _sync_processes(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+@jax.jit
+def _first_nonfinite(first, step, loss, grad_norm):
+    """``first`` (-1 = none yet) or ``step`` if this step's loss or gradient norm is not finite:
+    tracked on the device, so the loop synchronises only when it logs or checkpoints."""
+    bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+    return jnp.where((first < 0) & bad, step, first)
+
+
+def _stop_if_nonfinite(first, ckpt: str) -> None:
+    step = int(first)
+    if step >= 0:
+        latest = checkpoints.latest_step(ckpt)
+        raise FloatingPointError(
+            f"training stopped: the loss or gradient norm is NaN/Inf at step {step}; "
+            + (f"the newest checkpoint ({ckpt}, step {latest}) predates it" if latest is not None
+               else "no checkpoint was written")
+            + " (lower the learning rate, check the data and the restored weights)"
+        )
+
+
 def fit(
     model_config: TransformerConfig,
     tc: TrainConfig,
@@ -55,6 +75,9 @@ def fit(
     given configs (else a ``ValueError`` names the differing fields), and metrics records past
     the checkpoint's step (written before an interruption) are dropped, so no step appears twice.
     A checkpoint is written every ``tc.checkpoint_every`` steps and at the end, atomically.
+
+    A loss or gradient norm that becomes NaN/Inf stops training with a ``FloatingPointError``
+    naming the step, at the next log step and before any checkpoint would hold it.
 
     ``stop_after`` stops early after that many total steps (for tests of exact resumption);
     ``on_log(state, record)`` may return extra metrics (e.g. a held-out evaluation) to log.
@@ -100,14 +123,17 @@ def fit(
                dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     next_batch = stream_batch(stream, start, mesh, model_config) if start < end else None
+    first_bad = jnp.asarray(-1, jnp.int32)
     for i in range(start, end):
         batch = next_batch
         model, opt_state, metrics = step_fn(model, opt_state, batch, jax.random.fold_in(base_key, i))
+        first_bad = _first_nonfinite(first_bad, i + 1, metrics["loss"], metrics["grad_norm"])
         if i + 1 < end:  # build the next batch on the host while the device works
             next_batch = stream_batch(stream, i + 1, mesh, model_config)
         window_steps += 1
         last = i + 1 == end
         if (i + 1) % tc.log_every == 0 or last or i == start:
+            _stop_if_nonfinite(first_bad, ckpt)
             metrics = jax.device_get(metrics)
             now = time.perf_counter()
             record = {"split": "train", "step": i + 1, "loss": float(metrics["loss"]),
@@ -125,6 +151,7 @@ def fit(
                             tok_s=f"{record.get('tokens_per_s', 0):.0f}")
         bar.update(1)
         if tc.checkpoint_every and (i + 1) % tc.checkpoint_every == 0 and not last:
+            _stop_if_nonfinite(first_bad, ckpt)
             save_checkpoint(ckpt, TrainState(model, opt_state, jnp.asarray(i + 1, jnp.int32), state.data_seed))
     bar.close()
     state = TrainState(model, opt_state, jnp.asarray(max(end, start), jnp.int32), state.data_seed)
