@@ -612,3 +612,35 @@ def test_mask_info_1m_is_cheap_and_never_dense(monkeypatch, name, mask, shards, 
         elif mask.classification_exact != "never":
             assert evaluated == [] and n_unique == 0  # exact classification: nothing to materialise
         assert int(info.num_active.sum()) > 0
+
+
+def test_a_build_that_cannot_fit_is_refused_before_it_starts():
+    """A 2^31-token causal mask needs ~8.8e12 blocks: refused up front with the estimate (it used
+    to grow until the OOM killer ended the process)."""
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(MemoryError, match=r"block_shape=\(512, 512\) would need about [\d,.]+ GiB.*8,796,\d{3},\d{3},\d{3} "
+                                          r"non-empty blocks.*use larger blocks"):
+        build_mask_info(masks.CausalMask((2**31, 2**31)), (512, 512))
+    assert time.perf_counter() - t0 < 60  # O(blocks per side): seconds, not an S x S walk
+
+
+@pytest.mark.parametrize("kind", ["causal", "local", "zigzag_causal"])
+def test_build_size_estimate_bounds_the_measured_peak(kind):
+    """The estimate is an upper bound on what the build allocates, and not a loose one."""
+    import tracemalloc
+
+    s = 1 << 18
+    mask = masks.LocalMask((s, s), window=(4096, 0)) if kind == "local" else masks.CausalMask((s, s))
+    perm = layouts.permutation("zigzag", s, 4) if kind.startswith("zigzag") else None
+    estimate = mask_info_lib.estimate_build_bytes(mask, (512, 512), perm, perm)
+    build_mask_info.cache_clear()
+    tracemalloc.start()
+    build_mask_info(mask, (512, 512), q_shards=4 if perm is not None else 1, kv_shards=4 if perm is not None else 1,
+                    q_positions=perm, kv_positions=perm)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    build_mask_info.cache_clear()
+    print(f"{kind}: peak {peak / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB")
+    assert peak <= estimate <= 8 * peak

@@ -89,15 +89,9 @@ def _pair_entries(mask: Mask, qb: _Blocks, kb: _Blocks, q_sel: slice, kv_sel: sl
     m_lo, m_hi = major.lo[major_sel], major.hi[major_sel]
     n_lo, n_hi = minor.lo[minor_sel], minor.hi[minor_sel]
     range_fn = mask.attending_q_range if transpose else mask.attended_kv_range
-    want_lo, want_hi = range_fn(m_lo.astype(np.int64), m_hi.astype(np.int64))
-
-    order = None
-    if np.any(np.diff(n_lo) < 0):  # unusual custom orders: sort minor blocks by position
-        order = np.argsort(n_lo, kind="stable")
+    first, counts, order = candidate_runs(range_fn, m_lo, m_hi, n_lo, n_hi)
+    if order is not None:
         n_lo, n_hi = n_lo[order], n_hi[order]
-    first = np.searchsorted(np.maximum.accumulate(n_hi), want_lo, side="left")
-    end = np.searchsorted(n_lo, want_hi, side="right")
-    counts = np.maximum(end - first, 0)
     offsets = np.cumsum(counts) - counts
     minor_idx = np.arange(int(counts.sum()), dtype=np.int32)
     minor_idx += np.repeat((first - offsets).astype(np.int32), counts)
@@ -114,6 +108,20 @@ def _pair_entries(mask: Mask, qb: _Blocks, kb: _Blocks, q_sel: slice, kv_sel: sl
         resort = np.lexsort((minor_idx, major_of))
         work = _PairWork(work.counts, minor_idx[resort], work.kinds[resort])
     return work
+
+
+def candidate_runs(range_fn, m_lo, m_hi, n_lo, n_hi):
+    """``(first, counts, order)``: major block ``i`` may touch the ``counts[i]`` minor blocks
+    from ``first[i]`` on, in minor blocks sorted by lowest position (``order``: that sort, or
+    None when they already are); ``range_fn`` gives each major block's minor-position interval."""
+    want_lo, want_hi = range_fn(m_lo.astype(np.int64), m_hi.astype(np.int64))
+    order = None
+    if np.any(np.diff(n_lo) < 0):  # unusual custom orders: sort minor blocks by position
+        order = np.argsort(n_lo, kind="stable")
+        n_lo, n_hi = n_lo[order], n_hi[order]
+    first = np.searchsorted(np.maximum.accumulate(n_hi), want_lo, side="left")
+    end = np.searchsorted(n_lo, want_hi, side="right")
+    return first, np.maximum(end - first, 0), order
 
 
 def _drop_empty(work: _PairWork) -> _PairWork:

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import hashlib
 import operator
+import os
 import threading
 from typing import Literal, NamedTuple
 
@@ -20,7 +21,14 @@ import numpy as np
 
 from ringsplash import masks as masks_lib
 from ringsplash._scalar_checks import check_choice, check_divides, check_positive_int, literal_choices
-from ringsplash.mask_blocks import MAX_STORED_PARTIAL_BLOCKS, assemble, build_list, smallest_int_dtype, summarise
+from ringsplash.mask_blocks import (
+    MAX_STORED_PARTIAL_BLOCKS,
+    assemble,
+    build_list,
+    candidate_runs,
+    smallest_int_dtype,
+    summarise,
+)
 from ringsplash.masks import EMPTY, FULL, PARTIAL, AnyMask, Mask
 
 __all__ = ["MAX_STORED_PARTIAL_BLOCKS", "PARTIAL_MODES", "BlockSchedule", "MaskInfo", "PartialMode", "build_mask_info",
@@ -153,9 +161,10 @@ class MaskInfo:
 # validation
 
 
-def _check_positions(positions, length: int, name: str) -> np.ndarray:
+def _check_positions(positions, length: int, name: str) -> np.ndarray | None:
+    """int32 positions, or None for the identity (not materialised: it may be huge)."""
     if positions is None:
-        return np.arange(length, dtype=np.int32)
+        return None
     pos = np.asarray(positions)
     if pos.shape != (length,):
         raise ValueError(f"{name} must have shape ({length},), got {pos.shape}")
@@ -191,13 +200,65 @@ def _check_blocking(length: int, block: int, shards: int, what: str) -> int:
     return shards
 
 
+# ----------------------------------------------------------------------------------------
+# size guard: estimate the build's host memory before building
+
+#: host bytes the builder holds per candidate block pair and per token (positions, per-block
+#: summaries): measured 27-30 B per block on causal builds of 1M and 4M tokens and ~9 B per
+#: token on a local-window build of 16M tokens (tracemalloc peaks), rounded up
+BUILD_BYTES_PER_BLOCK, BUILD_BYTES_PER_TOKEN = 32, 16
+
+
+def _block_ranges(positions: np.ndarray | None, length: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 (lowest, highest) original position of each block of ``block`` rows."""
+    if positions is None:  # the identity, without materialising it
+        lo = np.arange(length // block, dtype=np.int64) * block
+        return lo, lo + (block - 1)
+    p = positions.reshape(length // block, block)
+    return p.min(1).astype(np.int64), p.max(1).astype(np.int64)
+
+
+def estimate_build_bytes(mask: AnyMask, block_shape: tuple[int, int], q_positions=None, kv_positions=None) -> int:
+    """An upper bound on the host bytes :func:`build_mask_info` needs: its candidate block pairs
+    (each q block against the kv blocks its mask's attended interval reaches, as the builder
+    enumerates them) and its per-token arrays; O(blocks), nothing of size S x S."""
+    heads = masks_lib.head_masks(mask)
+    q_len, kv_len = heads[0].shape
+    bq, bkv = block_shape
+    q_lo, q_hi = _block_ranges(None if q_positions is None else np.asarray(q_positions), q_len, bq)
+    kv_lo, kv_hi = _block_ranges(None if kv_positions is None else np.asarray(kv_positions), kv_len, bkv)
+    candidates = sum(int(candidate_runs(m.attended_kv_range, q_lo, q_hi, kv_lo, kv_hi)[1].sum())
+                     for m in dict.fromkeys(heads))
+    return BUILD_BYTES_PER_BLOCK * candidates + BUILD_BYTES_PER_TOKEN * (q_len + kv_len)
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_build_size(heads, block_shape, q_pos, kv_pos) -> None:
+    mask = heads[0] if len(heads) == 1 else masks_lib.MultiHeadMask(heads)
+    need, have = estimate_build_bytes(mask, block_shape, q_pos, kv_pos), _host_memory_bytes()
+    if need > have:
+        blocks = (need - BUILD_BYTES_PER_TOKEN * sum(heads[0].shape)) // BUILD_BYTES_PER_BLOCK
+        raise MemoryError(
+            f"build_mask_info for a {heads[0].shape} mask with block_shape={tuple(block_shape)} would need about "
+            f"{need / 2**30:,.1f} GiB of host memory (up to {blocks:,} non-empty blocks), more than this host's "
+            f"{have / 2**30:.1f} GiB: use larger blocks, a sparser mask or a shorter sequence"
+        )
+
+
 def _build(mask: AnyMask, block_shape, q_shards, kv_shards, q_pos, kv_pos, transpose, partial_mode,
            rows=None) -> MaskInfo:
     heads = masks_lib.head_masks(mask)
     q_len, kv_len = heads[0].shape
     bq, bkv = block_shape
-    qb = summarise(q_pos, bq, identity=bool(np.array_equal(q_pos, np.arange(q_len))))
-    kb = summarise(kv_pos, bkv, identity=bool(np.array_equal(kv_pos, np.arange(kv_len))))
+    q_identity = q_pos is None or bool(np.array_equal(q_pos, np.arange(q_len)))
+    kv_identity = kv_pos is None or bool(np.array_equal(kv_pos, np.arange(kv_len)))
+    q_pos = np.arange(q_len, dtype=np.int32) if q_pos is None else q_pos
+    kv_pos = np.arange(kv_len, dtype=np.int32) if kv_pos is None else kv_pos
+    qb = summarise(q_pos, bq, identity=q_identity)
+    kb = summarise(kv_pos, bkv, identity=kv_identity)
     unique, head_to_list = {}, []
     for m in heads:  # heads with equal masks share one list
         head_to_list.append(unique.setdefault(m, len(unique)))
@@ -285,6 +346,7 @@ def build_mask_info(
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
+    _check_build_size(heads, (bq, bkv), q_pos, kv_pos)
     info = _build(mask, (bq, bkv), int(q_shards), int(kv_shards), q_pos, kv_pos, bool(transpose), partial_mode,
                   rows)
     for a in (info.q_block, info.kv_block, info.kind, info.partial_index, info.num_active,
