@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ringsplash import checkpoints
 from ringsplash.data import DataStream
@@ -37,17 +38,12 @@ def _sync_processes(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-@jax.jit
-def _first_nonfinite(first, step, loss, grad_norm):
-    """``first`` (-1 = none yet) or ``step`` if this step's loss or gradient norm is not finite:
-    tracked on the device, so the loop synchronises only when it logs or checkpoints."""
-    bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
-    return jnp.where((first < 0) & bad, step, first)
-
-
-def _stop_if_nonfinite(first, ckpt: str) -> None:
-    step = int(first)
-    if step >= 0:
+def _stop_if_nonfinite(pending: list, ckpt: str) -> None:
+    """Raise at the first of the ``(step, loss, grad_norm)`` device scalars (the steps since the
+    last check, fetched only now: no synchronisation per step) whose loss or norm is NaN/Inf."""
+    for step, loss, grad_norm in jax.device_get(pending):
+        if np.isfinite(loss) and np.isfinite(grad_norm):
+            continue
         latest = checkpoints.latest_step(ckpt)
         raise FloatingPointError(
             f"training stopped: the loss or gradient norm is NaN/Inf at step {step}; "
@@ -123,17 +119,18 @@ def fit(
                dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
     next_batch = stream_batch(stream, start, mesh, model_config) if start < end else None
-    first_bad = jnp.asarray(-1, jnp.int32)
+    pending = []  # (step, loss, grad_norm) of the steps not yet checked for NaN/Inf
     for i in range(start, end):
         batch = next_batch
         model, opt_state, metrics = step_fn(model, opt_state, batch, jax.random.fold_in(base_key, i))
-        first_bad = _first_nonfinite(first_bad, i + 1, metrics["loss"], metrics["grad_norm"])
+        pending.append((i + 1, metrics["loss"], metrics["grad_norm"]))
         if i + 1 < end:  # build the next batch on the host while the device works
             next_batch = stream_batch(stream, i + 1, mesh, model_config)
         window_steps += 1
         last = i + 1 == end
         if (i + 1) % tc.log_every == 0 or last or i == start:
-            _stop_if_nonfinite(first_bad, ckpt)
+            _stop_if_nonfinite(pending, ckpt)
+            pending = []
             metrics = jax.device_get(metrics)
             now = time.perf_counter()
             record = {"split": "train", "step": i + 1, "loss": float(metrics["loss"]),
@@ -151,7 +148,8 @@ def fit(
                             tok_s=f"{record.get('tokens_per_s', 0):.0f}")
         bar.update(1)
         if tc.checkpoint_every and (i + 1) % tc.checkpoint_every == 0 and not last:
-            _stop_if_nonfinite(first_bad, ckpt)
+            _stop_if_nonfinite(pending, ckpt)
+            pending = []
             save_checkpoint(ckpt, TrainState(model, opt_state, jnp.asarray(i + 1, jnp.int32), state.data_seed))
     bar.close()
     state = TrainState(model, opt_state, jnp.asarray(max(end, start), jnp.int32), state.data_seed)
