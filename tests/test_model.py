@@ -174,6 +174,11 @@ def test_model_input_errors_name_the_argument(key):
         _check_example(tokens, positions[:255], None, 48)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=48\), got ids in \[0, 48\]"):
         model(tokens.at[3].set(48), positions)
+    # concrete ids closed over by a jitted function are read on the host, not traced (was a ConcretizationTypeError)
+    with pytest.raises(ValueError, match=r"got ids in \[-1, 47\]"):
+        bad = tokens.at[0].set(-1)
+        jax.jit(lambda m: m(bad, positions))(model)
+    assert jax.jit(lambda m: m(tokens, positions))(model).shape == (256, 48)
     with pytest.raises(TypeError, match=r"segment_ids must be integers"):
         _check_example(tokens, positions, jnp.zeros(256), 48)
     # through the model, under the suite's jaxtyping hook the annotation may fire first: either names tokens

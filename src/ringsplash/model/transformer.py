@@ -20,6 +20,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
@@ -128,8 +129,12 @@ def _check_example(tokens, positions, segment_ids, vocab_size: int) -> None:
                              f"{getattr(x, 'shape', type(x).__name__)}")
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name} must be integers, got {name}.dtype={x.dtype}")
-    if not isinstance(tokens, jax.core.Tracer) and shape[0]:
-        lo, hi = int(jnp.min(tokens)), int(jnp.max(tokens))
+    # Host-side check of concrete ids (numpy, so that a concrete array closed over by a jitted function
+    # is read rather than traced); ids spread over other processes cannot be read here.
+    if (not isinstance(tokens, jax.core.Tracer) and shape[0]
+            and getattr(tokens, "is_fully_addressable", True)):
+        ids = np.asarray(tokens)
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"token ids must be in [0, vocab_size={vocab_size}), got ids in [{lo}, {hi}]")
 
