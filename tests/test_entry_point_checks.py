@@ -354,10 +354,11 @@ def test_ring_impossible_shape_names_a_config_that_works():
     s, n = 8 * 600, 8  # shards of 600 tokens: no multiple of 128 <= 512 tiles them
     q = jnp.ones((2, s, 16))
     expected = (
-        "ring attention cannot tile a shard of S // 8 = 4800 // 8 = 600 tokens (layout 'contiguous', 8 devices) "
-        "with SplashConfig.block_q=512: a ring block is a multiple of 128 dividing the shard, or the whole shard "
-        "when it is shorter than the block. Pass SplashConfig(block_q=640, block_kv=640, block_q_dkv=640, "
-        "block_kv_dkv=640) (blocks shrink to the 600-token shard), or use S divisible by 8 x 128 = 1024 (e.g. S=5120)"
+        "ring attention over 8 devices (layout 'contiguous', S // 8 = 4800 // 8 = 600 tokens per shard): "
+        "SplashConfig.block_q=512 cannot tile the 600-token shard: a block is a multiple of 128 dividing the shard, "
+        "or the whole shard when it is shorter than the block. Pass SplashConfig(block_q=640, block_kv=640, "
+        "block_q_dkv=640, block_kv_dkv=640) (blocks shrink to the 600-token shard), or use S divisible by "
+        "8 x 128 = 1024 (e.g. S=5120)"
     )
     with pytest.raises(ValueError, match=re.escape(expected) + "$"):
         _unchecked(rs.ring_attention_sharded)(q, q[:1], q[:1], masks.CausalMask((s, s)), mesh=_mesh(n),
@@ -366,3 +367,58 @@ def test_ring_impossible_shape_names_a_config_that_works():
     good = SplashConfig(block_q=640, block_kv=640, block_q_dkv=640, block_kv_dkv=640)
     assert fit_ring_blocks(s, n, "contiguous", good).block_shape == (600, 600)
     assert fit_ring_blocks(5120, n, "contiguous", SplashConfig()).block_shape == (128, 128)
+
+
+# ----------------------------------------------------------------------------------------
+# one block rule on every path (splash/blocks.py)
+
+
+def test_every_path_fits_blocks_by_one_rule():
+    """A configured block that does not divide a length shrinks to a multiple of 128 that does
+    (was refused by splash_attention, all-gather and Ulysses while the ring shrank); a short
+    length is one whole block; a part that no block lowers for is refused on every path."""
+    from ringsplash.splash.blocks import Extent, fit_blocks
+
+    cfg = SplashConfig(block_q=512, block_kv=512, block_kv_compute=256, block_q_dkv=512, block_kv_dkv=512)
+    whole = lambda n: Extent(n, n, "q_len")
+    fit = fit_blocks(cfg, q=whole(768), kv=whole(768), what="t")
+    assert fit.block_shape == (256, 256) and fit.config.block_kv_compute == 256  # gcd(512, 768)
+    assert fit_blocks(cfg, q=whole(250), kv=whole(250), what="t").block_shape == (250, 250)  # whole array
+    with pytest.raises(ValueError, match=r"^t: SplashConfig.block_q=512 cannot tile the 1000-token q_len: .*"
+                                         r"Pass SplashConfig\(block_q=1024, .*, or use S divisible by 128$"):
+        fit_blocks(cfg, q=whole(1000), kv=whole(1000), what="t", length_hint="use S divisible by 128")
+    half = Extent(125, 250, "zigzag half-shard")  # part of an array: must itself be a multiple of 128
+    with pytest.raises(ValueError, match=r"cannot tile the 125-token zigzag half-shard: .*250-token array"):
+        fit_blocks(cfg, q=half, kv=half, what="t")
+    fit = fit_blocks(SplashConfig(block_q=256, block_kv=256, block_kv_compute=128), q=whole(384), kv=whole(200),
+                     what="t")
+    assert fit.block_shape == (128, 200) and fit.config.block_kv_compute == 256  # 128 does not tile 200: whole
+
+
+@pytest.mark.parametrize("strategy", ["splash", "allgather", "ulysses"])
+def test_a_length_blocks_do_not_divide_runs_on_every_path(strategy):
+    """S = 768 with 512 blocks (refused before on these three paths) runs with 256 blocks and
+    matches the reference, as the ring does."""
+    s, n = 768, 2
+    q, k, v, _, _ = inputs(jax.random.key(7), 2, 2, s, s, d=16)
+    mask = masks.CausalMask((s, s))
+    cfg = SplashConfig(backend="xla")
+    if strategy == "splash":
+        got = rs.splash_attention(q, k, v, mask, config=cfg)
+    else:
+        fn = rs.allgather_attention_sharded if strategy == "allgather" else rs.ulysses_attention_sharded
+        got = fn(q, k, v, mask, mesh=_mesh(n), axis_name="ctx", config=cfg)
+    assert max_err(got, rs.reference_attention(q, k, v, mask)) < 3e-6  # measured <= 4e-7 in float32; < 10x
+
+
+def test_model_config_accepts_what_splash_attention_accepts():
+    from ringsplash.model import TransformerConfig
+
+    base = dict(vocab_size=32, d_model=64, num_layers=1, num_heads=4)
+    assert TransformerConfig(**base, attention="splash", max_seq_len=256).max_seq_len == 256  # refused before
+    assert TransformerConfig(**base, attention="splash", max_seq_len=768).max_seq_len == 768
+    with pytest.raises(ValueError, match=r"attention='splash' at max_seq_len=1000: SplashConfig.block_q=512 cannot "
+                                         r"tile the 1000-token max_seq_len.*a max_seq_len divisible by 128$"):
+        TransformerConfig(**base, attention="splash", max_seq_len=1000)
+    with pytest.raises(ValueError, match=r"125-token zigzag half-shard.*e.g. S=1024\)$"):
+        TransformerConfig(**base, attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=1000)

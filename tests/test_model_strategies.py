@@ -122,9 +122,10 @@ REJECTED = [
      ["ring_size=2 needs attention='ring'", "attention='ulysses' does not"]),
     (dict(attention="ring", ring_axis_name="context", ring_size=4, ulysses_size=2),
      ["ulysses_size=2 needs attention='ulysses' or 'usp'", "ulysses_size=1"]),
-    # all-gather: the local queries must be whole blocks
-    (dict(attention="allgather", ring_axis_name="context", ring_size=16),
-     ["max_seq_len / ring_size = 1024 / 16 = 64 queries", "splash.block_q=128", "divisible by 16 x 128 = 2048"]),
+    # all-gather: blocks must tile each device's queries (64 queries of 1024 / 16 are one whole block)
+    (dict(attention="allgather", ring_axis_name="context", ring_size=4, max_seq_len=1000),
+     ["attention='allgather' at max_seq_len=1000: SplashConfig.block_q=128 cannot tile the 250-token per-device q_len",
+      "SplashConfig(block_q=256", "divisible by 512"]),
     (dict(attention="usp", ring_axis_name="context", ring_size=4, ulysses_axis_name="ulysses", ulysses_size=2,
           max_seq_len=1020),
      ["max_seq_len=1020 must be divisible by ring_size x ulysses_size = 4 x 2 = 8"]),

@@ -349,9 +349,16 @@ def test_ring_rejects_mesh_without_axis():
 @pytest.mark.parametrize(
     "layout, n, s, match",
     [
-        ("contiguous", 4, 768, r"cannot tile a shard of S // 4 = 768 // 4 = 192 tokens .*block_q=128"),
-        ("striped", 8, 1536, r"cannot tile a shard of S // 8 = 1536 // 8 = 192 tokens .*S=2048\)$"),
-        ("zigzag", 4, 1536, r"cannot tile a zigzag half-shard of S // 8 = 1536 // 8 = 192 tokens"),
+        ("contiguous", 4, 768, r"S // 4 = 768 // 4 = 192 tokens per shard\): SplashConfig.block_q=128 cannot tile "
+                               r"the 192-token shard.*block_q=256"),
+        ("striped", 8, 1536, r"cannot tile the 192-token shard.*S=2048\)$"),
+        # zigzag half-shards are parts of the shard the kernel tiles: a short one must itself be a
+        # multiple of 128 to lower for TPU (S = 1000 over 4 ran here with 125-token blocks and did not lower)
+        ("zigzag", 4, 1536, r"cannot tile the 192-token zigzag half-shard"),
+        ("zigzag", 4, 1000, r"SplashConfig.block_q=128 cannot tile the 125-token zigzag half-shard: .* and a multiple "
+                            r"of 128 \(the zigzag half-shard is part of the 250-token array the kernel tiles.*No block "
+                            r"size fits: use S divisible by 8 x 128 = 1024 \(e.g. S=1024\)$"),
+        ("zigzag", 4, 512, r"cannot tile the 64-token zigzag half-shard"),
     ],
 )
 def test_ring_rejects_lengths_no_block_tiles(layout, n, s, match):

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import aot, masks
 from ringsplash.parallel.ring import ring_attention_sharded
+from ringsplash.splash.attention import splash_attention
 from ringsplash.splash.config import SplashConfig
 from support.hlo import count_permute_starts, overlap_violations
 
@@ -130,3 +131,33 @@ def test_ring_tpu_compile_temp_memory_is_per_shard(topology, record_property):
     print(f"{topology}: temp {mem.temp / 2**20:.0f} MiB per device "
           f"= {mem.temp / local_q:.1f} x local q ({local_q / 2**20:.0f} MiB)")
     assert mem.temp <= TEMP_LIMIT_IN_LOCAL_Q * local_q
+
+
+# ----------------------------------------------------------------------------------------
+# fitted blocks (splash/blocks.py) lower: what the rule accepts on CPU compiles for TPU
+
+
+@pytest.mark.parametrize("path, s", [("splash", 768), ("splash", 250), ("ring", 1000)])
+def test_fitted_blocks_lower_for_tpu(path, s):
+    """Default 512 blocks on lengths they do not divide: splash at S = 768 runs 256-blocks
+    (gcd), at S = 250 one whole block; the ring at S = 1000 over 4 contiguous shards runs whole
+    250-token shards. Forward and backward compile with the Mosaic kernels (before the rule, the
+    ring shrank zigzag half-shards to 125 tokens here and Mosaic refused them; that length is now
+    refused on the host, tests/test_ring.py)."""
+    mesh = aot.topology_mesh("v5e:2x2", ("ctx",))
+    mask, config = masks.CausalMask((s, s)), SplashConfig(backend="mosaic_tpu")
+    if path == "ring":
+        attn = lambda q, k, v: ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx", layout="contiguous",
+                                                      config=config)
+        spec = aot.abstract((2, s, 128), jnp.bfloat16, mesh, P(None, "ctx"))
+    else:  # one head per chip (a Mosaic call is not auto-partitioned)
+        attn = jax.shard_map(lambda q, k, v: splash_attention(q, k, v, mask, config=config), mesh=mesh,
+                             in_specs=P("ctx"), out_specs=P("ctx"))
+        spec = aot.abstract((4, s, 128), jnp.bfloat16, mesh, P("ctx"))
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(out)
+
+    report = aot.compile_report(fwd_bwd, spec, spec, spec)
+    assert report.fits and "tpu_custom_call" in report.hlo_text

@@ -400,8 +400,8 @@ def _bad_call(what):
     mask = masks.CausalMask((256, 256))
     cfg = config()
     if what == "block_not_dividing":
-        return rs.splash_attention(jnp.zeros((4, 384, 64)), kvx[:, :128], kvx[:, :128],
-                                   masks.CausalMask((384, 128)), config=config(bq=256))
+        return rs.splash_attention(jnp.zeros((4, 1000, 64)), kvx[:, :128], kvx[:, :128],
+                                   masks.CausalMask((1000, 128)), config=config(bq=256))
     if what == "head_dim":
         return rs.splash_attention(x, jnp.zeros((2, 256, 32)), jnp.zeros((2, 256, 32)), mask, config=cfg)
     if what == "kv_heads":
@@ -421,7 +421,7 @@ def _bad_call(what):
 @pytest.mark.parametrize(
     "what, error, match",
     [
-        ("block_not_dividing", ValueError, "block_q=256 must divide q_len=384"),
+        ("block_not_dividing", ValueError, "block_q=256 cannot tile the 1000-token q_len"),
         # with runtime type checking on (tests), jaxtyping reports the "d" mismatch first
         ("head_dim", (ValueError, jaxtyping.TypeCheckError), "head_dim|kv_heads kv_len d"),
         ("kv_heads", ValueError, "kv_heads=3 must divide heads=4"),

@@ -14,6 +14,7 @@ from ringsplash._checks import check_choice, check_float, check_int, check_posit
 from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel, Strategy
 from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
 from ringsplash.parallel.ring_plan import fit_ring_blocks
+from ringsplash.splash.blocks import Extent, fit_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 MaskKind = Literal["causal", "local", "chunked", "prefix_lm", "full"]
@@ -238,25 +239,18 @@ class TransformerConfig:
                 )
             fit_ring_blocks(self.max_seq_len, self.ring_size, self.ring_layout, self.splash)
             return
-        if self.attention in ("allgather", "ulysses"):
-            layouts.check_layout(self.ring_layout, self.max_seq_len, self.layout_shards)
-        s = self.splash
-        blocks = {name: getattr(s, name) for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv")}
-        q_len = self.max_seq_len // (self.ring_size if self.attention == "allgather" else 1)
-        for name, block in blocks.items():
-            if self.attention == "allgather" and name in ("block_q", "block_q_dkv") and q_len % block:
-                raise ValueError(
-                    f"attention='allgather' runs the kernels on each device's max_seq_len / ring_size = "
-                    f"{self.max_seq_len} / {self.ring_size} = {q_len} queries, which splash.{name}={block} "
-                    f"does not divide: use a {name} (multiple of {NUM_LANES}) dividing {q_len}, or a max_seq_len "
-                    f"divisible by {self.ring_size} x {block} = {self.ring_size * block}"
-                )
-            if self.max_seq_len % block:
-                raise ValueError(
-                    f"sequence length must be divisible by the block sizes: max_seq_len={self.max_seq_len} "
-                    f"is not divisible by splash.{name}={block}: use smaller "
-                    f"blocks (multiples of {NUM_LANES}) or a max_seq_len divisible by {block}"
-                )
+        a, seq = self.attention, self.max_seq_len
+        if a in ("allgather", "ulysses"):
+            layouts.check_layout(self.ring_layout, seq, self.layout_shards)
+        if a not in ("splash", "allgather", "ulysses"):
+            return
+        # the rule of every Splash path (splash/blocks.py), on the lengths this strategy's kernels see
+        q_len = seq // self.ring_size if a == "allgather" else seq
+        multiple = {"splash": NUM_LANES, "allgather": self.ring_size * NUM_LANES,
+                    "ulysses": math.lcm(self.ulysses_size, NUM_LANES)}[a]
+        fit_blocks(self.splash, q=Extent(q_len, q_len, "max_seq_len" if q_len == seq else "per-device q_len"),
+                   kv=Extent(seq, seq, "max_seq_len"), what=f"attention={a!r} at max_seq_len={seq}",
+                   length_hint=f"a max_seq_len divisible by {multiple}")
 
     # ------------------------------------------------------------------ derived values
 

@@ -8,8 +8,9 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ringsplash._checks import check_attention_call, check_divides
+from ringsplash._checks import check_attention_call
 from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 
 # ----------------------------------------------------------------------------------------
@@ -46,12 +47,13 @@ def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int
     return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
 
-def check_blocks(config: SplashConfig, *, q_len: int, kv_len: int, what: str) -> None:
-    """Every block size must tile the (local) q and kv lengths the kernels see."""
-    for name, length, lname in (("block_q", q_len, "q_len"), ("block_q_dkv", q_len, "q_len"),
-                                ("block_kv", kv_len, "kv_len"), ("block_kv_dkv", kv_len, "kv_len")):
-        check_divides(f"config.{name}", getattr(config, name), f"{what} {lname}", length,
-                      hint="pick smaller blocks or a longer sequence")
+def fit_gathered_blocks(config: SplashConfig, *, q_len: int, kv_len: int, seq_multiple: int, what: str) -> Blocks:
+    """The blocks all-gather and Ulysses run with: the rule of every path (``splash/blocks.py``),
+    for kernels that see whole arrays of ``q_len`` queries and ``kv_len`` keys; an S divisible
+    by ``seq_multiple`` always fits."""
+    return fit_blocks(config, q=Extent(q_len, q_len, "q_len" if q_len == kv_len else "per-device q_len"),
+                      kv=Extent(kv_len, kv_len, "kv_len"), what=what,
+                      length_hint=f"use S divisible by {seq_multiple}")
 
 
 #: Devices from which the Pallas TPU interpreter deadlocks inside a multi-device program on
@@ -117,10 +119,10 @@ def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks, *, max_logit
 
 
 __all__ = [
-    "check_blocks",
     "check_global_inputs",
     "check_local_inputs",
     "check_mesh_axis",
+    "fit_gathered_blocks",
     "interpreter_for_mesh",
     "run_sharded",
 ]

@@ -25,16 +25,16 @@ from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import build_mask_info
 from ringsplash.parallel._common import (
-    check_blocks,
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    fit_gathered_blocks,
     interpreter_for_mesh,
     run_sharded,
 )
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_info_attention
-from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 __all__ = ["allgather_attention", "allgather_attention_sharded"]
 
@@ -65,7 +65,7 @@ def allgather_attention(
         scale: logit scale, None = ``1/sqrt(d)``.
         logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
         sinks: float ``[heads]`` per-head sink logits (replicated), or None.
-        config: Splash block sizes and backend; blocks must tile ``q_shard`` and ``S``.
+        config: Splash block sizes and backend; blocks are fitted to ``q_shard`` and ``S`` (``splash/blocks.py``).
         return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
             largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
             excluded, ``-inf`` if nothing is attended; from the local kernel and one ``pmax``.
@@ -76,11 +76,12 @@ def allgather_attention(
         logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
-    check_blocks(config, q_len=q_len, kv_len=seq_len, what="allgather_attention")
-    config = interpreter_for_mesh(config, "allgather_attention")
+    blocks = fit_gathered_blocks(config, q_len=q_len, kv_len=seq_len, seq_multiple=n * NUM_LANES,
+                                 what="allgather_attention")
+    config = interpreter_for_mesh(blocks.config, "allgather_attention")
     common = {"q_shards": n, "kv_shards": 1, "q_positions": perm, "kv_positions": perm}
-    info = build_mask_info(mask, config.block_shape, **common)
-    info_dkv = None if config.backend == "xla" else build_mask_info(mask, config.block_shape_dkv, transpose=True,
+    info = build_mask_info(mask, blocks.block_shape, **common)
+    info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True,
                                                                    **common)
     gather = lambda x, axis: lax.all_gather(x, axis_name, axis=axis, tiled=True)
     if segment_ids is not None:
@@ -120,7 +121,8 @@ def allgather_attention_sharded(
         logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits,
     )
     layouts.check_layout(layout, seq_len, n)
-    check_blocks(config, q_len=seq_len // n, kv_len=seq_len, what="allgather_attention")
+    fit_gathered_blocks(config, q_len=seq_len // n, kv_len=seq_len, seq_multiple=n * NUM_LANES,
+                        what="allgather_attention")
 
     def local(q, k, v, segment_ids, sinks):
         return allgather_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,

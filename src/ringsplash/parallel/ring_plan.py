@@ -23,8 +23,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
-import math
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -35,6 +33,7 @@ from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
+from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 from ringsplash.splash.work_pieces import Piece, SplitLists
 
@@ -55,69 +54,35 @@ class RingPlan:
     active: np.ndarray  # bool [N, N]: shard pair (q shard, kv shard) has a non-empty block
 
 
-class RingBlocks(NamedTuple):
-    """Block sizes the ring runs with: ``SplashConfig``'s, shrunk to fit its shards."""
-
-    block_shape: tuple[int, int]  # forward / dq
-    block_shape_dkv: tuple[int, int]  # dK/dV
-    config: SplashConfig  # the config to run (``block_kv_compute`` divides the fitted block_kv)
-
-
-def _fit_block(block: int, part: int) -> int | None:
-    """The largest multiple of 128 <= ``block`` that divides ``part`` (a divisor of ``block``,
-    so ``gcd``), or ``part`` itself when it is shorter than ``block`` (as ``splash_attention``
-    shrinks blocks to short sequences); None when neither exists."""
-    if part % block == 0:
-        return block
-    if part < block:
-        return part
-    g = math.gcd(block, part)
-    return g if g % NUM_LANES == 0 else None
+#: the ring's fitted blocks (``splash/blocks.py``: the rule every path follows)
+RingBlocks = Blocks
 
 
 def fit_ring_blocks(seq_len: int, num_shards: int, layout: layouts.Layout, config: SplashConfig) -> RingBlocks:
-    """Shrink ``config``'s blocks so each tiles every shard (every zigzag half-shard) exactly.
+    """``config``'s blocks fitted to the ring's shards (every zigzag half-shard): the rule of
+    ``splash/blocks.py`` with the shard as the array the kernels tile, so a ring that runs here
+    also lowers for TPU.
 
     Args:
         seq_len: global sequence length S.
         num_shards: devices N on the ring axis.
         layout: token layout (zigzag splits each shard into two halves of S / 2N).
-        config: the user's ``SplashConfig``; a block that does not tile a part of ``S / N``
-            (``S / 2N`` for zigzag) shrinks to the largest multiple of 128 dividing it, or to
-            the whole part when the part is shorter than the block.
+        config: the user's ``SplashConfig``.
 
     Raises:
         ValueError: naming the ``SplashConfig`` blocks (or the S) that would work, when no
-            such block exists.
+            block tiles the shards.
     """
     layouts.check_layout(layout, seq_len, num_shards)
     parts = 2 * num_shards if layout == "zigzag" else num_shards
     part = seq_len // parts
-    fitted = {}
-    for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
-        block = getattr(config, name)
-        fitted[name] = _fit_block(block, part)
-        if fitted[name] is None:
-            what = "zigzag half-shard" if layout == "zigzag" else "shard"
-            good_block = -(-part // NUM_LANES) * NUM_LANES
-            good_s = -(-seq_len // (parts * NUM_LANES)) * parts * NUM_LANES
-            raise ValueError(
-                f"ring attention cannot tile a {what} of S // {parts} = {seq_len} // {parts} = {part} tokens "
-                f"(layout {layout!r}, {num_shards} devices) with SplashConfig.{name}={block}: a ring block is a "
-                f"multiple of {NUM_LANES} dividing the {what}, or the whole {what} when it is shorter than the "
-                f"block. Pass SplashConfig(block_q={good_block}, block_kv={good_block}, block_q_dkv={good_block}, "
-                f"block_kv_dkv={good_block}) (blocks shrink to the {part}-token {what}), or use S divisible by "
-                f"{parts} x {NUM_LANES} = {parts * NUM_LANES} (e.g. S={good_s})"
-            )
-    bkv = fitted["block_kv"]
-    compute = min(config.block_kv_compute, bkv)
-    if bkv % compute:  # the fitted block_kv is a multiple of 128 here: so is the gcd
-        config = dataclasses.replace(config, block_kv_compute=math.gcd(config.block_kv_compute, bkv))
-    return RingBlocks(
-        block_shape=(fitted["block_q"], bkv),
-        block_shape_dkv=(fitted["block_q_dkv"], fitted["block_kv_dkv"]),
-        config=config,
-    )
+    extent = Extent(part, seq_len // num_shards, "zigzag half-shard" if layout == "zigzag" else "shard")
+    good_s = -(-seq_len // (parts * NUM_LANES)) * parts * NUM_LANES
+    return fit_blocks(
+        config, q=extent, kv=extent,
+        what=f"ring attention over {num_shards} devices (layout {layout!r}, S // {parts} = {seq_len} // {parts} = "
+             f"{part} tokens per {extent.name})",
+        length_hint=f"use S divisible by {parts} x {NUM_LANES} = {parts * NUM_LANES} (e.g. S={good_s})")
 
 
 def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig, *,

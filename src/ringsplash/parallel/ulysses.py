@@ -15,6 +15,8 @@ Backward: the custom VJP is around the local Splash call; JAX transposes each al
 into the inverse all-to-all (the optimal collective) and the kv-head repeat into a sum.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -25,17 +27,17 @@ from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import build_mask_info
 from ringsplash.parallel._common import (
-    check_blocks,
     check_global_inputs,
     check_local_inputs,
     check_mesh_axis,
+    fit_gathered_blocks,
     interpreter_for_mesh,
     run_sharded,
 )
 from ringsplash.parallel.heads import UlyssesHeads, local_head_mask, ulysses_heads
 from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_info_attention
-from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 __all__ = ["gather_head_maxima", "heads_to_sequence", "sequence_to_heads", "ulysses_attention",
            "ulysses_attention_sharded"]
@@ -97,7 +99,7 @@ def ulysses_attention(
         scale: logit scale, None = ``1/sqrt(d)``.
         logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
         sinks: float ``[heads]`` per-head sink logits (replicated), or None.
-        config: Splash block sizes and backend; blocks must tile ``S``.
+        config: Splash block sizes and backend; blocks are fitted to ``S`` (``splash/blocks.py``).
         return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
             largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
             excluded, ``-inf`` if nothing is attended. Each device computes its own heads'
@@ -110,13 +112,14 @@ def ulysses_attention(
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
-    check_blocks(config, q_len=seq_len, kv_len=seq_len, what="ulysses_attention")
-    config = interpreter_for_mesh(config, "ulysses_attention")
+    blocks = fit_gathered_blocks(config, q_len=seq_len, kv_len=seq_len, seq_multiple=math.lcm(n, NUM_LANES),
+                                 what="ulysses_attention")
+    config = interpreter_for_mesh(blocks.config, "ulysses_attention")
     local_mask = local_head_mask(mask, split)
     q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, axis_name)
     common = {"q_positions": perm, "kv_positions": perm}
-    info = build_mask_info(local_mask, config.block_shape, **common)
-    info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, config.block_shape_dkv,
+    info = build_mask_info(local_mask, blocks.block_shape, **common)
+    info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, blocks.block_shape_dkv,
                                                                    transpose=True, **common)
     out = splash_info_attention(q, k, v, info, info_dkv, segment_ids=segment_ids, scale=scale,
                                 logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, partial_dtype=jnp.float32,
@@ -155,7 +158,8 @@ def ulysses_attention_sharded(
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     local_head_mask(mask, split)
     layouts.check_layout(layout, seq_len, n)
-    check_blocks(config, q_len=seq_len, kv_len=seq_len, what="ulysses_attention")
+    fit_gathered_blocks(config, q_len=seq_len, kv_len=seq_len, seq_multiple=math.lcm(n, NUM_LANES),
+                        what="ulysses_attention")
 
     def local(q, k, v, segment_ids, sinks):
         return ulysses_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,

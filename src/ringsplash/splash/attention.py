@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ringsplash import _softmax
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call, check_divides, default_scale
+from ringsplash._checks import check_attention_call, default_scale
 from ringsplash._shard_map import vma
 from ringsplash._types import Array, Float
 from ringsplash.mask_info import MaskInfo, build_mask_info
@@ -22,7 +22,8 @@ from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash import pallas, segment_blocks, work_pieces
 from ringsplash.splash import xla as xla_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
-from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.blocks import Extent, fit_blocks
+from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 # ----------------------------------------------------------------------------------------
 # one shard pair through the backend config.backend names
@@ -365,7 +366,9 @@ def splash_attention(
     """Block-sparse attention with the shapes and semantics of ``reference_attention``.
 
     Differentiable in q, k, v and sinks (custom VJP). MaskInfos are built on the host at
-    trace time (cached). A block longer than its sequence shrinks to the sequence length.
+    trace time (cached). Blocks are fitted to the lengths as on every path (``splash/blocks.py``):
+    a block longer than a sequence shrinks to it, one that does not divide it to a multiple of 128
+    that does, or the call is refused with a config that works.
 
     Args:
         q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
@@ -401,14 +404,11 @@ def splash_attention(
     q_len, kv_len = call.q_len, call.kv_len
     if mask is None:
         mask = masks_lib.FullMask((q_len, kv_len))
-    bq, bkv = min(config.block_q, q_len), min(config.block_kv, kv_len)  # a block shrinks to its sequence
-    bq_dkv, bkv_dkv = min(config.block_q_dkv, q_len), min(config.block_kv_dkv, kv_len)
-    for name, block, length, lname in (("block_q", bq, q_len, "q_len"), ("block_kv", bkv, kv_len, "kv_len"),
-                                       ("block_q_dkv", bq_dkv, q_len, "q_len"),
-                                       ("block_kv_dkv", bkv_dkv, kv_len, "kv_len")):
-        check_divides(name, block, lname, length)
-    info = build_mask_info(mask, (bq, bkv))
-    info_dkv = None if config.backend == "xla" else build_mask_info(mask, (bq_dkv, bkv_dkv), transpose=True)
+    blocks = fit_blocks(config, q=Extent(q_len, q_len, "q_len"), kv=Extent(kv_len, kv_len, "kv_len"),
+                        what="splash_attention", length_hint=f"lengths divisible by {NUM_LANES}")
+    config = blocks.config
+    info = build_mask_info(mask, blocks.block_shape)
+    info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True)
     return splash_info_attention(q, k, v, info, info_dkv, segment_ids=call.segment_ids, scale=call.scale,
                                  logit_soft_cap=call.logit_soft_cap, sinks=sinks, config=config,
                                  return_residuals=return_residuals, return_max_logits=return_max_logits)

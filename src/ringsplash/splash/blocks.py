@@ -1,0 +1,97 @@
+"""The block sizes a Splash call runs with: one rule for every path (``splash_attention``, the
+context-parallel strategies, the model's config check).
+
+A kernel tiles each sequence dimension it sees (an array of ``whole`` tokens) in blocks that
+must also tile a ``part`` of it: the whole sequence for ``splash_attention``, all-gather and
+Ulysses; a shard, or a zigzag half-shard, for the ring. TPU lowering (Pallas / Mosaic) takes a
+block that is a multiple of 128 tokens (one lane width) or the whole array dimension. So a
+configured block (a multiple of 128, ``SplashConfig``)
+
+* runs as configured when it divides the part;
+* shrinks to the part when the part is shorter and is either a multiple of 128 or the whole
+  array dimension (a short sequence is one block);
+* otherwise shrinks to the largest multiple of 128 dividing both (their ``gcd``);
+* and is refused, with the configs or lengths that would work, when none of these exists:
+  what runs on a CPU laptop also lowers for TPU, and what would not lower is refused there.
+"""
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+from ringsplash.splash.config import NUM_LANES, SplashConfig
+
+__all__ = ["Blocks", "Extent", "fit_block", "fit_blocks"]
+
+_FIELDS = (("block_q", "q"), ("block_kv", "kv"), ("block_q_dkv", "q"), ("block_kv_dkv", "kv"))
+
+
+class Extent(NamedTuple):
+    """One sequence dimension as a kernel sees it."""
+
+    part: int  # tokens every block must tile (divides ``whole``)
+    whole: int  # tokens of the array dimension the kernel blocks
+    name: str  # what the part is, for errors: "q_len", "shard", "zigzag half-shard", ...
+
+
+class Blocks(NamedTuple):
+    """Fitted block sizes (possibly shorter than 128: a whole short sequence is one block)."""
+
+    block_shape: tuple[int, int]  # forward / dq
+    block_shape_dkv: tuple[int, int]  # dK/dV
+    config: SplashConfig  # the config to run: ``block_kv_compute`` tiles the fitted block_kv
+
+
+def fit_block(block: int, extent: Extent) -> int | None:
+    """The block (see the module docstring) that tiles ``extent``, or None when none lowers."""
+    part = extent.part
+    if part % block == 0:
+        return block
+    if part < block and (part == extent.whole or part % NUM_LANES == 0):
+        return part
+    g = math.gcd(block, part)
+    return g if g % NUM_LANES == 0 else None
+
+
+def fit_blocks(config: SplashConfig, *, q: Extent, kv: Extent, what: str, length_hint: str = "") -> Blocks:
+    """``config``'s four blocks fitted to the q and kv extents (:func:`fit_block`).
+
+    Args:
+        config: the user's ``SplashConfig``.
+        q, kv: the query and key/value dimensions the kernels tile.
+        what: the caller, named first in errors (e.g. ``"ring_attention (layout 'zigzag', 4 devices)"``).
+        length_hint: how to pick a sequence length that works, appended to errors.
+
+    Raises:
+        ValueError: naming the field, the part it cannot tile and, where one exists, a
+            ``SplashConfig`` that works, then ``length_hint``.
+    """
+    fitted = {}
+    for name, side in _FIELDS:
+        extent = q if side == "q" else kv
+        block = getattr(config, name)
+        fitted[name] = fit_block(block, extent)
+        if fitted[name] is None:
+            raise ValueError(_refusal(what, name, block, extent, length_hint))
+    bkv = fitted["block_kv"]
+    compute = math.gcd(config.block_kv_compute, bkv)
+    if config.block_kv_compute < bkv and bkv % config.block_kv_compute:
+        # slices of the fitted kv block: a multiple of 128 dividing it, else the whole block
+        config = dataclasses.replace(config, block_kv_compute=compute if compute % NUM_LANES == 0 else config.block_kv)
+    return Blocks((fitted["block_q"], bkv), (fitted["block_q_dkv"], fitted["block_kv_dkv"]), config)
+
+
+def _refusal(what: str, name: str, block: int, extent: Extent, length_hint: str) -> str:
+    part, whole = extent.part, extent.whole
+    msg = (f"{what}: SplashConfig.{name}={block} cannot tile the {part}-token {extent.name}: a block is a "
+           f"multiple of {NUM_LANES} dividing the {extent.name}, or the whole {extent.name} when it is shorter than "
+           f"the block")
+    if part != whole:
+        msg += (f" and a multiple of {NUM_LANES} (the {extent.name} is part of the {whole}-token array the kernel "
+                f"tiles, and TPU lowering tiles an array dimension in multiples of {NUM_LANES} or whole)")
+    if part == whole:  # a block at least as long as the part shrinks to all of it
+        good = -(-part // NUM_LANES) * NUM_LANES
+        msg += (f". Pass SplashConfig(block_q={good}, block_kv={good}, block_q_dkv={good}, block_kv_dkv={good}) "
+                f"(blocks shrink to the {part}-token {extent.name})")
+        return msg + (f", or {length_hint}" if length_hint else "")
+    return msg + (f". No block size fits: {length_hint}" if length_hint else "")
