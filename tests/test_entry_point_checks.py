@@ -7,6 +7,7 @@ sees: the library's own error. Add a new entry point to ``ENTRY_POINTS`` (with t
 takes) and every case below runs against it.
 """
 
+import dataclasses
 import inspect
 import re
 from typing import NamedTuple
@@ -390,6 +391,8 @@ def test_every_path_fits_blocks_by_one_rule():
     half = Extent(125, 250, "zigzag half-shard")  # part of an array: must itself be a multiple of 128
     with pytest.raises(ValueError, match=r"cannot tile the 125-token zigzag half-shard: .*250-token array"):
         fit_blocks(cfg, q=half, kv=half, what="t")
+    xla = dataclasses.replace(cfg, backend="xla")  # plain XLA, no TPU tiling: any shorter part is one block
+    assert fit_blocks(xla, q=half, kv=half, what="t").block_shape == (125, 125)
     fit = fit_blocks(SplashConfig(block_q=256, block_kv=256, block_kv_compute=128), q=whole(384), kv=whole(200),
                      what="t")
     assert fit.block_shape == (128, 200) and fit.config.block_kv_compute == 256  # 128 does not tile 200: whole
@@ -420,5 +423,5 @@ def test_model_config_accepts_what_splash_attention_accepts():
     with pytest.raises(ValueError, match=r"attention='splash' at max_seq_len=1000: SplashConfig.block_q=512 cannot "
                                          r"tile the 1000-token max_seq_len.*a max_seq_len divisible by 128$"):
         TransformerConfig(**base, attention="splash", max_seq_len=1000)
-    with pytest.raises(ValueError, match=r"125-token zigzag half-shard.*e.g. S=1024\)$"):
+    with pytest.raises(ValueError, match=r"125-token zigzag half-shard.*e.g. S=1024\), or SplashConfig\(backend='xla'\)"):
         TransformerConfig(**base, attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=1000)

@@ -8,6 +8,7 @@ backend (fast on CPU); the interpret cases run the Pallas TPU interpreter, inclu
 whose shard pairs differ in activity across devices.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -357,16 +358,21 @@ def test_ring_rejects_mesh_without_axis():
         ("zigzag", 4, 1536, r"cannot tile the 192-token zigzag half-shard"),
         ("zigzag", 4, 1000, r"SplashConfig.block_q=128 cannot tile the 125-token zigzag half-shard: .* and a multiple "
                             r"of 128 \(the zigzag half-shard is part of the 250-token array the kernel tiles.*No block "
-                            r"size fits: use S divisible by 8 x 128 = 1024 \(e.g. S=1024\)$"),
+                            r"size fits: use S divisible by 8 x 128 = 1024 \(e.g. S=1024\), or SplashConfig\(backend='xla'\)"),
         ("zigzag", 4, 512, r"cannot tile the 64-token zigzag half-shard"),
     ],
 )
 def test_ring_rejects_lengths_no_block_tiles(layout, n, s, match):
-    """Blocks shrink to fit shards (tests/test_entry_point_checks.py); a shard no block tiles is refused."""
+    """Blocks shrink to fit shards (tests/test_entry_point_checks.py); a shard no block tiles for
+    the Pallas TPU kernels is refused (backend "auto": they run when the call is lowered for TPU)."""
     q, k, v = _qkv(s)
     with pytest.raises(ValueError, match=match):
         ring_attention_sharded(q, k, v, masks.CausalMask((s, s)), mesh=mesh(n), axis_name="ctx", layout=layout,
-                               config=XLA)
+                               config=dataclasses.replace(XLA, backend="auto"))
+    if s in (512, 1000):  # plain XLA has no TPU tiling: the short half-shard is one block
+        from ringsplash.parallel.ring_plan import fit_ring_blocks
+
+        assert fit_ring_blocks(s, n, layout, XLA).block_shape == (s // 8, s // 8)
 
 
 def test_ring_refuses_the_tpu_interpreter_on_eight_devices():

@@ -9,7 +9,8 @@ configured block (a multiple of 128, ``SplashConfig``)
 
 * runs as configured when it divides the part;
 * shrinks to the part when the part is shorter and is either a multiple of 128 or the whole
-  array dimension (a short sequence is one block);
+  array dimension (a short sequence is one block); with ``backend="xla"`` (plain XLA, never the
+  Pallas kernels, on any platform) any shorter part;
 * otherwise shrinks to the largest multiple of 128 dividing both (their ``gcd``);
 * and is refused, with the configs or lengths that would work, when none of these exists:
   what runs on a CPU laptop also lowers for TPU, and what would not lower is refused there.
@@ -42,12 +43,13 @@ class Blocks(NamedTuple):
     config: SplashConfig  # the config to run: ``block_kv_compute`` tiles the fitted block_kv
 
 
-def fit_block(block: int, extent: Extent) -> int | None:
-    """The block (see the module docstring) that tiles ``extent``, or None when none lowers."""
+def fit_block(block: int, extent: Extent, *, tpu_tiling: bool = True) -> int | None:
+    """The block (see the module docstring) that tiles ``extent``, or None when none lowers;
+    ``tpu_tiling=False`` (the xla backend) takes any shorter part whole."""
     part = extent.part
     if part % block == 0:
         return block
-    if part < block and (part == extent.whole or part % NUM_LANES == 0):
+    if part < block and (part == extent.whole or part % NUM_LANES == 0 or not tpu_tiling):
         return part
     g = math.gcd(block, part)
     return g if g % NUM_LANES == 0 else None
@@ -70,7 +72,7 @@ def fit_blocks(config: SplashConfig, *, q: Extent, kv: Extent, what: str, length
     for name, side in _FIELDS:
         extent = q if side == "q" else kv
         block = getattr(config, name)
-        fitted[name] = fit_block(block, extent)
+        fitted[name] = fit_block(block, extent, tpu_tiling=config.backend != "xla")
         if fitted[name] is None:
             raise ValueError(_refusal(what, name, block, extent, length_hint))
     bkv = fitted["block_kv"]
@@ -88,10 +90,11 @@ def _refusal(what: str, name: str, block: int, extent: Extent, length_hint: str)
            f"the block")
     if part != whole:
         msg += (f" and a multiple of {NUM_LANES} (the {extent.name} is part of the {whole}-token array the kernel "
-                f"tiles, and TPU lowering tiles an array dimension in multiples of {NUM_LANES} or whole)")
+                f"tiles, and the Pallas TPU kernels tile an array dimension in multiples of {NUM_LANES} or whole)")
     if part == whole:  # a block at least as long as the part shrinks to all of it
         good = -(-part // NUM_LANES) * NUM_LANES
         msg += (f". Pass SplashConfig(block_q={good}, block_kv={good}, block_q_dkv={good}, block_kv_dkv={good}) "
                 f"(blocks shrink to the {part}-token {extent.name})")
         return msg + (f", or {length_hint}" if length_hint else "")
-    return msg + (f". No block size fits: {length_hint}" if length_hint else "")
+    return msg + (f". No block size fits: {length_hint}" if length_hint else ". No block size fits") + (
+        ", or SplashConfig(backend='xla') (plain XLA, never the Pallas kernels: any whole part)")
