@@ -104,6 +104,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.write_line(f"{t:8.1f} s  {nodeid}")
 
 
+@pytest.fixture(autouse=True)
+def _xla_optimized(request):
+    """``@pytest.mark.xla_optimized``: compile with XLA's full optimisations (the suite runs at
+    -O0, see the top of this file), for tests that compare rounding error between two compiled
+    programs, which depends on the codegen users get."""
+    if request.node.get_closest_marker("xla_optimized") is None:
+        yield
+        return
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations",
+                          os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("y", "yes", "t", "true", "on", "1"))
+
+
 @pytest.fixture
 def key(request):
     """A fresh PRNG key per test, derived from the test's name (reproducible, never zeros)."""
