@@ -250,19 +250,24 @@ def _documents(dtype, offset):
 
 
 FULL = masks.FullMask((S, S))
+SHARDED_STRATEGIES = ("ring_attention_sharded", "allgather_attention_sharded", "ulysses_attention_sharded",
+                      "usp_attention_sharded")
+# Numerically: the single-device entry points, and one strategy end to end (Ulysses, the cheapest:
+# ~2 s under jit; an eager shard_map runs its body op by op, 12-27 s a strategy). The ids are closed
+# over, so concrete at trace time and renumbered as in an eager call. Every strategy's ids are
+# checked where they enter its shard_map (test_sharded_strategies_renumber_wide_ids_before_shard_map).
 SEGMENT_ENTRY_POINTS = {
     "reference_attention": lambda q, k, v, seg: _reference(q, k, v, FULL, segment_ids=seg),
     "splash_attention": lambda q, k, v, seg: _splash(q, k, v, FULL, segment_ids=seg),
     "splash_forward": lambda q, k, v, seg: rs.splash_forward(q, k, v, rs.build_mask_info(FULL, (128, 128)),
                                                              segment_ids=seg, config=XLA)[0],
-    "ring_attention_sharded": lambda q, k, v, seg: _ring_sharded(q, k, v, FULL, segment_ids=seg),
-    **{name: (lambda fn: lambda q, k, v, seg: fn(q, k, v, FULL, segment_ids=seg))(_strategy_sharded(name))
-       for name in ("allgather_attention_sharded", "ulysses_attention_sharded", "usp_attention_sharded")},
+    "ulysses_attention_sharded": lambda q, k, v, seg: jax.jit(
+        lambda q, k, v: _strategy_sharded("ulysses_attention_sharded")(q, k, v, FULL, segment_ids=seg))(q, k, v),
 }
 
 
 # Every entry point with int64 ids; every wide dtype on the cheap single-device entry points (the
-# strategies renumber ids through the same check, so the dtype matrix over them adds only compiles).
+# strategies renumber ids through the same check; their dtype matrix is checked at the shard_map below).
 WIDE_DTYPES = [(np.int64, 2**32), (np.uint64, 2**63), (np.uint32, 2**31)]
 SINGLE_DEVICE = ("reference_attention", "splash_attention", "splash_forward")
 # fast tier: int64 ids on the reference and on splash_forward; every other case compiles another program (slow)
@@ -284,6 +289,46 @@ def test_wide_segment_ids_stay_apart(name, dtype, offset):
     assert max_err(merged, want) > 0.1  # a merge would be visible
     # measured 0.0 for every entry point and dtype; 1e-6 allows float32 reassociation only
     assert max_err(got, want) < 1e-6
+
+
+def _operands_of_shard_map(monkeypatch, call):
+    """Run ``call()`` with ``jax.shard_map`` spied on; return the operands of its one shard_map,
+    which is traced (``jax.eval_shape``: the local function sees the ids' shapes and dtypes), not
+    compiled or run. The strategy itself runs eagerly, so the ids it hands over are concrete."""
+    real, calls = jax.shard_map, []
+
+    def spy(f, **kw):
+        mapped = real(f, **kw)
+
+        def traced(*args):
+            calls.append(args)
+            return jax.eval_shape(mapped, *args)
+
+        return traced
+
+    monkeypatch.setattr(jax, "shard_map", spy)
+    call()
+    (operands,) = calls
+    return operands
+
+
+@pytest.mark.parametrize("dtype, offset", WIDE_DTYPES)
+@pytest.mark.parametrize("name", SHARDED_STRATEGIES)
+def test_sharded_strategies_renumber_wide_ids_before_shard_map(monkeypatch, name, dtype, offset):
+    """Every ``*_attention_sharded`` hands its shard_map int32 ids that are equal exactly where
+    the wide ids are equal: the four documents, which differ only above bit 31, stay four (an
+    int32 cast of the 64-bit ids merges them pairwise, as test_wide_segment_ids_stay_apart shows
+    numerically). The shard_map is only traced, so the strategy's attention is not compiled."""
+    wide, separate = _documents(dtype, offset)
+    assert int(wide.q.max()) > np.iinfo(np.int32).max  # a plain int32 cast cannot hold these ids
+    q, k, v = _qkv()
+    operands = _operands_of_shard_map(
+        monkeypatch, lambda: _strategy_sharded(name)(q, k, v, FULL, segment_ids=wide))
+    (ids,) = [x for x in operands if isinstance(x, rs.SegmentIds)]
+    assert ids.q.dtype == ids.kv.dtype == np.int32
+    same = lambda seg: np.asarray(seg.q)[:, None] == np.asarray(seg.kv)[None, :]
+    assert np.array_equal(same(wide), same(separate))  # the wide ids are the four separate documents
+    assert np.array_equal(same(ids), same(separate))
 
 
 def test_traced_wide_segment_ids_are_rejected():
