@@ -22,10 +22,6 @@ BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=1
 RTOL, ATOL = 2e-5, 2e-6
 GRAD_RTOL, GRAD_ATOL = 2e-5, 1.5e-7
 LOSS_RTOL = 1e-6
-# XLA:CPU's legacy emitters instead of its default fusion emitters: compiling is most of this test's time, and
-# they compile these programs about a third faster (the ring's: 6.6 s -> 4.1 s; the test ~15% faster). The suite
-# already compiles at -O0 (tests/conftest.py); the numerics stay within the measured tolerances above
-CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
 def _config(**kw):
@@ -56,8 +52,7 @@ def _run(config, model, batch):
     logits_fn, grad_fn = train.make_logits_fn(config, mesh), train.make_grad_fn(config, mesh)
     schedule = train.batch_ring_schedule(config, mesh, sharded)  # the ring's per-device rows, a jit argument
     logits, (grads, metrics) = jax.jit(
-        lambda p, b, sc: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b, None, sc)),
-        compiler_options=CPU_COMPILE_OPTIONS)(params, sharded, schedule)
+        lambda p, b, sc: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b, None, sc)))(params, sharded, schedule)
     logits = np.asarray(logits)
     if config.attention == "ring":
         logits = layouts.unpermute(logits, config.ring_layout, n, axis=1)
