@@ -27,33 +27,33 @@ from ringsplash.cli import parse_config
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seq_len: int = 1024
+    seq_len: int = 1024  # bytes per training row (packed documents)
     # model: --preset NAME (ringsplash.model.presets) takes a preset's shape, any field still
     # overridable by its own flag; the vocabulary is always the 256 byte values
-    preset: str = ""  # "": the fields below
-    d_model: int = 128
-    num_layers: int = 3
-    num_heads: int = 4
-    num_kv_heads: int = 0  # 0: num_heads
-    head_dim: int = 0  # 0: d_model // num_heads
-    mlp_ratio: float = 8 / 3
-    mlp_multiple: int = 8
-    rope_theta: float = 10_000.0
-    remat: str = "none"  # none | full | save_attention | save_dots
-    attention: str = "ring"
-    layout: str = "zigzag"
-    backend: str = "xla"
-    block: int = 128
-    data_parallel: int = 1
-    context_parallel: int = 4
-    steps: int = 300
-    batch_size: int = 8
-    learning_rate: float = 2e-3
-    warmup_steps: int = 30
-    eval_batches: int = 4
-    seed: int = 0
-    run_dir: str = ""
-    progress: bool = True
+    preset: str = ""  # a ringsplash.model.presets name; "" = the model fields below
+    d_model: int = 128  # model width
+    num_layers: int = 3  # transformer layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 0  # key/value heads (GQA); 0 = auto: num_heads
+    head_dim: int = 0  # 0 = auto: d_model // num_heads
+    mlp_ratio: float = 8 / 3  # SwiGLU hidden width / d_model (rounded up to mlp_multiple)
+    mlp_multiple: int = 8  # the SwiGLU hidden width is a multiple of this
+    rope_theta: float = 10_000.0  # RoPE base frequency
+    remat: str = "none"  # rematerialisation of each layer: none | full | save_attention | save_dots
+    attention: str = "ring"  # reference | splash (one device) | ring (over context_parallel devices)
+    layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
+    backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
+    block: int = 128  # Splash block size (tokens), every block of the kernels
+    data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
+    context_parallel: int = 4  # devices on the ring (attention="ring" only; otherwise 1)
+    steps: int = 300  # training steps
+    batch_size: int = 8  # global rows per step
+    learning_rate: float = 2e-3  # peak AdamW learning rate (warmup, then cosine decay)
+    warmup_steps: int = 30  # linear warmup steps
+    eval_batches: int = 4  # held-out batches for the loss-by-position table
+    seed: int = 0  # seed of the parameters and the data
+    run_dir: str = ""  # "" = auto: runs/byte_lm/<time>
+    progress: bool = True  # show a progress bar
 
 
 def parse_args(argv=None) -> Config:

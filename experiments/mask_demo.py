@@ -26,15 +26,15 @@ SYMBOLS = {EMPTY: ".", PARTIAL: "P", FULL: "F"}
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
-    seq_len: int = 1024
-    block: int = 64
-    num_shards: int = 4
-    layout: str = "zigzag"
+    seq_len: int = 1024  # tokens (queries = keys)
+    block: int = 64  # block size of the map (tokens per row / column of blocks)
+    num_shards: int = 4  # context-parallel shards the layout spreads the tokens over
+    layout: str = "zigzag"  # contiguous | zigzag | striped
     mask: str = "causal"  # causal | chunked | prefix | full
     window: int = 256  # left window of a LocalMask combined with the mask with `&`; 0 = none
-    chunk_size: int = 256
-    prefix_len: int = 128
-    run_dir: str = "runs/mask_demo"
+    chunk_size: int = 256  # chunk length of mask=chunked
+    prefix_len: int = 128  # bidirectional prefix length of mask=prefix
+    run_dir: str = "runs/mask_demo"  # where the PNG and the JSONL summary go
 
     def __post_init__(self):
         if self.mask not in ("causal", "chunked", "prefix", "full"):

@@ -26,25 +26,25 @@ from ringsplash.cli import parse_config
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seq_len: int = 2048
-    ring_sizes: str = "2,4,8"  # N: devices the sequence is sharded over
+    seq_len: int = 2048  # tokens per row
+    ring_sizes: str = "2,4,8"  # N: devices the sequence is sharded over (comma-separated, one run each)
     strategies: str = "ring,allgather,ulysses,usp"  # the sequence-parallel ones (reference, splash always run)
-    layout: str = "zigzag"
-    backend: str = "xla"
-    block: int = 128
+    layout: str = "zigzag"  # token layout over the N devices: contiguous | zigzag | striped
+    backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
+    block: int = 128  # Splash block size (tokens), every block of the kernels
     # model (--preset NAME takes a ringsplash.model.presets shape; any field still overridable)
-    preset: str = ""
-    vocab_size: int = 64
-    d_model: int = 64
-    num_layers: int = 2
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    head_dim: int = 0  # 0: d_model // num_heads
-    mlp_ratio: float = 8 / 3
-    mlp_multiple: int = 8
-    rope_theta: float = 10_000.0
-    batch_size: int = 2
-    seed: int = 0
+    preset: str = ""  # a ringsplash.model.presets name; "" = the model fields below
+    vocab_size: int = 64  # token vocabulary (random tokens)
+    d_model: int = 64  # model width
+    num_layers: int = 2  # transformer layers
+    num_heads: int = 8  # query heads
+    num_kv_heads: int = 2  # key/value heads (GQA: divides num_heads)
+    head_dim: int = 0  # 0 = auto: d_model // num_heads
+    mlp_ratio: float = 8 / 3  # SwiGLU hidden width / d_model (rounded up to mlp_multiple)
+    mlp_multiple: int = 8  # the SwiGLU hidden width is a multiple of this
+    rope_theta: float = 10_000.0  # RoPE base frequency
+    batch_size: int = 2  # rows (two packed documents each)
+    seed: int = 0  # seed of the parameters and the tokens
 
 
 def parse_args(argv=None) -> Config:

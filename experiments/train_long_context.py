@@ -29,54 +29,54 @@ RESUMABLE_CHANGES = ("run_dir", "progress", "checkpoint_every", "log_every")
 @dataclasses.dataclass(frozen=True)
 class Config:
     # task
-    seq_len: int = 1024
-    num_pairs: int = 32
-    num_queries: int = 32
-    num_keys: int = 64
-    num_values: int = 16
-    num_filler: int = 16
-    # curriculum: "episode_len:fraction_of_steps,..." (the rest of the steps at seq_len)
+    seq_len: int = 1024  # tokens per row at the end of the curriculum (the model's max_seq_len)
+    num_pairs: int = 32  # key-value pairs placed in each row
+    num_queries: int = 32  # queried keys after the separator (each answer is scored)
+    num_keys: int = 64  # distinct key tokens
+    num_values: int = 16  # distinct value tokens (chance accuracy = 1 / num_values)
+    num_filler: int = 16  # distinct filler tokens between the pairs
+    #: "episode_len:fraction_of_steps,..." (the rest of the steps at seq_len); "" = seq_len throughout
     curriculum: str = "16:0.2,32:0.1,64:0.1,128:0.1,256:0.1,512:0.1"
     # model (the "tiny" preset; --preset NAME takes another's shape, any field still overridable;
     # the vocabulary is always the task's)
-    preset: str = "tiny"
-    d_model: int = 64
-    num_layers: int = 2
-    num_heads: int = 1
-    num_kv_heads: int = 1
-    head_dim: int = 64  # 0: d_model // num_heads
-    mlp_ratio: float = 2.0
-    mlp_multiple: int = 8
-    rope_theta: float = 10_000.0
-    remat: str = "none"  # none | full | save_attention | save_dots
-    # attention: reference | splash (one device) | ring | allgather | ulysses (over the context axis) |
-    # usp (ring over context_parallel devices, Ulysses over ulysses_parallel devices inside)
+    preset: str = "tiny"  # a ringsplash.model.presets name; "" = the model fields below
+    d_model: int = 64  # model width
+    num_layers: int = 2  # transformer layers
+    num_heads: int = 1  # query heads
+    num_kv_heads: int = 1  # key/value heads (GQA: divides num_heads)
+    head_dim: int = 64  # 0 = auto: d_model // num_heads
+    mlp_ratio: float = 2.0  # SwiGLU hidden width / d_model (rounded up to mlp_multiple)
+    mlp_multiple: int = 8  # the SwiGLU hidden width is a multiple of this
+    rope_theta: float = 10_000.0  # RoPE base frequency
+    remat: str = "none"  # rematerialisation of each layer: none | full | save_attention | save_dots
+    #: reference | splash (one device) | ring | allgather | ulysses (over the context axis) |
+    #: usp (ring over context_parallel devices, Ulysses over ulysses_parallel devices inside)
     attention: str = "ring"
-    layout: str = "zigzag"
-    backend: str = "xla"
-    block: int = 128
+    layout: str = "zigzag"  # token layout over the context axis: contiguous | zigzag | striped
+    backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
+    block: int = 128  # Splash block size (tokens), every block of the kernels
     # parallelism (on CPU: simulated devices = data_parallel * context_parallel * ulysses_parallel)
-    data_parallel: int = 1
-    context_parallel: int = 4
-    ulysses_parallel: int = 1  # attention="usp" only
+    data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
+    context_parallel: int = 4  # devices on the mesh's context axis (the sequence is sharded over them)
+    ulysses_parallel: int = 1  # devices on the mesh's ulysses axis (attention="usp" only)
     # optimisation
-    steps: int = 700
-    batch_size: int = 8
-    learning_rate: float = 3e-3
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    # QK-clip: rescale W_q / W_k of heads whose max attention logit exceeds this (None: off);
-    # the per-layer max logits go to metrics.jsonl and the plot (also without clipping: --log-max-logits)
+    steps: int = 700  # training steps
+    batch_size: int = 8  # global rows per step
+    learning_rate: float = 3e-3  # peak AdamW learning rate (warmup, then cosine decay)
+    warmup_steps: int = 30  # linear warmup steps
+    weight_decay: float = 0.01  # AdamW weight decay
+    #: QK-clip: rescale W_q / W_k of heads whose max attention logit exceeds this; None = off
+    #: (the per-layer max logits go to metrics.jsonl and the plot; without clipping: --log-max-logits)
     qk_clip_threshold: float | None = None
-    log_max_logits: bool = False
+    log_max_logits: bool = False  # log per-layer max attention logits (always on with --qk-clip-threshold)
     # bookkeeping
-    eval_batches: int = 4
-    eval_every: int = 100
-    seed: int = 0
-    run_dir: str = ""  # default: runs/train_long_context/<time>; resumed when it holds a checkpoint
-    checkpoint_every: int = 0  # 0: a checkpoint only at the end
-    log_every: int = 10
-    progress: bool = True
+    eval_batches: int = 4  # held-out batches per evaluation
+    eval_every: int = 100  # steps between evaluations; 0 = only at the end
+    seed: int = 0  # seed of the parameters and the data
+    run_dir: str = ""  # "" = auto: runs/train_long_context/<time>; resumed when it holds a checkpoint
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = a checkpoint only at the end
+    log_every: int = 10  # steps between training-metric lines
+    progress: bool = True  # show a progress bar
 
 
 def parse_args(argv=None) -> Config:

@@ -43,32 +43,33 @@ TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    topology: str = "v5e:2x2"
-    preset: str = ""  # a ringsplash.model.presets name: its shape becomes the default of the model flags
-    data_parallel: int = 1
-    context_parallel: int = 0  # 0: all devices / data_parallel
-    seq_len: int = 32768
-    batch_size: int = 0  # global rows; 0: data_parallel
-    vocab_size: int = 32768
-    d_model: int = 1024
-    num_layers: int = 8
-    num_heads: int = 8
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    mlp_ratio: float = 8 / 3
-    mlp_multiple: int = 8
-    rope_theta: float = 10_000.0
-    layout: str = "zigzag"
-    backend: str = "mosaic_tpu"
-    block: int = 512
-    remat: str = "none"  # none | full | save_attention | save_dots
+    topology: str = "v5e:2x2"  # the TPU slice to compile for (e.g. v5e:2x4, v6e:2x2, v5p:4x4x4)
+    preset: str = ""  # a ringsplash.model.presets name: its shape becomes the default of the model flags; "" = none
+    data_parallel: int = 1  # devices on the mesh's data axis
+    context_parallel: int = 0  # devices on the ring; 0 = auto: every device not on the data axis (devices / data_parallel)
+    seq_len: int = 32768  # tokens per row (the model's max_seq_len)
+    batch_size: int = 0  # global rows; 0 = auto: data_parallel (one row per data shard)
+    vocab_size: int = 32768  # token vocabulary
+    d_model: int = 1024  # model width
+    num_layers: int = 8  # transformer layers
+    num_heads: int = 8  # query heads
+    num_kv_heads: int = 8  # key/value heads (GQA: divides num_heads)
+    head_dim: int = 128  # per-head size of queries, keys and values
+    mlp_ratio: float = 8 / 3  # SwiGLU hidden width / d_model (rounded up to mlp_multiple)
+    mlp_multiple: int = 8  # the SwiGLU hidden width is a multiple of this
+    rope_theta: float = 10_000.0  # RoPE base frequency
+    layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
+    backend: str = "mosaic_tpu"  # Splash backend: auto | mosaic_tpu | interpret | xla
+    block: int = 512  # Splash block size (tokens), every block of the kernels
+    remat: str = "none"  # rematerialisation of each layer: none | full | save_attention | save_dots
     fsdp: bool = True  # shard params + AdamW state over data x context
-    loss_chunk: int = 0  # tokens per cross-entropy chunk (0: all local tokens at once)
-    param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
-    mask: str = "causal"
+    loss_chunk: int = 0  # tokens per cross-entropy chunk; 0 = all local tokens at once
+    param_dtype: str = "float32"  # parameter (and AdamW state) dtype: float32 | bfloat16 | float16
+    compute_dtype: str = "bfloat16"  # activation dtype: float32 | bfloat16 | float16
+    mask: str = "causal"  # attention mask: causal | full (the others need sizes this script does not set)
     headroom: float = 0.9  # usable fraction of HBM
-    find_max_seq_len: bool = False  # search the longest seq_len that fits (doubling from --seq-len, then bisecting)
+    #: search the longest seq_len that fits (doubling from --seq-len, then bisecting)
+    find_max_seq_len: bool = False
     max_search_len: int = 1 << 24  # the search stops doubling here
 
 

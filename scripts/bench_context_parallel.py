@@ -259,17 +259,23 @@ def rows(s: int, n: int, peak: float, link: float):
     return out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", default="128K,1M")
-    p.add_argument("--devices", default="8,16,64")
-    p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per compile subprocess")
-    p.add_argument("--peak-tflops", type=float, default=459.0, help="chip peak bf16 TFLOP/s (v5p: 459)")
-    p.add_argument("--link-gbs", type=float, default=90.0, help="per-device interconnect GB/s used by the model")
-    p.add_argument("--cache", default=None, help="JSON file keeping compiled rows between runs")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--seq", default="128K,1M", help="sequence lengths, comma-separated, K or M suffix (default: %(default)s)")
+    p.add_argument("--devices", default="8,16,64",
+                   help=f"device counts, comma-separated, among {tuple(TOPOLOGY)} (default: %(default)s)")
+    p.add_argument("--no-compile", action="store_true", help="only the analytic rows; compile nothing")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per compile subprocess (default: %(default)s)")
+    p.add_argument("--peak-tflops", type=float, default=459.0, help="chip peak bf16 TFLOP/s (default: %(default)s, v5p)")
+    p.add_argument("--link-gbs", type=float, default=90.0,
+                   help="per-device interconnect GB/s used by the model (default: %(default)s)")
+    p.add_argument("--cache", default=None, help="JSON file keeping compiled rows between runs (default: none)")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.child:
         strategy, s, n, a = args.child
         return compile_child(strategy, int(s), int(n), int(a))

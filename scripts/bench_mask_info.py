@@ -114,15 +114,21 @@ def verdict(row: dict) -> tuple[str, str]:
     return text, "pass" if ok else "**FAIL**"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--row", nargs=2, metavar=("MASK", "SEQ_LEN"), help=argparse.SUPPRESS)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
+    parser.add_argument("--repeats", type=int, default=3, help="timed builds per row (median) (default: %(default)s)")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES),
+                        help="sequence lengths to build (default: all)")
+    parser.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS),
+                        help="masks to build (default: all)")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense 32K comparison row")
     parser.add_argument("--json", help="also write the rows to this JSONL file")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
 
     if args.row:
         child_main(run_row)(args.row[0], int(args.row[1]), args.repeats)

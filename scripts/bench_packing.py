@@ -169,15 +169,22 @@ def tpu_compile(seq_len: int) -> tuple[float, float]:
     return report.seconds, report.temp / 2**20
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="*", default=[8192, 32768], help="CPU-timed sequence lengths")
-    parser.add_argument("--repeats", type=int, default=3, help="timed on/off pairs per row (median)")
-    parser.add_argument("--rows", nargs="*", default=None, help="only time packings whose name starts with these")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--seqs", type=int, nargs="*", default=[8192, 32768],
+                        help="CPU-timed sequence lengths (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed on/off pairs per row (median) (default: %(default)s)")
+    parser.add_argument("--rows", nargs="*", default=None,
+                        help="only time packings whose name starts with these (default: all)")
     parser.add_argument("--counts-only", action="store_true", help="no CPU timing")
     parser.add_argument("--cond-skip", action="store_true", help="also time the cond-skip alternative")
     parser.add_argument("--tpu", action="store_true", help=f"compile the Mosaic kernels for {TPU_TARGET} at 32K, 128K")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.tpu:
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")

@@ -407,18 +407,22 @@ def table_memory_model(metadata_4m: dict | None, *, rel_tol: float = 0.25):
               f"{t:.2f} s (median) | {'yes' if t <= 3 else 'NO'} |")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--quick", action="store_true", help="skip the 4M metadata size and the 16K compiles")
     p.add_argument("--skip-compile", action="store_true", help="skip the libtpu compiles")
     p.add_argument("--max-context", action="store_true",
                    help="only the memory model: max S that compiles and fits, and the targets")
-    p.add_argument("--rel-tol", type=float, default=0.25, help="bisection stops when hi / lo <= 1 + rel_tol")
+    p.add_argument("--rel-tol", type=float, default=0.25, help="bisection stops when hi / lo <= 1 + rel_tol (default: %(default)s)")
     p.add_argument("--rows", action="store_true", help="only the per-process host metadata table (S = 4M, N = 8)")
     p.add_argument("--metadata-child", nargs=3, type=int, help=argparse.SUPPRESS)
     p.add_argument("--rows-child", nargs=3, type=int, help=argparse.SUPPRESS)
     p.add_argument("--compile-child", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.metadata_child:
         _metadata_child(*args.metadata_child)
         return

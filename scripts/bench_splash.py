@@ -272,17 +272,25 @@ def run_cpu_timing(rows_by_size: dict[int, int]):
 # ----------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--masks", nargs="*", default=list(MASKS), choices=list(MASKS))
-    parser.add_argument("--targets", nargs="*", default=list(TARGETS))
-    parser.add_argument("--interpret-heads", type=int, default=1, help="heads in the interpreter timing")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES),
+                        help="sequence lengths (default: all)")
+    parser.add_argument("--masks", nargs="*", default=list(MASKS), choices=list(MASKS), help="masks (default: all)")
+    parser.add_argument("--targets", nargs="*", default=list(TARGETS),
+                        help="TPU topologies to compile for (default: %(default)s)")
+    parser.add_argument("--interpret-heads", type=int, default=1,
+                        help="heads in the interpreter timing (default: %(default)s)")
     parser.add_argument("--skip-interpret", action="store_true", help="leave out the interpreter timing")
     parser.add_argument("--skip-cpu-timing", action="store_true", help="leave out bench_splash_xla.py's table")
     parser.add_argument("--quick", action="store_true",
                         help="S=8K, causal, v5e only; no interpreter or CPU timing (smoke test)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.sizes, args.masks, args.targets = ["8K"], ["causal"], ["v5e:2x2"]
         args.skip_interpret = args.skip_cpu_timing = True

@@ -95,15 +95,22 @@ def run_row(seq_len: int, mask_name: str, repeats: int, block_q: int, block_kv: 
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", default=list(DEFAULT_ROWS), help="S:mask, mask in {causal, local}")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (rows < 32K)")
-    parser.add_argument("--repeats-large", type=int, default=1, help="timed runs at S >= 32K (slow)")
-    parser.add_argument("--block-q", type=int, default=512)
-    parser.add_argument("--block-kv", type=int, default=512)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--rows", nargs="*", default=list(DEFAULT_ROWS),
+                        help="S:mask, mask in {causal, local} (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per implementation (rows < 32K) (default: %(default)s)")
+    parser.add_argument("--repeats-large", type=int, default=1, help="timed runs at S >= 32K (slow) (default: %(default)s)")
+    parser.add_argument("--block-q", type=int, default=512, help="Splash query block (default: %(default)s)")
+    parser.add_argument("--block-kv", type=int, default=512, help="Splash key/value block (default: %(default)s)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
 
     if args.worker:  # one row, in this process; prints one JSON line
         s, mask_name = args.worker.split(":")

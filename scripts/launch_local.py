@@ -39,14 +39,20 @@ def free_port(preferred: int | None = None) -> int:
         return s.getsockname()[1]
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--processes", type=int, default=2, help="JAX processes to start (default 2)")
     parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices per process (default 2)")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
+    parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds (default: none)")
     parser.add_argument("script", help="the experiment or script to run, e.g. experiments/train_long_context.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (after --)")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.script_args and args.script_args[0] == "--":
         args.script_args = args.script_args[1:]

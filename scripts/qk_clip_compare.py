@@ -38,15 +38,22 @@ def layer_keys(records: list[dict]) -> list[str]:
     return sorted({k for r in records for k in r if k.startswith("max_logit/")}, key=lambda k: int(k[15:]))
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--threshold", type=float, default=None)
-    parser.add_argument("--fraction", type=float, default=0.5)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--steps", type=int, default=80, help="training steps of each run (default: %(default)s)")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between logged max logits (default: %(default)s)")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="QK-clip threshold of the \"on\" run; none = auto: --fraction x the \"off\" run's largest max logit")
+    parser.add_argument("--fraction", type=float, default=0.5,
+                        help="the auto threshold's fraction of that max logit (default: %(default)s)")
     parser.add_argument("--out", default="", help="directory for the two run directories (default: a temp dir)")
     parser.add_argument("--reuse", action="store_true", help="only print the table of runs already under --out")
-    args, extra = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args, extra = build_parser().parse_known_args(argv)
     out = args.out or tempfile.mkdtemp(prefix="qk_clip_")
     off = run_job(os.path.join(out, "off"), args.steps, args.log_every, extra, args.reuse)
     keys = layer_keys(off)

@@ -163,6 +163,9 @@ BAD = {
     "bool_k": Bad(None, lambda: (_qkv()[0], _qkv(bool)[1], _qkv()[2]), {}, TypeError,
                   r"k must be a floating-point array, got k\.dtype=bool"),
     "q_rank": Bad(None, lambda: (_qkv()[0][0], *_qkv()[1:]), {}, ValueError, r"q must be \[heads, length, head_dim\]"),
+    # one dtype for q, k, v at every entry point: the reference refuses what the kernels refuse
+    "mixed_dtype": Bad(None, lambda: (_qkv(jnp.bfloat16)[0], *_qkv()[1:]), {}, TypeError,
+                       r"q, k, v must share one dtype, got q\.dtype=bfloat16, k\.dtype=float32, v\.dtype=float32"),
     "gqa": Bad(None, lambda: (jnp.ones((3, S, D)), jnp.ones((2, S, D)), jnp.ones((2, S, D))), {}, ValueError,
                r"kv_heads=2 must divide heads=3"),
     # v has a head size of its own (MLA), but k's kv_heads and kv_len; the error names both shapes
@@ -222,6 +225,34 @@ CASES = [
 def test_entry_point_rejects_bad_input(entry, bad):
     with pytest.raises(bad.error, match=bad.match):
         entry.fn(*bad.qkv(), **bad.kwargs)
+
+
+DTYPE_MIXES = [("bfloat16", "float32", "float32"), ("float32", "float32", "bfloat16"), ("float32", "bfloat16", "float32"),
+               ("float16", "bfloat16", "bfloat16")]
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_MIXES, ids="-".join)
+def test_reference_and_splash_refuse_a_dtype_mix_with_one_message(dtypes):
+    """One rule, one message: reference_attention accepted bf16 q with float32 k / v (upcasting
+    silently) while splash_attention refused it."""
+    q, k, v = (x.astype(dt) for x, dt in zip(_qkv(), dtypes, strict=True))
+    messages = []
+    for entry in (_reference, _splash):
+        with pytest.raises(TypeError) as error:
+            entry(q, k, v)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(f"q, k, v must share one dtype, got q.dtype={dtypes[0]}, k.dtype={dtypes[1]}, "
+                                  f"v.dtype={dtypes[2]}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_and_splash_accept_matched_dtypes(dtype):
+    q, k, v = _qkv(dtype)
+    ref, out = _reference(q, k, v), _splash(q, k, v)
+    assert ref.dtype == out.dtype == dtype
+    assert float(jnp.max(jnp.abs(ref.astype(jnp.float32) - out.astype(jnp.float32)))) < (1e-5 if dtype == jnp.float32
+                                                                                           else 2e-2)
 
 
 def test_config_type_is_checked_before_lengths():

@@ -190,6 +190,35 @@ def test_model_input_errors_name_the_argument(key):
         model(tokens[None], positions[None])
 
 
+def test_model_length_beyond_max_seq_len_names_both(key):
+    from ringsplash.model.transformer import _check_example
+
+    config = _config(max_seq_len=128, attention="reference", num_layers=1)
+    model = Transformer(config, key=key)
+    tokens, positions = jnp.arange(192) % 48, jnp.arange(192)
+    # was accepted: the reference builds its mask at any length, past the length the config was checked for
+    with pytest.raises(ValueError, match=r"tokens has 192 positions, more than the config's max_seq_len=128"):
+        model(tokens, positions)
+    assert model(tokens[:128], positions[:128]).shape == (128, 48)  # max_seq_len itself, and shorter, run
+    # under a sequence-parallel strategy the model sees one local shard: the global length is what counts
+    with pytest.raises(ValueError, match=r"tokens has 96 positions per shard x 2 shards \(attention='ring'\) = 192, "
+                                         r"more than the config's max_seq_len=128.*at most max_seq_len / 2 = 64"):
+        _check_example(tokens[:96], positions[:96], None, 48, 128, 2, "ring")
+    _check_example(tokens[:64], positions[:64], None, 48, 128, 2, "ring")
+
+
+def test_model_hands_attention_one_dtype_whatever_the_parameters(key):
+    """q, k, v reach the strategy in the compute dtype even when the parameters mix dtypes (e.g.
+    a checkpoint with some weights in float16): every attention entry point now refuses a q / k / v
+    dtype mix, the reference included, so the model must never produce one."""
+    config = _config(max_seq_len=128, attention="reference", num_layers=1)
+    model = Transformer(config, key=key)
+    mixed = eqx.tree_at(lambda m: (m.layers.attention.wk, m.layers.attention.wv), model,
+                        (model.layers.attention.wk.astype(jnp.bfloat16), model.layers.attention.wv.astype(jnp.float16)))
+    logits = mixed(jnp.arange(128) % 48, jnp.arange(128))
+    assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
+
+
 def test_ring_model_outside_shard_map_says_how_to_call_it(key):
     config = _config(max_seq_len=512, attention="ring", ring_size=2, ring_axis_name="context")
     model = Transformer(config, key=key)

@@ -29,16 +29,22 @@ REMOTE_DIR = "~/ringsplash"
 TARBALL = "/tmp/ringsplash-src.tar.gz"
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tpu", help="TPU VM / pod slice name")
-    parser.add_argument("--zone", help="its zone, e.g. us-west4-a")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--tpu", help="TPU VM / pod slice name (required)")
+    parser.add_argument("--zone", help="its zone, e.g. us-west4-a (required)")
     parser.add_argument("--project", default=None, help="GCP project (default: gcloud's)")
     parser.add_argument("--remote-dir", default=REMOTE_DIR, help=f"checkout on the workers (default {REMOTE_DIR})")
     parser.add_argument("--skip-install", action="store_true", help="reuse the installed environment")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("script", help="experiment to run, e.g. experiments/train_long_context.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.script_args and args.script_args[0] == "--":
         args.script_args = args.script_args[1:]

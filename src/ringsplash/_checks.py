@@ -81,7 +81,6 @@ def check_attention_call(
     sinks=None,
     config=None,
     config_type: type | None = None,
-    same_dtype: bool = False,
     equal_lengths: bool = False,
     return_max_logits: bool = False,
 ) -> AttentionCall:
@@ -89,7 +88,8 @@ def check_attention_call(
 
     Args:
         q, k, v: per-example ``[heads, q_len, d]`` / ``[kv_heads, kv_len, d]`` /
-            ``[kv_heads, kv_len, dv]`` floating arrays (v's head size ``dv`` may differ from d).
+            ``[kv_heads, kv_len, dv]`` floating arrays of one dtype (the kernels need it, and the
+            reference refuses what they refuse); v's head size ``dv`` may differ from d.
         mask: a ``Mask`` / ``MultiHeadMask`` or None (``mask_required`` rejects None).
         mask_shape: the ``(q_len, kv_len)`` the mask must have (default: q's and k's lengths;
             the ring passes the global ``(S, S)``), ``mask_hint`` is appended to the error.
@@ -99,7 +99,6 @@ def check_attention_call(
         sinks: None or a floating ``[heads]`` array.
         config: the entry point's config, checked to be an instance of ``config_type`` first,
             before anything reads its attributes (skipped when ``config_type`` is None).
-        same_dtype: q, k, v must share one dtype (the kernels need it).
         equal_lengths: q_len must equal kv_len (the ring).
         return_max_logits: the entry point's flag, which must be a bool.
 
@@ -112,7 +111,7 @@ def check_attention_call(
     if mask_required and mask is None:
         raise TypeError("mask must be a ringsplash.masks.Mask or MultiHeadMask, got mask=None")
     heads, kv_heads, q_len, kv_len, d = check_attention_inputs(
-        q, k, v, mask, None, sinks, same_dtype=same_dtype, mask_shape=mask_shape, mask_hint=mask_hint
+        q, k, v, mask, None, sinks, mask_shape=mask_shape, mask_hint=mask_hint
     )
     if equal_lengths and q_len != kv_len:
         raise ValueError(f"q and k must have equal lengths here, got {q_len=}, {kv_len=}")
@@ -136,11 +135,11 @@ def check_bool(name: str, value) -> bool:
     return bool(value)
 
 
-def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, same_dtype=False,
-                           mask_shape=None, mask_hint=""):
+def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, mask_shape=None, mask_hint=""):
     """Shape / dtype checks of per-example attention inputs; returns (heads, kv_heads, q_len, kv_len, head_dim).
 
-    ``v`` is ``[kv_heads, kv_len, head_dim_v]``: its head size may differ from q's and k's."""
+    ``v`` is ``[kv_heads, kv_len, head_dim_v]``: its head size may differ from q's and k's. q, k and
+    v share one floating dtype, for every entry point (the reference included)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 3:
             raise ValueError(
@@ -165,8 +164,9 @@ def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, 
         )
     if heads % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide heads={heads} (GQA groups)")
-    if same_dtype and not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+                        f"v.dtype={v.dtype}: cast them to one (e.g. k.astype(q.dtype))")
     if mask is not None:
         if isinstance(mask, MultiHeadMask):
             if mask.shape[0] != heads:

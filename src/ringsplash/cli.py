@@ -1,9 +1,32 @@
-"""Command-line flags derived from a frozen config dataclass (experiments and scripts)."""
+"""Command-line flags derived from a frozen config dataclass (experiments and scripts).
+
+Each field becomes a ``--field-name`` flag whose help line is the field's own comment in the
+class source — a trailing ``# ...`` on the field's line, else ``#:`` lines right above it, else
+the field's entry in the class docstring (``name: text`` / ``* ``name`` — text``) — plus its
+default. A field with a comment-free line gets an empty help; the tests refuse that.
+
+Every parser refuses abbreviated flags (``allow_abbrev=False``): ``--data x`` is an unknown
+argument, never a prefix of ``--data-parallel``.
+"""
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import io
+import re
+import textwrap
+import tokenize
 import typing
 from collections.abc import Mapping
+
+# a field described in a class docstring: "name: text", "``name``: text", "* ``name`` — text",
+# ":param name: text", "name (int): text"
+_DOC_FIELD = re.compile(
+    r"^\s*(?:[*-]\s+)?(?::(?:param|ivar)\s+)?(?:``)?(?P<name>[A-Za-z_]\w*)(?:``)?(?:\s*\([\w.\[\]|, ]*\))?"
+    r"\s*(?::|—|--?)\s+(?P<text>\S.*)$"
+)
 
 
 def _flag_type(field: dataclasses.Field):
@@ -14,12 +37,67 @@ def _flag_type(field: dataclasses.Field):
     return args[0] if args and isinstance(args[0], type) else str
 
 
+def _comment_text(comment: str) -> str:
+    return comment.lstrip("#").lstrip(":").strip()
+
+
+def _docstring_fields(doc: str) -> dict[str, str]:
+    found = {}
+    for line in doc.splitlines():
+        m = _DOC_FIELD.match(line)
+        if m and m["name"] not in found:
+            found[m["name"]] = m["text"].strip()
+    return found
+
+
+def _class_field_comments(cls) -> dict[str, str]:
+    """``{field: help}`` from the comments next to the fields in ``cls``'s own source
+    ({} when the source cannot be read or parsed, e.g. a class made by ``exec``)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source)
+        comments = {}  # line -> (text, whether the comment is the whole line)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0]] = (tok.string, not tok.line[: tok.start[1]].strip())
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError, IndentationError):
+        return {}
+    classdef = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if classdef is None:
+        return {}
+    documented = _docstring_fields(ast.get_docstring(classdef) or "")
+    helps = {}
+    for node in classdef.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        trailing = [_comment_text(comments[ln][0]) for ln in range(node.lineno, node.end_lineno + 1)
+                    if ln in comments and not comments[ln][1]]
+        above, ln = [], node.lineno - 1
+        while ln in comments and comments[ln][1] and comments[ln][0].startswith("#:"):
+            above.insert(0, _comment_text(comments[ln][0]))
+            ln -= 1
+        name = node.target.id
+        helps[name] = " ".join(t for t in trailing if t) or " ".join(t for t in above if t) or documented.get(name, "")
+    return helps
+
+
+@functools.cache
+def field_help(config_cls) -> dict[str, str]:
+    """``{field name: its comment}`` for every field of the dataclass ``config_cls`` (base classes'
+    comments for inherited fields; "" where a field has none). Cached per class."""
+    helps: dict[str, str] = {}
+    for cls in reversed(config_cls.__mro__):
+        if dataclasses.is_dataclass(cls):
+            helps.update({k: v for k, v in _class_field_comments(cls).items() if v or k not in helps})
+    return {f.name: helps.get(f.name, "") for f in dataclasses.fields(config_cls)}
+
+
 def _preset_defaults(config_cls, argv, presets: Mapping, parser: argparse.ArgumentParser) -> dict:
     """The chosen preset's values for the fields ``config_cls`` has."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     if "preset" not in fields:
         raise TypeError(f"{config_cls.__name__} needs a `preset` field to take presets")
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", default=fields["preset"].default)
     chosen = pre.parse_known_args(argv)[0].preset
     if not chosen:
@@ -31,23 +109,36 @@ def _preset_defaults(config_cls, argv, presets: Mapping, parser: argparse.Argume
     return {k: v for k, v in values.items() if k in fields}
 
 
+def config_parser(config_cls, argv=None, *, description: str | None = None,
+                  presets: Mapping | None = None) -> argparse.ArgumentParser:
+    """The ``argparse`` parser ``parse_config`` uses (``argv`` only picks the preset's defaults)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    defaults = _preset_defaults(config_cls, argv, presets, parser) if presets is not None else {}
+    helps = field_help(config_cls)
+    for field in dataclasses.fields(config_cls):
+        flag = "--" + field.name.replace("_", "-")
+        default = defaults.get(field.name, field.default)
+        if isinstance(field.default, bool):
+            action = parser.add_argument(flag, dest=field.name, default=default,
+                                         action=argparse.BooleanOptionalAction)
+        else:
+            action = parser.add_argument(flag, dest=field.name, type=_flag_type(field), default=default)
+        # set after construction: BooleanOptionalAction (Python < 3.13) appends its own default
+        text = helps[field.name].replace("%", "%%")
+        action.help = f"{text} (default: {default!r})" if text else f"(default: {default!r})"
+    return parser
+
+
 def parse_config(config_cls, argv=None, *, description: str | None = None, presets: Mapping | None = None):
     """``config_cls(**flags)``: one ``--field-name`` flag per field, defaults from the class
-    (``--flag/--no-flag`` for booleans), so ``--help`` lists every option with its default.
+    (``--flag/--no-flag`` for booleans), so ``--help`` lists every option with its comment
+    (``field_help``) and default. Abbreviated flags are refused.
 
     With ``presets`` (name -> object with ``fields()`` or a mapping of field values, e.g.
     ``ringsplash.model.presets.PRESETS``) ``config_cls`` must have a ``preset`` field:
     ``--preset NAME`` makes that preset's values the defaults of the fields ``config_cls`` has
     (others are ignored) and explicit flags still override them; an empty name = no preset.
     """
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = _preset_defaults(config_cls, argv, presets, parser) if presets is not None else {}
-    for field in dataclasses.fields(config_cls):
-        flag = "--" + field.name.replace("_", "-")
-        default = defaults.get(field.name, field.default)
-        if isinstance(field.default, bool):
-            parser.add_argument(flag, dest=field.name, default=default, action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(flag, dest=field.name, type=_flag_type(field), default=default,
-                                help=f"(default: {default!r})")
+    parser = config_parser(config_cls, argv, description=description, presets=presets)
     return config_cls(**vars(parser.parse_args(argv)))

@@ -29,9 +29,11 @@ def reference_attention(
 
     Args:
         q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
-        k: keys ``[kv_heads, kv_len, d]``; ``kv_heads`` divides ``heads`` (GQA; 1 = MQA).
-        v: values ``[kv_heads, kv_len, dv]``; their head size ``dv`` may differ from ``d``
-            (the output has it).
+        k: keys ``[kv_heads, kv_len, d]``, the dtype of ``q``; ``kv_heads`` divides ``heads``
+            (GQA; 1 = MQA). A q / k / v dtype mix is refused as by ``splash_attention`` (one rule,
+            ``ringsplash._checks``), never upcast silently.
+        v: values ``[kv_heads, kv_len, dv]``, the dtype of ``k``; their head size ``dv`` may
+            differ from ``d`` (the output has it).
         mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one
             per head), or None to attend everything.
         segment_ids: ``SegmentIds(q=[q_len], kv=[kv_len])`` integer ids; a query attends only

@@ -114,13 +114,25 @@ class Block(eqx.Module):
         return (x, max_logits) if return_max_logits else x
 
 
-def _check_example(tokens, positions, segment_ids, vocab_size: int) -> None:
-    """One example's token ids, positions and segment ids: int ``[seq]`` each, of one length;
-    concrete token ids inside the vocabulary (traced ids cannot be inspected)."""
+def _check_example(tokens, positions, segment_ids, vocab_size: int, max_seq_len: int | None = None,
+                   shards: int = 1, attention: str = "") -> None:
+    """One example's token ids, positions and segment ids: int ``[seq]`` each, of one length, at
+    most ``max_seq_len`` tokens over the ``shards`` the sequence is split into (a local shard
+    each under the sequence-parallel strategies); concrete token ids inside the vocabulary
+    (traced ids cannot be inspected)."""
     shape = getattr(tokens, "shape", None)
     if shape is None or len(shape) != 1:
         raise ValueError(f"tokens must be [seq] token ids of one example (batch with jax.vmap, or use the "
                          f"train/eval step functions, which do), got tokens.shape={shape}")
+    if max_seq_len is not None and shape[0] * shards > max_seq_len:
+        if shards == 1:
+            raise ValueError(f"tokens has {shape[0]} positions, more than the config's max_seq_len={max_seq_len}: "
+                             f"pass at most max_seq_len tokens, or build the model with a larger max_seq_len")
+        raise ValueError(
+            f"tokens has {shape[0]} positions per shard x {shards} shards (attention={attention!r}) = "
+            f"{shape[0] * shards}, more than the config's max_seq_len={max_seq_len}: under a sequence-parallel "
+            f"strategy the model takes one local shard of at most max_seq_len / {shards} = "
+            f"{max_seq_len // shards} tokens, inside shard_map")
     for name, x in (("tokens", tokens), ("positions", positions), ("segment_ids", segment_ids)):
         if x is None:
             continue
@@ -205,7 +217,7 @@ class Transformer(eqx.Module):
                 layer's ring holds the whole schedule as a constant replicated on every device.
         """
         c = self.config
-        _check_example(tokens, positions, segment_ids, c.vocab_size)
+        _check_example(tokens, positions, segment_ids, c.vocab_size, c.max_seq_len, c.context_shards, c.attention)
         cdt = dtype_of(c.compute_dtype)
         x = self.embedding[tokens].astype(cdt)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)

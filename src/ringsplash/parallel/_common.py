@@ -42,7 +42,7 @@ def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int
         mask_hint=f"the global (S, S): local length {shard_len} x {shards} shards, {what}",
         segment_ids=segment_ids, segment_hint=f"segment ids are per shard: local length = {shard_len}",
         scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
-        same_dtype=True, equal_lengths=True, return_max_logits=return_max_logits,
+        equal_lengths=True, return_max_logits=return_max_logits,
     )
     return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
@@ -95,7 +95,7 @@ def check_global_inputs(q, k, v, mask, segment_ids, sinks, what: str, *, config=
     call = check_attention_call(
         q, k, v, mask=mask, mask_required=True, segment_ids=segment_ids, scale=scale,
         logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
-        same_dtype=True, equal_lengths=True, return_max_logits=return_max_logits,
+        equal_lengths=True, return_max_logits=return_max_logits,
     )
     del what  # the messages of check_attention_call name the argument already
     return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids

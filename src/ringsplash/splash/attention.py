@@ -173,8 +173,7 @@ def splash_forward(
         ``max_logits [heads]`` third with ``return_max_logits``.
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
-                                config=config, config_type=SplashConfig, same_dtype=True,
-                                return_max_logits=return_max_logits)
+                                config=config, config_type=SplashConfig, return_max_logits=return_max_logits)
     _check_info(info, call.q_len, call.kv_len, transpose=False)
     return _forward(BackendStatic(info, None, call.scale, call.logit_soft_cap, config), q, k, v,
                     *_segments(call.segment_ids), q_shard=q_shard, kv_shard=kv_shard, q_positions=q_positions,
@@ -225,7 +224,7 @@ def splash_backward(
         float32 ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])``.
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
-                                config=config, config_type=SplashConfig, same_dtype=True)
+                                config=config, config_type=SplashConfig)
     _check_info(info, call.q_len, call.kv_len, transpose=False)
     if info_dkv is not None:
         _check_info(info_dkv, call.q_len, call.kv_len, transpose=True)
@@ -400,7 +399,7 @@ def splash_attention(
     """
     call = check_attention_call(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale,
                                 logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                                config_type=SplashConfig, same_dtype=True, return_max_logits=return_max_logits)
+                                config_type=SplashConfig, return_max_logits=return_max_logits)
     q_len, kv_len = call.q_len, call.kv_len
     if mask is None:
         mask = masks_lib.FullMask((q_len, kv_len))
