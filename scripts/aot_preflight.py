@@ -58,6 +58,11 @@ class Config:
     mlp_ratio: float = 8 / 3
     mlp_multiple: int = 8
     rope_theta: float = 10_000.0
+    # RoPE scaling: "" (none) | linear | dynamic | yarn | llama3, with Hugging Face's numerics;
+    # dynamic / yarn / llama3 also need --rope-original-max-len (the length the model was trained at)
+    rope_scaling: str = ""
+    rope_factor: float = 0.0
+    rope_original_max_len: int = 0
     layout: str = "zigzag"
     backend: str = "mosaic_tpu"
     block: int = 512
@@ -116,7 +121,7 @@ def compile_step(config: Config):
 
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
-    from ringsplash.model import Transformer, TransformerConfig
+    from ringsplash.model import Transformer, TransformerConfig, rope_scaling_from_flags
     from ringsplash.splash import SplashConfig
 
     devices = aot.topology_devices(config.topology)
@@ -133,6 +138,7 @@ def compile_step(config: Config):
         ring_layout=config.layout, ring_size=context, remat=config.remat,
         param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
+        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
     )
     rows = config.batch_size or data
     tc = train.TrainConfig(steps=1000, batch_size=rows, data_parallel=data, context_parallel=context, warmup_steps=10,

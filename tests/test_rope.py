@@ -10,6 +10,7 @@ factors: bit-identical.
 
 import dataclasses
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -24,7 +25,15 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import ringsplash.model.rope_scaling as rope_lib
-from ringsplash.model import RopeScaling, Transformer, TransformerConfig, rope, rope_attention_factor, rope_inv_freq
+from ringsplash.model import (
+    RopeScaling,
+    Transformer,
+    TransformerConfig,
+    rope,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_scaling_from_flags,
+)
 
 # relative error of the inverse frequencies (module docstring: measured at most 2.5e-7)
 INV_FREQ_RTOL = 1e-6
@@ -345,3 +354,35 @@ def test_import_ringsplash_does_not_import_torch():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_rope_scaling_from_flags():
+    assert rope_scaling_from_flags("", 0.0, 0) is None
+    assert rope_scaling_from_flags("linear", 4.0, 0) == RopeScaling("linear", factor=4.0)
+    assert rope_scaling_from_flags("llama3", 8.0, 8192) == RopeScaling(
+        "llama3", factor=8.0, original_max_position_embeddings=8192, low_freq_factor=1.0, high_freq_factor=4.0)
+    assert rope_scaling_from_flags("yarn", 4.0, 256) == RopeScaling("yarn", factor=4.0,
+                                                                    original_max_position_embeddings=256)
+    for args, match in [(("", 2.0, 0), "need --rope-scaling"), (("longrope", 2.0, 8), "use one of"),
+                        (("yarn", 0.0, 8), "needs --rope-factor > 0"), (("dynamic", 2.0, 0), "--rope-original-max-len"),
+                        (("linear", 2.0, 8), "does not apply to --rope-scaling=linear")]:
+        with pytest.raises(ValueError, match=match):
+            rope_scaling_from_flags(*args)
+
+
+def test_experiment_and_preflight_take_rope_flags():
+    """Both configs parse the flags (a subprocess: the preflight sets TPU environment variables on import)."""
+    code = """
+import importlib.util, sys
+from ringsplash.model import rope_scaling_from_flags
+for path in ("experiments/train_long_context.py", "scripts/aot_preflight.py"):
+    spec = importlib.util.spec_from_file_location(path.split("/")[-1][:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.parse_args(["--rope-scaling", "yarn", "--rope-factor", "4", "--rope-original-max-len", "256"])
+    print(rope_scaling_from_flags(c.rope_scaling, c.rope_factor, c.rope_original_max_len).to_hf())
+"""
+    root = pathlib.Path(__file__).parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+    expected = str({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    assert out.split("\n")[-3:-1] == [expected, expected], out

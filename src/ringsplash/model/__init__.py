@@ -5,7 +5,13 @@ from ringsplash.model.attention import Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
 from ringsplash.model.parallelism import ContextParallel
 from ringsplash.model.qk_clip import QKClipFactors, apply_qk_clip, qk_clip_factors
-from ringsplash.model.rope_scaling import ROPE_TYPES, RopeScaling, rope_attention_factor, rope_inv_freq
+from ringsplash.model.rope_scaling import (
+    ROPE_TYPES,
+    RopeScaling,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_scaling_from_flags,
+)
 from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, remat_policy
 
 __all__ = [
@@ -30,4 +36,5 @@ __all__ = [
     "rope",
     "rope_attention_factor",
     "rope_inv_freq",
+    "rope_scaling_from_flags",
 ]

@@ -386,4 +386,36 @@ def rope_attention_factor(scaling: RopeScaling) -> float:
     return 1.0
 
 
-__all__ = ["ROPE_TYPES", "RopeScaling", "RopeType", "check_rope_dim", "rope_attention_factor", "rope_inv_freq"]
+#: the ``rope_scaling`` types command-line flags can build (LongRoPE needs per-frequency factors)
+FLAG_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+
+
+def rope_scaling_from_flags(kind: str, factor: float = 0.0, original_max_len: int = 0) -> RopeScaling | None:
+    """The ``RopeScaling`` of the experiments' ``--rope-scaling TYPE --rope-factor F
+    --rope-original-max-len N`` flags (``""``: None, and then the other two must stay 0). ``yarn``
+    takes transformers' defaults, ``llama3`` Llama 3.1's ``low_freq_factor=1``, ``high_freq_factor=4``;
+    ``dynamic`` / ``yarn`` / ``llama3`` need ``N``, the length the model was (pre)trained at."""
+    if not kind:
+        if factor or original_max_len:
+            raise ValueError(f"--rope-factor={factor} / --rope-original-max-len={original_max_len} need "
+                             f"--rope-scaling (one of {FLAG_ROPE_TYPES})")
+        return None
+    if kind not in FLAG_ROPE_TYPES:
+        raise ValueError(f"--rope-scaling={kind!r}: use one of {FLAG_ROPE_TYPES} (or '' for none)")
+    if factor <= 0:
+        raise ValueError(f"--rope-scaling={kind} needs --rope-factor > 0, got {factor}")
+    fields: dict[str, Any] = {"factor": float(factor)}
+    if kind != "linear":
+        if original_max_len <= 0:
+            raise ValueError(f"--rope-scaling={kind} needs --rope-original-max-len (the length the model was trained "
+                             f"at), got {original_max_len}")
+        fields["original_max_position_embeddings"] = int(original_max_len)
+    elif original_max_len:
+        raise ValueError("--rope-original-max-len does not apply to --rope-scaling=linear: leave it 0")
+    if kind == "llama3":
+        fields.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    return RopeScaling(type=kind, **fields)
+
+
+__all__ = ["FLAG_ROPE_TYPES", "ROPE_TYPES", "RopeScaling", "RopeType", "check_rope_dim", "rope_attention_factor",
+           "rope_inv_freq", "rope_scaling_from_flags"]
