@@ -48,6 +48,11 @@ class Config:
     mlp_ratio: float = 2.0  # SwiGLU hidden width / d_model (rounded up to mlp_multiple)
     mlp_multiple: int = 8  # the SwiGLU hidden width is a multiple of this
     rope_theta: float = 10_000.0  # RoPE base frequency
+    #: RoPE scaling with Hugging Face's numerics: "" = none | linear | dynamic | yarn | llama3
+    #: (dynamic / yarn / llama3 also need --rope-original-max-len)
+    rope_scaling: str = ""
+    rope_factor: float = 0.0  # RoPE scaling factor (context extension ratio); 0 = unset (needed with --rope-scaling)
+    rope_original_max_len: int = 0  # the length the model was trained at; 0 = unset (needed except for linear)
     remat: str = "none"  # rematerialisation of each layer: none | full | save_attention | save_dots
     #: reference | splash (one device) | ring | allgather | ulysses (over the context axis) |
     #: usp (ring over context_parallel devices, Ulysses over ulysses_parallel devices inside)
@@ -125,7 +130,7 @@ def main(config: Config) -> dict:
                               config.data_parallel * config.context_parallel * config.ulysses_parallel)
 
     from ringsplash import checkpoints, data, train
-    from ringsplash.model import TransformerConfig
+    from ringsplash.model import TransformerConfig, rope_scaling_from_flags
     from ringsplash.splash import SplashConfig
 
     t_start = time.perf_counter()
@@ -147,6 +152,7 @@ def main(config: Config) -> dict:
         attention=config.attention, ring_layout=config.layout, **context_fields(config),
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
         qk_clip_threshold=config.qk_clip_threshold,
+        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
     )
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,

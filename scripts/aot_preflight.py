@@ -58,6 +58,11 @@ class Config:
     mlp_ratio: float = 8 / 3  # SwiGLU hidden width / d_model (rounded up to mlp_multiple)
     mlp_multiple: int = 8  # the SwiGLU hidden width is a multiple of this
     rope_theta: float = 10_000.0  # RoPE base frequency
+    #: RoPE scaling with Hugging Face's numerics: "" = none | linear | dynamic | yarn | llama3
+    #: (dynamic / yarn / llama3 also need --rope-original-max-len)
+    rope_scaling: str = ""
+    rope_factor: float = 0.0  # RoPE scaling factor (context extension ratio); 0 = unset (needed with --rope-scaling)
+    rope_original_max_len: int = 0  # the length the model was trained at; 0 = unset (needed except for linear)
     layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
     backend: str = "mosaic_tpu"  # Splash backend: auto | mosaic_tpu | interpret | xla
     block: int = 512  # Splash block size (tokens), every block of the kernels
@@ -117,7 +122,7 @@ def compile_step(config: Config):
 
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
-    from ringsplash.model import Transformer, TransformerConfig
+    from ringsplash.model import Transformer, TransformerConfig, rope_scaling_from_flags
     from ringsplash.splash import SplashConfig
 
     devices = aot.topology_devices(config.topology)
@@ -134,6 +139,7 @@ def compile_step(config: Config):
         ring_layout=config.layout, ring_size=context, remat=config.remat,
         param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
+        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
     )
     rows = config.batch_size or data
     tc = train.TrainConfig(steps=1000, batch_size=rows, data_parallel=data, context_parallel=context, warmup_steps=10,

@@ -5,18 +5,27 @@ from ringsplash.model.attention import Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
 from ringsplash.model.parallelism import ContextParallel
 from ringsplash.model.qk_clip import QKClipFactors, apply_qk_clip, qk_clip_factors
+from ringsplash.model.rope_scaling import (
+    ROPE_TYPES,
+    RopeScaling,
+    rope_attention_factor,
+    rope_inv_freq,
+    rope_scaling_from_flags,
+)
 from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, remat_policy
 
 __all__ = [
     "GATHERED",
     "MASKS",
     "REMAT_POLICIES",
+    "ROPE_TYPES",
     "STRATEGIES",
     "Attention",
     "Block",
     "ContextParallel",
     "QKClipFactors",
     "RMSNorm",
+    "RopeScaling",
     "SwiGLU",
     "Transformer",
     "TransformerConfig",
@@ -25,4 +34,7 @@ __all__ = [
     "qk_clip_factors",
     "remat_policy",
     "rope",
+    "rope_attention_factor",
+    "rope_inv_freq",
+    "rope_scaling_from_flags",
 ]

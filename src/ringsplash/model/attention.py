@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.config import TransformerConfig, dtype_of
+from ringsplash.model.rope_scaling import RopeScaling, rope_attention_factor, rope_inv_freq
 from ringsplash.parallel.ring_plan import RingSchedule
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
@@ -21,12 +22,30 @@ from ringsplash.segment_ids import SegmentIds
 ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
 
 
-def rope(x: Float[Array, "heads seq d"], positions: Int[Array, " seq"], theta: float) -> Float[Array, "heads seq d"]:
-    """Rotary embedding (rotate-half convention), angles computed in float32 from ``positions``."""
+def rope(
+    x: Float[Array, "heads seq d"],
+    positions: Int[Array, " seq"],
+    theta: float,
+    scaling: RopeScaling | None = None,
+    *,
+    seq_len: int | None = None,
+) -> Float[Array, "heads seq d"]:
+    """Rotary embedding (rotate-half convention), angles computed in float32 from ``positions``.
+
+    ``scaling=None``: ringsplash's own frequencies ``theta ** (-2i / d)``; a ``RopeScaling``: its
+    frequencies and cos / sin multiplier with Hugging Face's numerics (``ringsplash.model.rope_scaling``),
+    ``seq_len`` being the current (global, static) sequence length ``dynamic`` and ``longrope`` read."""
     d = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    if scaling is None:
+        inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+        attention_factor = 1.0
+    else:  # host-side constants: the scaling, d, theta and seq_len are all static
+        inv_freq = jnp.asarray(rope_inv_freq(scaling, d, theta, seq_len=seq_len))
+        attention_factor = rope_attention_factor(scaling)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -137,8 +156,11 @@ class Attention(eqx.Module):
         def heads(w, n, dim=c.head_dim):
             return (x @ w.astype(cdt)).reshape(seq, n, dim).transpose(1, 0, 2)
 
-        q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta)
-        k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta)
+        # the current length of dynamic / longrope RoPE: the whole sequence's (this call holds one of its
+        # context_shards local shards), static (ringsplash.model.rope_scaling)
+        rope_len = seq * c.context_shards
+        q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta, c.rope_scaling, seq_len=rope_len)
+        k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta, c.rope_scaling, seq_len=rope_len)
         v = heads(self.wv, c.num_kv_heads, c.v_head_dim)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits,
                      schedule=schedule)

@@ -12,6 +12,7 @@ from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_choice, check_float, check_int, check_positive_int, literal_choices
 from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel, Strategy
+from ringsplash.model.rope_scaling import RopeScaling, check_rope_dim
 from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
 from ringsplash.parallel.ring_plan import fit_ring_blocks
 from ringsplash.splash.blocks import Extent, fit_blocks
@@ -69,6 +70,9 @@ class TransformerConfig:
     step's forward pass exceeded τ are rescaled so that logit becomes τ
     (``ringsplash.model.qk_clip``).
 
+    ``rope_scaling`` (None or a ``RopeScaling``: linear, dynamic NTK, YaRN, Llama 3, LongRoPE) scales
+    RoPE with Hugging Face's numerics (``ringsplash.model.rope_scaling``); None keeps ringsplash's own RoPE.
+
     ``max_seq_len`` is the (global) training length, checked against the ring size and the
     Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; ``v_head_dim`` is
     the value (and attention output) head size, ``None`` = ``head_dim`` (MLA-style models use
@@ -106,6 +110,7 @@ class TransformerConfig:
     splash: SplashConfig = SplashConfig()
     v_head_dim: int | None = None  # None = head_dim
     qk_clip_threshold: float | None = None
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple",
@@ -134,6 +139,11 @@ class TransformerConfig:
         check_positive_int("v_head_dim", self.v_head_dim)
         check_float("mlp_ratio", self.mlp_ratio, positive=True)
         check_float("rope_theta", self.rope_theta, positive=True)
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, RopeScaling):
+                raise TypeError(f"rope_scaling must be a ringsplash.model.RopeScaling or None, got "
+                                f"{type(self.rope_scaling).__name__} (a Hugging Face dict: RopeScaling.from_hf(d))")
+            check_rope_dim(self.rope_scaling, self.head_dim)
 
         check_choice("attention", self.attention, STRATEGIES)
         check_choice("remat", self.remat, REMAT_POLICIES)
@@ -305,6 +315,8 @@ class TransformerConfig:
         d = dict(d)
         if isinstance(d.get("splash"), dict):
             d["splash"] = SplashConfig(**d["splash"])
+        if isinstance(d.get("rope_scaling"), dict):
+            d["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
         return cls(**d)
 
 
