@@ -190,64 +190,75 @@ _BOUND_LOCK = threading.Lock()
 
 
 class _TileEvaluator:
-    """The jitted per-tile reductions of one (fn, within, block shape)."""
+    """The jitted per-tile reductions of one (fn, within, block shape): ``classify`` (kind,
+    attended extremes, within violated) for candidate tiles, ``hashes`` for the PARTIAL ones."""
 
     def __init__(self, fn, within_fn, bq: int, bkv: int):
         import jax
         import jax.numpy as jnp
 
         rng = np.random.default_rng(0x5EED)
-        # two independent linear hashes of a tile's content (mod 2**32): equal tiles hash equal,
-        # two different tiles collide with probability 2**-64
-        weights = jnp.asarray(rng.integers(0, 2**32, size=(2, bq, bkv), dtype=np.uint32))
+        # two independent linear hashes of a tile's content (mod 2**32): equal tiles hash equal, an
+        # empty tile hashes to 0, two different tiles collide with probability 2**-64
+        weights = rng.integers(0, 2**32, size=(2, bq, bkv), dtype=np.uint32)
+        self.full_hashes = weights.sum(axis=(1, 2), dtype=np.uint32)
+        weights = jnp.asarray(weights)
 
-        def tile(qp, kp):  # [bq], [bkv] -> reductions of one tile
-            m = jnp.broadcast_to(fn(qp[:, None], kp[None, :]), (bq, bkv))
+        def tile_mask(qp, kp):
+            return jnp.broadcast_to(fn(qp[:, None], kp[None, :]), (bq, bkv))
+
+        def classify(qp, kp):  # [bq], [bkv] -> reductions of one tile
+            m = tile_mask(qp, kp)
             rows, cols = m.any(axis=1), m.any(axis=0)
             kind = jnp.where(m.all(), FULL, jnp.where(rows.any(), PARTIAL, EMPTY)).astype(jnp.int8)
-            hashes = jnp.sum(jnp.where(m[None], weights, jnp.uint32(0)), axis=(1, 2), dtype=jnp.uint32)
             ext = jnp.stack([jnp.where(cols, kp, _INT32_MAX).min(), jnp.where(cols, kp, -1).max(),
                              jnp.where(rows, qp, _INT32_MAX).min(), jnp.where(rows, qp, -1).max()])
             if within_fn is None:
-                bad = jnp.zeros((), bool)
-            else:
-                bad = jnp.any(m & ~jnp.broadcast_to(within_fn(qp[:, None], kp[None, :]), (bq, bkv)))
-            return kind, hashes, ext, bad
+                return kind, ext
+            bad = jnp.any(m & ~jnp.broadcast_to(within_fn(qp[:, None], kp[None, :]), (bq, bkv)))
+            return kind, ext, bad
 
-        def step(args):
-            q_blocks, kv_blocks, ti, tj = args
-            return jax.vmap(tile)(q_blocks[ti], kv_blocks[tj])
+        def hashes(qp, kp):
+            m = tile_mask(qp, kp)
+            return (jnp.sum(jnp.where(m[None], weights, jnp.uint32(0)), axis=(1, 2), dtype=jnp.uint32),)
 
-        @jax.jit
-        def run(q_blocks, kv_blocks, ti, tj):  # ti, tj [steps, per_step] tile indices
-            return jax.lax.map(lambda t: step((q_blocks, kv_blocks, *t)), (ti, tj))
+        def mapped(per_tile):
+            @jax.jit
+            def run(q_blocks, kv_blocks, ti, tj):  # ti, tj [steps, per_step] tile indices
+                step = lambda t: jax.vmap(per_tile)(q_blocks[t[0]], kv_blocks[t[1]])
+                return jax.lax.map(step, (ti, tj))
 
-        self.run = run
+            return run
+
+        self._classify, self._hashes = mapped(classify), mapped(hashes)
         self.per_step = max(1, TILE_CHUNK_ELEMENTS // (bq * bkv))
 
-    def __call__(self, q_blocks, kv_blocks, ti: np.ndarray, tj: np.ndarray):
-        """Per tile (host numpy): kind int8, hashes uint32 [n, 2], extremes int32 [n, 4], violation bool."""
-        return _outside_traces(self._evaluate, q_blocks, kv_blocks, ti, tj)
+    def classify(self, q_blocks, kv_blocks, ti: np.ndarray, tj: np.ndarray):
+        """Per tile (host numpy): kind int8, extremes int32 [n, 4] (kv min, kv max, q min, q max of
+        what is attended), within violated (bool, or None without within)."""
+        kinds, ext, *bad = _outside_traces(self._map, self._classify, q_blocks, kv_blocks, ti, tj)
+        return kinds, ext, (bad[0] if bad else None)
 
-    def _evaluate(self, q_blocks, kv_blocks, ti, tj):
+    def hashes(self, q_blocks, kv_blocks, ti: np.ndarray, tj: np.ndarray) -> np.ndarray:
+        """uint32 [n, 2] content hashes per tile."""
+        return _outside_traces(self._map, self._hashes, q_blocks, kv_blocks, ti, tj)[0]
+
+    def _map(self, run, q_blocks, kv_blocks, ti, tj):
         import jax.numpy as jnp
 
         q_blocks, kv_blocks = jnp.asarray(q_blocks), jnp.asarray(kv_blocks)
-
-        n = ti.size
-        outs = []
-        per_step = min(self.per_step, _pow2_at_least(n))
+        per_step = min(self.per_step, _pow2_at_least(ti.size))
         per_call = per_step * _STEPS_PER_CALL
-        for start in range(0, n, per_call):
+        outs = []
+        for start in range(0, max(ti.size, 1), per_call):
             a, b = ti[start:start + per_call], tj[start:start + per_call]
-            steps = _pow2_at_least(-(-a.size // per_step))  # few distinct shapes: few compiles
+            steps = -(-max(a.size, 1) // per_step)
+            steps = _pow2_at_least(steps) if steps < 8 else -(-steps // 8) * 8  # few shapes: few compiles
             pad = steps * per_step - a.size
             a = np.concatenate([a, np.zeros(pad, a.dtype)]).reshape(steps, per_step)
             b = np.concatenate([b, np.zeros(pad, b.dtype)]).reshape(steps, per_step)
-            res = self.run(q_blocks, kv_blocks, jnp.asarray(a), jnp.asarray(b))
+            res = run(q_blocks, kv_blocks, jnp.asarray(a), jnp.asarray(b))
             outs.append([np.asarray(r).reshape(steps * per_step, *r.shape[2:])[: steps * per_step - pad] for r in res])
-        if not outs:
-            return (np.zeros(0, np.int8), np.zeros((0, 2), np.uint32), np.zeros((0, 4), np.int32), np.zeros(0, bool))
         return tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
 
@@ -280,9 +291,9 @@ class _BoundFunction(Mask):
         evaluator = mask._evaluator(bq, bkv)
         q_blocks = qb.positions.reshape(nq, bq).astype(np.int32)
         kv_blocks = kb.positions.reshape(nk, bkv).astype(np.int32)
-        kinds, hashes, ext, bad = evaluator(q_blocks, kv_blocks, ti, tj)
+        kinds, ext, bad = evaluator.classify(q_blocks, kv_blocks, ti, tj)
         self.tiles_evaluated = int(ti.size)
-        if bad.any():
+        if bad is not None and bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"fn attends positions outside within={within!r} (the promise that within contains fn is broken), "
@@ -290,9 +301,14 @@ class _BoundFunction(Mask):
                 f"{int(tj[i]) * bkv}..{(int(tj[i]) + 1) * bkv - 1}: pass a larger within, or within=None"
             )
         keep = kinds != EMPTY
-        ti, tj, kinds, hashes, ext = ti[keep], tj[keep], kinds[keep], hashes[keep], ext[keep].astype(np.int64)
+        ti, tj, kinds, ext = ti[keep], tj[keep], kinds[keep], ext[keep].astype(np.int64)
         self._tile_key = ti.astype(np.int64) * nk + tj  # sorted (candidates are row-major)
-        self._kinds, self._hashes = kinds, hashes.astype(np.int64)
+        self._kinds = kinds
+        # content hashes: evaluated again for the PARTIAL tiles only (FULL ones are known)
+        self._hashes = np.broadcast_to(evaluator.full_hashes.astype(np.int64), (kinds.size, 2)).copy()
+        partial = np.flatnonzero(kinds == PARTIAL)
+        if partial.size:
+            self._hashes[partial] = evaluator.hashes(q_blocks, kv_blocks, ti[partial], tj[partial])
         lo, hi = masks_lib._LO, masks_lib._HI
         self._kv_lo, self._kv_hi = np.full(nq, hi, np.int64), np.full(nq, lo, np.int64)
         np.minimum.at(self._kv_lo, ti, ext[:, 0])

@@ -235,6 +235,22 @@ def _materialise(mask: Mask, qb: _Blocks, kb: _Blocks, q_block: int, kv_block: i
     return np.broadcast_to(mask.evaluate(np, rows[:, None], cols[None, :]), (bq, bkv))
 
 
+def _content_key(mask: Mask, qb: _Blocks, kb: _Blocks, q_idx, kv_idx) -> list[np.ndarray] | None:
+    """Columns that determine the blocks' content (None: no analytic key): per leaf of an ``&`` /
+    ``|`` tree its kind, and its ``block_key`` where that kind is PARTIAL (a FULL or EMPTY leaf's
+    content is its kind), so a leaf that does not touch a block does not split equal blocks."""
+    if isinstance(mask, masks_lib._Binary):
+        a = _content_key(mask.left, qb, kb, q_idx, kv_idx)
+        b = None if a is None else _content_key(mask.right, qb, kb, q_idx, kv_idx)
+        return None if b is None else a + b
+    cols = mask.block_key(qb.start[q_idx], kb.start[kv_idx], qb.stride)
+    if cols is None:
+        return None
+    kinds = mask.classify_blocks(qb.lo[q_idx], qb.hi[q_idx], kb.lo[kv_idx], kb.hi[kv_idx])
+    partial = kinds == PARTIAL
+    return [kinds] + [np.where(partial, c, 0) for c in cols]
+
+
 def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
     """Content ids for the PARTIAL candidates at global blocks (q_idx, kv_idx).
 
@@ -251,7 +267,7 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
         return partial_kinds, no_ids, []
     key_cols = None
     if qb.stride is not None and qb.stride == kb.stride:
-        key_cols = mask.block_key(qb.start[q_idx], kb.start[kv_idx], qb.stride)
+        key_cols = _content_key(mask, qb, kb, q_idx, kv_idx)
     materialised = {}  # candidate -> block, so no candidate is materialised twice
     if key_cols:
         keys = np.stack([np.asarray(c, dtype=np.int64) for c in key_cols], axis=1)
