@@ -9,6 +9,14 @@ blocks with numpy (32K only: it is O(S^2) in time and memory).
 
     python scripts/bench_mask_info.py                 # full table (markdown)
     python scripts/bench_mask_info.py --sizes 32K 1M  # a subset
+    python scripts/bench_mask_info.py --function      # FunctionMask vs the same structured mask
+
+``--function``: "64 global tokens + a causal window of 4096" written three ways — a FunctionMask
+rule without a hint (every tile of the S x S grid evaluated with JAX), the same rule with
+``within=GlobalTokensMask | LocalMask`` (only the hint's tiles evaluated) and the structured
+``GlobalTokensMask | LocalMask`` itself; first build (JAX compiles the tile evaluator) and the
+median of the repeats (each after clearing both caches); rows over ``--timeout`` seconds are
+reported as such.
 """
 
 import argparse
@@ -31,6 +39,12 @@ DESCRIPTIONS = {
     "causal_zigzag8": "CausalMask, 8x8 shards, zigzag",
     "dense": "dense causal + numpy block classification",
 }
+FUNCTION_MASKS = ("fn", "fn_within", "structured_global_window")
+DESCRIPTIONS.update({
+    "fn": "FunctionMask(global 64 + window 4096), no hint",
+    "fn_within": "same FunctionMask, within=GlobalTokensMask \\| LocalMask",
+    "structured_global_window": "GlobalTokensMask(64) \\| LocalMask((4095, 0))",
+})
 SIZES = {"32K": 1 << 15, "128K": 1 << 17, "1M": 1 << 20, "4M": 1 << 22}
 # S -> (max seconds, max peak RSS MiB or None)
 TARGETS = {1 << 17: (0.020, None), 1 << 20: (0.300, 1024), 1 << 22: (2.0, None)}
@@ -42,7 +56,7 @@ def run_row(name: str, seq_len: int, repeats: int) -> dict:
     import numpy as np
 
     import ringsplash as rs
-    from ringsplash import masks
+    from ringsplash import function_mask, masks
 
     shape = (seq_len, seq_len)
     rss_before = peak_rss_mib()
@@ -69,6 +83,8 @@ def run_row(name: str, seq_len: int, repeats: int) -> dict:
             mask = masks.ChunkedCausalMask(shape, 8192)
         elif name == "prefix":
             mask = masks.PrefixLMMask(shape, seq_len // 4)
+        elif name in FUNCTION_MASKS:
+            mask = _global_window(name, shape)
         elif name == "causal_zigzag8":
             mask = masks.CausalMask(shape)
             pos = rs.layouts.permutation("zigzag", seq_len, 8)
@@ -77,6 +93,7 @@ def run_row(name: str, seq_len: int, repeats: int) -> dict:
             raise ValueError(f"unknown row {name=}")
         for _ in range(repeats):
             rs.build_mask_info.cache_clear()
+            function_mask._BOUND.clear()  # the bound FunctionMask evaluation, cached apart
             t0 = time.perf_counter()
             info = rs.build_mask_info(mask, BLOCK, **kw)
             times.append(time.perf_counter() - t0)
@@ -93,12 +110,47 @@ def run_row(name: str, seq_len: int, repeats: int) -> dict:
     }
 
 
-def run_row_subprocess(name: str, seq_len: int, repeats: int) -> dict:
-    result = run_child([__file__, "--row", name, seq_len, "--repeats", repeats],
+def _global_window_rule(q, kv):
+    return (kv < 64) | ((q >= kv) & (q - kv < 4096))
+
+
+def _global_window(name: str, shape):
+    from ringsplash import masks
+
+    structured = masks.GlobalTokensMask(shape, 64) | masks.LocalMask(shape, window=(4095, 0))
+    if name == "structured_global_window":
+        return structured
+    return masks.FunctionMask(shape, _global_window_rule, within=structured if name == "fn_within" else None)
+
+
+def run_row_subprocess(name: str, seq_len: int, repeats: int, timeout: float | None = None) -> dict | str:
+    result = run_child([__file__, "--row", name, seq_len, "--repeats", repeats], timeout=timeout,
                        env=dict(JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1"), label=f"row {name} S={seq_len}")
-    if isinstance(result, str):
+    if isinstance(result, str) and timeout is None:
         raise RuntimeError(result)
     return result
+
+
+def function_table(args) -> None:
+    sizes = args.sizes if args.sizes != list(SIZES) else ["32K", "128K", "1M"]
+    rows = []
+    for seq_len in (SIZES[s] for s in sizes):
+        for name in FUNCTION_MASKS:
+            print(f"{name} S={fmt_tokens(seq_len)}", file=sys.stderr, flush=True)
+            rows.append((name, seq_len, run_row_subprocess(name, seq_len, args.repeats, timeout=args.timeout)))
+    print(f"build_mask_info, blocks {BLOCK}, one fresh process per row: first build (includes JAX compiling "
+          f"the tile evaluator), then the median of {args.repeats} builds with both caches cleared; peak RSS = "
+          f"whole process with JAX imported; {os.cpu_count()} CPUs\n")
+    table = []
+    for name, seq_len, r in rows:
+        if isinstance(r, str):
+            table.append([DESCRIPTIONS[name], fmt_tokens(seq_len), r, "", "", ""])
+            continue
+        first, rest = r["all_seconds"][0], r["all_seconds"][1:] or r["all_seconds"]
+        table.append([DESCRIPTIONS[name], fmt_tokens(seq_len), f"{first:.3f}", f"{statistics.median(rest):.3f}",
+                      f"{r['peak_rss_mib']:.0f}", f"{r['entries']:,}"])
+    print(md_table(table, ["mask", "S", "first build (s)", "median build (s)", "peak RSS (MiB)",
+                           "non-empty block pairs"]))
 
 
 def verdict(row: dict) -> tuple[str, str]:
@@ -124,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="masks to build (default: all)")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense 32K comparison row")
     parser.add_argument("--json", help="also write the rows to this JSONL file")
+    parser.add_argument("--function", action="store_true",
+                        help="FunctionMask rows (no hint, within=) beside the structured mask (default 32K 128K 1M)")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="--function: seconds per row before giving up (default: %(default)s)")
     return parser
 
 
@@ -132,6 +188,9 @@ def main(argv=None) -> None:
 
     if args.row:
         child_main(run_row)(args.row[0], int(args.row[1]), args.repeats)
+        return
+    if args.function:
+        function_table(args)
         return
 
     rows = []

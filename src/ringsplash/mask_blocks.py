@@ -2,8 +2,9 @@
 work list of (q block, kv block, kind) entries, with the partial blocks deduplicated.
 
 Blocks are summarised by their position ranges (``summarise``); candidate blocks of each pair come
-from each block row's attendable interval and are classified from those ranges; a ``NumpyMask`` is
-bound once to the layout's blocks (``_bind_numpy``) so it classifies the same way; partial blocks
+from each block row's attendable interval and are classified from those ranges; a mask whose
+analytics need the layout (``NumpyMask``, ``FunctionMask``, composites of them) is bound once to the
+layout's blocks (``Mask.bound_to``) so it classifies the same way; partial blocks
 are keyed by content, verified and stored or left to the kernel's ``mask_function``
 (``_resolve_partials``); ``build_list`` expands one mask's lists (optionally only some q shards'),
 ``assemble`` pads every mask's lists into the ``MaskInfo`` arrays. Host-only numpy.
@@ -17,7 +18,8 @@ import numpy as np
 from ringsplash import masks as masks_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL, Mask, NumpyMask
 
-__all__ = ["MAX_STORED_PARTIAL_BLOCKS", "assemble", "build_list", "smallest_int_dtype", "summarise"]
+__all__ = ["MAX_STORED_PARTIAL_BLOCKS", "Blocking", "assemble", "bind_numpy", "build_list", "smallest_int_dtype",
+           "summarise"]
 
 #: "auto" stores partial blocks while there are at most this many distinct ones.
 MAX_STORED_PARTIAL_BLOCKS = 64
@@ -197,17 +199,23 @@ def _block_intervals(arr: np.ndarray, row_positions: np.ndarray, n_blocks: int, 
     return first.min(axis=1), last.max(axis=1)
 
 
-def _bind_numpy(mask: Mask, qb: "_Blocks", kb: "_Blocks", bq: int, bkv: int, bound: dict) -> Mask:
-    """``mask`` with every NumpyMask leaf replaced by its ``_BoundNumpy`` (analytics only)."""
-    if isinstance(mask, NumpyMask):
-        if mask not in bound:
-            bound[mask] = _BoundNumpy(mask, qb, kb, bq, bkv)
-        return bound[mask]
-    if isinstance(mask, masks_lib._Binary):
-        left = _bind_numpy(mask.left, qb, kb, bq, bkv, bound)
-        right = _bind_numpy(mask.right, qb, kb, bq, bkv, bound)
-        return mask if (left is mask.left and right is mask.right) else type(mask)(left, right)
-    return mask
+class Blocking(NamedTuple):
+    """One build's blocking, what ``Mask.bound_to`` specialises a mask to: the laid-out q and kv
+    blocks (``positions`` in layout order, ``lo`` / ``hi`` per block) and the block shape.
+    ``bound`` memoises the bound leaves of one build (a leaf repeated in a composite binds once)."""
+
+    qb: _Blocks
+    kb: _Blocks
+    bq: int
+    bkv: int
+    bound: dict
+
+
+def bind_numpy(mask: NumpyMask, blocking: Blocking) -> Mask:
+    """``NumpyMask.bound_to``: the array's ``_BoundNumpy`` for this blocking (analytics only)."""
+    if mask not in blocking.bound:
+        blocking.bound[mask] = _BoundNumpy(mask, blocking.qb, blocking.kb, blocking.bq, blocking.bkv)
+    return blocking.bound[mask]
 
 
 def _dense_pair_entries(kinds: np.ndarray, q_sel: slice, kv_sel: slice, transpose: bool) -> _PairWork:
@@ -227,6 +235,22 @@ def _materialise(mask: Mask, qb: _Blocks, kb: _Blocks, q_block: int, kv_block: i
     return np.broadcast_to(mask.evaluate(np, rows[:, None], cols[None, :]), (bq, bkv))
 
 
+def _content_key(mask: Mask, qb: _Blocks, kb: _Blocks, q_idx, kv_idx) -> list[np.ndarray] | None:
+    """Columns that determine the blocks' content (None: no analytic key): per leaf of an ``&`` /
+    ``|`` tree its kind, and its ``block_key`` where that kind is PARTIAL (a FULL or EMPTY leaf's
+    content is its kind), so a leaf that does not touch a block does not split equal blocks."""
+    if isinstance(mask, masks_lib._Binary):
+        a = _content_key(mask.left, qb, kb, q_idx, kv_idx)
+        b = None if a is None else _content_key(mask.right, qb, kb, q_idx, kv_idx)
+        return None if b is None else a + b
+    cols = mask.block_key(qb.start[q_idx], kb.start[kv_idx], qb.stride)
+    if cols is None:
+        return None
+    kinds = mask.classify_blocks(qb.lo[q_idx], qb.hi[q_idx], kb.lo[kv_idx], kb.hi[kv_idx])
+    partial = kinds == PARTIAL
+    return [kinds] + [np.where(partial, c, 0) for c in cols]
+
+
 def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
     """Content ids for the PARTIAL candidates at global blocks (q_idx, kv_idx).
 
@@ -243,7 +267,7 @@ def _resolve_partials(mask, qb, kb, q_idx, kv_idx, bq, bkv, *, exact, store):
         return partial_kinds, no_ids, []
     key_cols = None
     if qb.stride is not None and qb.stride == kb.stride:
-        key_cols = mask.block_key(qb.start[q_idx], kb.start[kv_idx], qb.stride)
+        key_cols = _content_key(mask, qb, kb, q_idx, kv_idx)
     materialised = {}  # candidate -> block, so no candidate is materialised twice
     if key_cols:
         keys = np.stack([np.asarray(c, dtype=np.int64) for c in key_cols], axis=1)
@@ -319,10 +343,11 @@ def build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, part
     and the stats cover them all."""
     nq_s, nk_s = qb.lo.size // q_shards, kb.lo.size // kv_shards
     dense_kinds = _dense_kinds(mask, qb, kb, bq, bkv) if isinstance(mask, NumpyMask) else None
-    # Composites with NumpyMask parts: analytics (candidates, kinds) from the bound tree, contents
-    # (materialised partial blocks) from ``mask`` itself. Such a mask has no in-kernel
-    # mask_function (has_mask_function is False), so its partial blocks are always stored.
-    analytic = _bind_numpy(mask, qb, kb, bq, bkv, {}) if dense_kinds is None else mask
+    # Masks whose analytics need the blocking (NumpyMask, FunctionMask, composites with such parts)
+    # are bound to it once (``Mask.bound_to``): candidates, kinds, exactness and partial-block keys
+    # come from the bound tree, which evaluates like ``mask`` itself. NumpyMask parts have no
+    # in-kernel mask_function (has_mask_function is False), so their partial blocks are always stored.
+    analytic = mask.bound_to(Blocking(qb, kb, bq, bkv, {})) if dense_kinds is None else mask
     works = {}
     for a in range(q_shards):
         for b in range(kv_shards):
@@ -344,10 +369,11 @@ def build_list(mask: Mask, qb, kb, bq, bkv, q_shards, kv_shards, transpose, part
     q_glob, kv_glob = np.concatenate(q_glob), np.concatenate(kv_glob)
 
     consecutive = qb.stride == 1 and kb.stride == 1
-    exact = mask.classification_exact == "any" or (mask.classification_exact == "consecutive" and consecutive)
+    exactness = analytic.classification_exact
+    exact = exactness == "any" or (exactness == "consecutive" and consecutive)
     store = partial_mode == "stored" or not mask.has_mask_function
     new_kinds, ids, blocks = _resolve_partials(
-        mask, qb, kb, q_glob, kv_glob, bq, bkv, exact=exact, store=store or partial_mode == "auto"
+        analytic, qb, kb, q_glob, kv_glob, bq, bkv, exact=exact, store=store or partial_mode == "auto"
     )
     if not store and (partial_mode == "function" or len(blocks) > MAX_STORED_PARTIAL_BLOCKS):
         blocks, ids = None, np.full(ids.shape, -1, np.int64)  # evaluate mask_function in kernel

@@ -53,7 +53,34 @@ def _as_index(idx, n: int) -> np.ndarray:
 
 
 class Mask:
-    """Base class: a lazy 2-D mask. Subclasses define ``evaluate`` and the block analytics."""
+    """Base class: a lazy 2-D mask (True = may attend) over original token positions.
+
+    Writing a subclass: set ``self.shape = (q_len, kv_len)`` in ``__init__`` and define
+
+    * ``_key(self) -> tuple`` — the hashable values that identify the mask (``__eq__`` /
+      ``__hash__`` compare it; equal keys must mean equal masks, the builders cache on them);
+    * ``evaluate(self, xp, q_pos, kv_pos) -> bool array`` — the predicate on broadcasting
+      integer position arrays, written with ``xp`` (numpy or ``jax.numpy``), broadcast shape;
+    * ``classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi) -> int8 array`` — EMPTY / PARTIAL /
+      FULL per block pair from the inclusive position ranges of each block (broadcasting
+      arrays); a FULL or EMPTY answer must always be true, PARTIAL may over-approximate
+      where ``classification_exact`` allows.
+
+    Optional (the defaults are safe but slower):
+
+    * ``attended_kv_range(q_lo, q_hi) -> (lo, hi)`` / ``attending_q_range(kv_lo, kv_hi) ->
+      (lo, hi)`` — inclusive intervals outside which nothing is attended (default unbounded:
+      every block is a candidate);
+    * ``block_key(q_start, kv_start, stride) -> list of int arrays | None`` — columns that
+      determine a partial block's content (default None: each partial block is hashed);
+    * ``classification_exact`` — ``"any"`` (exact for any position sets), ``"consecutive"``
+      (exact for blocks of consecutive positions; the default) or ``"never"``;
+    * ``has_mask_function`` — False if ``evaluate(jnp, ...)`` cannot run inside a kernel
+      (partial blocks are then always stored);
+    * ``bound_to(blocking) -> Mask`` — the mask with its analytics specialised to one blocking
+      (``build_mask_info`` calls it once per build; default ``self``). ``NumpyMask`` and
+      ``FunctionMask`` return tables computed from their contents here.
+    """
 
     shape: tuple[int, int]
     #: When classify_blocks is exact: "any" position sets, only blocks of "consecutive"
@@ -62,9 +89,15 @@ class Mask:
     #: whether ``mask_function`` is cheap to trace inside a kernel
     has_mask_function: bool = True
 
+    def _missing(self, method: str, what: str):
+        return NotImplementedError(
+            f"{type(self).__name__} subclasses Mask but does not define {method}: write "
+            f"{method} returning {what} (see the ringsplash.masks.Mask docstring)"
+        )
+
     # --- value semantics -------------------------------------------------------------
     def _key(self) -> tuple:
-        raise NotImplementedError
+        raise self._missing("_key(self)", "a hashable tuple identifying the mask (shape and parameters)")
 
     def __eq__(self, other):
         return type(self) is type(other) and self._key() == other._key()
@@ -86,7 +119,8 @@ class Mask:
 
     # --- dense access ---------------------------------------------------------------------
     def evaluate(self, xp, q_pos, kv_pos):
-        raise NotImplementedError
+        raise self._missing("evaluate(self, xp, q_pos, kv_pos)",
+                            "the bool predicate on broadcasting position arrays, written with xp")
 
     def mask_function(self, q_pos, kv_pos):
         """Traceable predicate on original positions (broadcasting ``jnp`` int arrays)."""
@@ -107,7 +141,8 @@ class Mask:
 
     # --- block analytics ---------------------------------------------------------------------
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi) -> np.ndarray:
-        raise NotImplementedError
+        raise self._missing("classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi)",
+                            "an int8 array of EMPTY / PARTIAL / FULL per block pair (broadcast shape)")
 
     def attended_kv_range(self, q_lo, q_hi):
         """(lo, hi) inclusive kv positions that rows in [q_lo, q_hi] may attend (superset)."""
@@ -121,6 +156,12 @@ class Mask:
         """Columns that determine the content of a partial block whose rows are
         ``q_start + stride*i`` and columns ``kv_start + stride*j``; None = no such key."""
         return None
+
+    def bound_to(self, blocking) -> "Mask":
+        """This mask with its analytics specialised to ``blocking`` (a ``mask_blocks.Blocking``:
+        the laid-out positions and block shape of one build). Structured masks answer from
+        position ranges alone and return ``self``."""
+        return self
 
 
 def _where3(full, empty):
@@ -323,6 +364,51 @@ class PrefixLMMask(Mask):
         return [kv_start - q_start, in_prefix]
 
 
+class GlobalTokensMask(Mask):
+    """Global tokens ("attention sinks as tokens"): every query may attend the first
+    ``num_tokens`` keys, ``kv < num_tokens``; nothing else. Combine it with a window,
+    ``GlobalTokensMask(shape, 4) | LocalMask(shape, window=(1024, 0))`` (StreamingLLM), and with
+    ``& CausalMask(shape)`` where queries before a global token must not see it."""
+
+    classification_exact = "any"
+
+    def __init__(self, shape, num_tokens: int):
+        self.shape = _check_shape(shape)
+        num_tokens = check_int("num_tokens", num_tokens)
+        if not 0 <= num_tokens <= self.shape[1]:
+            raise ValueError(f"num_tokens must be in [0, kv_len={self.shape[1]}], got {num_tokens=}")
+        self.num_tokens = num_tokens
+
+    def _key(self):
+        return (self.shape, self.num_tokens)
+
+    def __repr__(self):
+        return f"GlobalTokensMask({self.shape}, num_tokens={self.num_tokens})"
+
+    def evaluate(self, xp, q_pos, kv_pos):
+        return xp.broadcast_to(kv_pos < self.num_tokens, xp.broadcast_shapes(xp.shape(q_pos), xp.shape(kv_pos)))
+
+    def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
+        n = self.num_tokens
+        shape = np.broadcast_shapes(np.shape(q_lo), np.shape(kv_lo))
+        return _where3(np.broadcast_to(kv_hi < n, shape), np.broadcast_to(kv_lo >= n, shape))
+
+    def attended_kv_range(self, q_lo, q_hi):
+        # no global token: the inverted interval (nothing attended)
+        if self.num_tokens == 0:
+            return np.full_like(q_lo, _HI), np.full_like(q_hi, _LO)
+        return np.full_like(q_lo, 0), np.full_like(q_hi, self.num_tokens - 1)
+
+    def attending_q_range(self, kv_lo, kv_hi):
+        some = kv_lo < self.num_tokens
+        return np.where(some, _LO, _HI), np.where(some, _HI, _LO)
+
+    def block_key(self, q_start, kv_start, stride):
+        # rows are all alike; the content is the number of columns j with kv_start + stride*j < n
+        global_cols = np.clip(-((kv_start - self.num_tokens) // stride), 0, None)
+        return [global_cols + 0 * q_start]
+
+
 class NumpyMask(Mask):
     """An explicit dense bool array (hashable by content); classified from the array by
     ``build_mask_info``, alone or combined with other masks by ``&`` / ``|``."""
@@ -362,7 +448,15 @@ class NumpyMask(Mask):
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
         # position ranges do not determine a block of an arbitrary array; build_mask_info binds
         # the array to its blocking instead (alone, or as a leaf of an & / | composite)
-        raise NotImplementedError("NumpyMask blocks are classified from the array by build_mask_info")
+        raise NotImplementedError(
+            "NumpyMask.classify_blocks needs the blocking: build_mask_info classifies its blocks from the "
+            "array (mask.bound_to(blocking) gives a mask that answers classify_blocks)"
+        )
+
+    def bound_to(self, blocking):
+        from ringsplash.mask_blocks import bind_numpy
+
+        return bind_numpy(self, blocking)
 
 
 class _Binary(Mask):
@@ -393,6 +487,10 @@ class _Binary(Mask):
         a = self.left.block_key(q_start, kv_start, stride)
         b = self.right.block_key(q_start, kv_start, stride)
         return None if a is None or b is None else a + b
+
+    def bound_to(self, blocking):
+        left, right = self.left.bound_to(blocking), self.right.bound_to(blocking)
+        return self if (left is self.left and right is self.right) else type(self)(left, right)
 
 
 class LogicalAnd(_Binary):
@@ -488,3 +586,14 @@ def head_masks(mask: AnyMask) -> tuple[Mask, ...]:
 def dense(mask: AnyMask) -> np.ndarray:
     """The full dense bool array ``[mask_heads, q_len, kv_len]`` (tests and the oracle only)."""
     return np.stack([m[:, :] for m in head_masks(mask)])
+
+
+# FunctionMask (a mask from a jnp predicate) lives in its own module, which imports JAX lazily;
+# re-exported here last, as it builds on the classes above.
+from ringsplash.function_mask import FunctionMask  # noqa: E402
+
+__all__ = [
+    "EMPTY", "FULL", "PARTIAL", "AnyMask", "CausalMask", "ChunkedCausalMask", "FullMask", "FunctionMask",
+    "GlobalTokensMask", "LocalMask", "LogicalAnd", "LogicalOr", "Mask", "MultiHeadMask", "NumpyMask", "PrefixLMMask",
+    "dense", "head_masks",
+]

@@ -78,6 +78,12 @@ def dense_prefix(q_len, kv_len, prefix):
     return out
 
 
+def dense_global(q_len, kv_len, num_tokens):
+    out = np.zeros((q_len, kv_len), bool)
+    out[:, :num_tokens] = True
+    return out
+
+
 def classify_dense(block: np.ndarray) -> int:
     return FULL if block.all() else (EMPTY if not block.any() else PARTIAL)
 
@@ -94,7 +100,7 @@ def shapes(draw, max_len=40):
 @st.composite
 def leaf_masks(draw, shape, numpy=True):
     q_len, kv_len = shape
-    kind = draw(st.sampled_from(["full", "causal", "local", "chunked", "prefix"] + ["numpy"] * numpy))
+    kind = draw(st.sampled_from(["full", "causal", "local", "chunked", "prefix", "global"] + ["numpy"] * numpy))
     offset = draw(st.integers(-max(q_len, kv_len), max(q_len, kv_len)))
     if kind == "full":
         return masks.FullMask(shape), dense_full(q_len, kv_len)
@@ -110,6 +116,9 @@ def leaf_masks(draw, shape, numpy=True):
     if kind == "prefix":
         prefix = draw(st.integers(0, kv_len))
         return masks.PrefixLMMask(shape, prefix), dense_prefix(q_len, kv_len, prefix)
+    if kind == "global":
+        n = draw(st.integers(0, kv_len))
+        return masks.GlobalTokensMask(shape, n), dense_global(q_len, kv_len, n)
     arr = np.asarray(draw(st.lists(st.booleans(), min_size=q_len * kv_len, max_size=q_len * kv_len)))
     arr = arr.reshape(q_len, kv_len)
     return masks.NumpyMask(arr), arr.copy()
