@@ -6,6 +6,7 @@ A config that constructs is a config that runs: each rejected combination raises
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Literal
 
 from ringsplash import layouts
@@ -62,8 +63,11 @@ class TransformerConfig:
     ``mask`` picks the attention mask over the sequence: ``"causal"``, ``"local"`` (causal
     sliding window: a query sees itself and the ``local_window`` previous tokens),
     ``"chunked"`` (causal inside chunks of ``chunk_size``), ``"prefix_lm"`` (bidirectional over
-    the first ``prefix_len`` tokens) or ``"full"``. Packed documents are separated by segment
-    ids passed at call time.
+    the first ``prefix_len`` tokens) or ``"full"``; or any mask: a function
+    ``fn(q_pos, kv_pos) -> bool`` in jnp (a ``masks.FunctionMask`` at every length the model is
+    called with), or a ``masks.Mask`` of shape ``(max_seq_len, max_seq_len)`` (that length
+    only). Every layer uses the one mask. Packed documents are separated by segment ids passed
+    at call time. In ``config.json`` a custom mask is recorded by its ``repr`` / function name.
 
     ``qk_clip_threshold`` (None or a positive τ) turns on QK-clip in training: after each
     optimiser update the W_q / W_k columns of every head whose largest attention logit in that
@@ -91,7 +95,7 @@ class TransformerConfig:
     rope_theta: float = 10_000.0
     max_seq_len: int = 2048
     attention: Strategy = "reference"
-    mask: MaskKind = "causal"
+    mask: "MaskKind | masks_lib.Mask | Callable" = "causal"
     local_window: int | None = None
     chunk_size: int | None = None
     prefix_len: int | None = None
@@ -179,6 +183,9 @@ class TransformerConfig:
             self._check_lengths()
 
     def _check_mask(self) -> None:
+        if not isinstance(self.mask, str):
+            self._check_custom_mask()
+            return
         check_choice("mask", self.mask, MASKS)
         needs = {"local": "local_window", "chunked": "chunk_size", "prefix_lm": "prefix_len"}
         for mask, option in needs.items():
@@ -193,6 +200,27 @@ class TransformerConfig:
                 raise ValueError(f"{option}={value!r} only applies to mask={mask!r}: set {option}=None")
         if self.mask == "prefix_lm" and self.prefix_len > self.max_seq_len:
             raise ValueError(f"prefix_len={self.prefix_len} must be <= max_seq_len={self.max_seq_len}")
+
+    def _check_custom_mask(self) -> None:
+        """A ``Mask`` of the training length, or a mask function; no named-kind options."""
+        m = self.mask
+        if isinstance(m, masks_lib.MultiHeadMask):
+            raise TypeError(f"mask must be one 2-D mask for every head, got a MultiHeadMask of {len(m)} heads")
+        if isinstance(m, masks_lib.Mask):
+            if m.shape != (self.max_seq_len, self.max_seq_len):
+                raise ValueError(
+                    f"mask={m!r} has shape {m.shape}, not (max_seq_len, max_seq_len) = "
+                    f"{(self.max_seq_len, self.max_seq_len)}: build it at that length, or pass a function "
+                    f"fn(q_pos, kv_pos) -> bool, which serves every length")
+        elif callable(m):
+            masks_lib.FunctionMask((self.max_seq_len, self.max_seq_len), m)  # probes fn: a clear error now
+        else:
+            raise TypeError(f"mask must be one of {MASKS}, a ringsplash.masks.Mask or a function "
+                            f"fn(q_pos, kv_pos) -> bool, got {type(m).__name__} {m!r}")
+        for option in ("local_window", "chunk_size", "prefix_len"):
+            if getattr(self, option) is not None:
+                raise ValueError(f"{option}={getattr(self, option)!r} only applies to a named mask kind, "
+                                 f"not mask={m!r}: set {option}=None (or build the window into the mask)")
 
     def _check_parallel(self) -> None:
         """The mesh axes and sizes each strategy needs (``ring_*``: ring / all-gather / USP's ring,
@@ -291,6 +319,14 @@ class TransformerConfig:
     def make_mask(self, seq_len: int) -> masks_lib.Mask:
         """The ``(seq_len, seq_len)`` attention mask over original positions (lazy, hashable)."""
         shape = (seq_len, seq_len)
+        if isinstance(self.mask, masks_lib.Mask):
+            if self.mask.shape != shape:
+                raise ValueError(f"mask={self.mask!r} has shape {self.mask.shape}, but the model is called on "
+                                 f"{seq_len} tokens: a Mask serves its own length only; pass a function "
+                                 f"fn(q_pos, kv_pos) -> bool as mask to serve every length")
+            return self.mask
+        if callable(self.mask):
+            return masks_lib.FunctionMask(shape, self.mask)  # equal for equal (shape, fn): caches hit
         if self.mask == "causal":
             return masks_lib.CausalMask(shape)
         if self.mask == "local":
@@ -306,13 +342,18 @@ class TransformerConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
+        plain = self if isinstance(self.mask, str) else dataclasses.replace(self, mask="causal")  # asdict copies
+        d = dataclasses.asdict(plain)
+        d["mask"] = _mask_record(self.mask)
         d["splash"] = {k: v for k, v in dataclasses.asdict(self.splash).items() if k != "interpret_params"}
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TransformerConfig":
         d = dict(d)
+        if isinstance(d.get("mask"), str) and d["mask"] not in MASKS:
+            raise ValueError(f"the config records a custom mask ({d['mask']}), which a dict cannot rebuild: "
+                             f"pass the mask itself, from_dict({{**d, 'mask': my_mask_or_function}})")
         if isinstance(d.get("splash"), dict):
             d["splash"] = SplashConfig(**d["splash"])
         if isinstance(d.get("rope_scaling"), dict):
@@ -325,6 +366,15 @@ def dtype_of(name: str):
     import jax.numpy as jnp
 
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def _mask_record(mask) -> str:
+    """``mask`` for config.json: a named kind as is, a Mask by repr, a function by its qualified name."""
+    if isinstance(mask, str):
+        return mask
+    if isinstance(mask, masks_lib.Mask):
+        return repr(mask)
+    return f"function {getattr(mask, '__module__', '?')}.{getattr(mask, '__qualname__', repr(mask))}"
 
 
 __all__ = ["DTYPES", "MASKS", "REMAT_POLICIES", "RING_AXIS_STRATEGIES", "STRATEGIES", "ULYSSES_AXIS_STRATEGIES",
