@@ -20,11 +20,6 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # v5e:2x2 compile). Inherited by the scripts and processes the tests start; export
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite with full optimisation.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# Likewise XLA:CPU's legacy elemental emitters instead of its fusion emitters: they compile these
-# programs faster (measured: a model's ring gradient 6.6 s -> 4.1 s, a bf16 splash test 11 s ->
-# 5.6 s) within the same tolerances. A CPU-only flag; libtpu's compiles do not read it.
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
 import jax
 
