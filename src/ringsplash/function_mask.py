@@ -21,6 +21,7 @@ import threading
 import numpy as np
 
 from ringsplash import masks as masks_lib
+from ringsplash.mask_base import BoundIntervals
 from ringsplash.masks import EMPTY, FULL, PARTIAL, Mask, _check_shape
 
 __all__ = ["TILE_CHUNK_ELEMENTS", "FunctionMask"]
@@ -262,7 +263,7 @@ class _TileEvaluator:
         return tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
 
-class _BoundFunction(Mask):
+class _BoundFunction(BoundIntervals, Mask):
     """A ``FunctionMask`` bound to one blocking: per non-empty tile its kind and content hashes,
     per block row / column the attended interval; every analytic call is a table lookup.
 
@@ -368,13 +369,6 @@ class _BoundFunction(Mask):
             return np.full(qi.shape, EMPTY, np.int8)
         return np.where(found, self._kinds[at], EMPTY).astype(np.int8)
 
-    def attended_kv_range(self, q_lo, q_hi):
-        blk = self._q_block[q_lo]
-        return self._kv_lo[blk], self._kv_hi[blk]
-
-    def attending_q_range(self, kv_lo, kv_hi):
-        blk = self._kv_block[kv_lo]
-        return self._q_lo[blk], self._q_hi[blk]
 
     def block_key(self, q_start, kv_start, stride):
         # the tile's content hashes; a tile not stored is empty, whose hashes are 0 (linear hashes)

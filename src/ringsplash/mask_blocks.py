@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ringsplash import masks as masks_lib
+from ringsplash.mask_base import BoundIntervals
 from ringsplash.masks import EMPTY, FULL, PARTIAL, Mask, NumpyMask
 
 __all__ = ["MAX_STORED_PARTIAL_BLOCKS", "Blocking", "assemble", "bind_numpy", "build_list", "smallest_int_dtype",
@@ -142,7 +143,7 @@ def _dense_kinds(mask: NumpyMask, qb: _Blocks, kb: _Blocks, bq: int, bkv: int) -
     return np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
 
 
-class _BoundNumpy(Mask):
+class _BoundNumpy(BoundIntervals, Mask):
     """A ``NumpyMask`` leaf bound to one blocking, so composites containing it take the
     O(candidates) path of structured masks.
 
@@ -180,14 +181,6 @@ class _BoundNumpy(Mask):
 
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
         return self._kinds[self._q_block[q_lo], self._kv_block[kv_lo]]
-
-    def attended_kv_range(self, q_lo, q_hi):
-        blk = self._q_block[q_lo]
-        return self._kv_lo[blk], self._kv_hi[blk]
-
-    def attending_q_range(self, kv_lo, kv_hi):
-        blk = self._kv_block[kv_lo]
-        return self._q_lo[blk], self._q_hi[blk]
 
 
 def _block_intervals(arr: np.ndarray, row_positions: np.ndarray, n_blocks: int, lo_sentinel, hi_sentinel):
