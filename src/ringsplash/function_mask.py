@@ -20,9 +20,7 @@ import threading
 
 import numpy as np
 
-from ringsplash import masks as masks_lib
-from ringsplash.mask_base import BoundIntervals
-from ringsplash.masks import EMPTY, FULL, PARTIAL, Mask, _check_shape
+from ringsplash.mask_base import _HI, _LO, EMPTY, FULL, PARTIAL, BoundIntervals, Mask, _check_shape, candidate_runs
 
 __all__ = ["TILE_CHUNK_ELEMENTS", "FunctionMask"]
 
@@ -310,7 +308,7 @@ class _BoundFunction(BoundIntervals, Mask):
         partial = np.flatnonzero(kinds == PARTIAL)
         if partial.size:
             self._hashes[partial] = evaluator.hashes(q_blocks, kv_blocks, ti[partial], tj[partial])
-        lo, hi = masks_lib._LO, masks_lib._HI
+        lo, hi = _LO, _HI
         self._kv_lo, self._kv_hi = np.full(nq, hi, np.int64), np.full(nq, lo, np.int64)
         np.minimum.at(self._kv_lo, ti, ext[:, 0])
         np.maximum.at(self._kv_hi, ti, ext[:, 1])
@@ -324,7 +322,6 @@ class _BoundFunction(BoundIntervals, Mask):
         if within is None:
             ti = np.repeat(np.arange(nq, dtype=np.int32), nk)
             return ti, np.tile(np.arange(nk, dtype=np.int32), nq)
-        from ringsplash.mask_blocks import candidate_runs
 
         w = within.bound_to(blocking)
         qb, kb = blocking.qb, blocking.kb

@@ -180,6 +180,20 @@ class BoundIntervals:
         return self._q_lo[blk], self._q_hi[blk]
 
 
+def candidate_runs(range_fn, m_lo, m_hi, n_lo, n_hi):
+    """``(first, counts, order)``: major block ``i`` may touch the ``counts[i]`` minor blocks
+    from ``first[i]`` on, in minor blocks sorted by lowest position (``order``: that sort, or
+    None when they already are); ``range_fn`` gives each major block's minor-position interval."""
+    want_lo, want_hi = range_fn(m_lo.astype(np.int64), m_hi.astype(np.int64))
+    order = None
+    if np.any(np.diff(n_lo) < 0):  # unusual custom orders: sort minor blocks by position
+        order = np.argsort(n_lo, kind="stable")
+        n_lo, n_hi = n_lo[order], n_hi[order]
+    first = np.searchsorted(np.maximum.accumulate(n_hi), want_lo, side="left")
+    end = np.searchsorted(n_lo, want_hi, side="right")
+    return first, np.maximum(end - first, 0), order
+
+
 def _where3(full, empty):
     """Kinds from two exclusive bool arrays: PARTIAL + full - empty, computed in int8."""
     full, empty = np.broadcast_arrays(np.asarray(full, bool), np.asarray(empty, bool))

@@ -309,13 +309,10 @@ class NumpyMask(Mask):
         )
 
     def bound_to(self, blocking):
-        from ringsplash.mask_blocks import bind_numpy
-
-        return bind_numpy(self, blocking)
+        return blocking.bind_numpy(self)  # the builder's blocking binds arrays (mask_blocks.Blocking)
 
 
-# FunctionMask (a mask from a jnp predicate) lives in its own module, which imports JAX lazily;
-# re-exported here last, as it builds on the classes above.
+# FunctionMask (a mask from a jnp predicate) lives in its own module on mask_base, importing JAX lazily
 from ringsplash.function_mask import FunctionMask  # noqa: E402
 
 __all__ = [
