@@ -20,8 +20,7 @@ import threading
 
 import numpy as np
 
-from ringsplash import masks as masks_lib
-from ringsplash.masks import EMPTY, FULL, PARTIAL, Mask, _check_shape
+from ringsplash.mask_base import _HI, _LO, EMPTY, FULL, PARTIAL, BoundIntervals, Mask, _check_shape, candidate_runs
 
 __all__ = ["TILE_CHUNK_ELEMENTS", "FunctionMask"]
 
@@ -262,7 +261,7 @@ class _TileEvaluator:
         return tuple(np.concatenate(parts) for parts in zip(*outs, strict=True))
 
 
-class _BoundFunction(Mask):
+class _BoundFunction(BoundIntervals, Mask):
     """A ``FunctionMask`` bound to one blocking: per non-empty tile its kind and content hashes,
     per block row / column the attended interval; every analytic call is a table lookup.
 
@@ -309,7 +308,7 @@ class _BoundFunction(Mask):
         partial = np.flatnonzero(kinds == PARTIAL)
         if partial.size:
             self._hashes[partial] = evaluator.hashes(q_blocks, kv_blocks, ti[partial], tj[partial])
-        lo, hi = masks_lib._LO, masks_lib._HI
+        lo, hi = _LO, _HI
         self._kv_lo, self._kv_hi = np.full(nq, hi, np.int64), np.full(nq, lo, np.int64)
         np.minimum.at(self._kv_lo, ti, ext[:, 0])
         np.maximum.at(self._kv_hi, ti, ext[:, 1])
@@ -323,7 +322,6 @@ class _BoundFunction(Mask):
         if within is None:
             ti = np.repeat(np.arange(nq, dtype=np.int32), nk)
             return ti, np.tile(np.arange(nk, dtype=np.int32), nq)
-        from ringsplash.mask_blocks import candidate_runs
 
         w = within.bound_to(blocking)
         qb, kb = blocking.qb, blocking.kb
@@ -368,13 +366,6 @@ class _BoundFunction(Mask):
             return np.full(qi.shape, EMPTY, np.int8)
         return np.where(found, self._kinds[at], EMPTY).astype(np.int8)
 
-    def attended_kv_range(self, q_lo, q_hi):
-        blk = self._q_block[q_lo]
-        return self._kv_lo[blk], self._kv_hi[blk]
-
-    def attending_q_range(self, kv_lo, kv_hi):
-        blk = self._kv_block[kv_lo]
-        return self._q_lo[blk], self._q_hi[blk]
 
     def block_key(self, q_start, kv_start, stride):
         # the tile's content hashes; a tile not stored is empty, whose hashes are 0 (linear hashes)

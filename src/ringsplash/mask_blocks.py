@@ -16,9 +16,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ringsplash import masks as masks_lib
+from ringsplash.mask_base import BoundIntervals, candidate_runs
 from ringsplash.masks import EMPTY, FULL, PARTIAL, Mask, NumpyMask
 
-__all__ = ["MAX_STORED_PARTIAL_BLOCKS", "Blocking", "assemble", "bind_numpy", "build_list", "smallest_int_dtype",
+__all__ = ["MAX_STORED_PARTIAL_BLOCKS", "Blocking", "assemble", "build_list", "smallest_int_dtype",
            "summarise"]
 
 #: "auto" stores partial blocks while there are at most this many distinct ones.
@@ -112,20 +113,6 @@ def _pair_entries(mask: Mask, qb: _Blocks, kb: _Blocks, q_sel: slice, kv_sel: sl
     return work
 
 
-def candidate_runs(range_fn, m_lo, m_hi, n_lo, n_hi):
-    """``(first, counts, order)``: major block ``i`` may touch the ``counts[i]`` minor blocks
-    from ``first[i]`` on, in minor blocks sorted by lowest position (``order``: that sort, or
-    None when they already are); ``range_fn`` gives each major block's minor-position interval."""
-    want_lo, want_hi = range_fn(m_lo.astype(np.int64), m_hi.astype(np.int64))
-    order = None
-    if np.any(np.diff(n_lo) < 0):  # unusual custom orders: sort minor blocks by position
-        order = np.argsort(n_lo, kind="stable")
-        n_lo, n_hi = n_lo[order], n_hi[order]
-    first = np.searchsorted(np.maximum.accumulate(n_hi), want_lo, side="left")
-    end = np.searchsorted(n_lo, want_hi, side="right")
-    return first, np.maximum(end - first, 0), order
-
-
 def _drop_empty(work: _PairWork) -> _PairWork:
     keep = work.kinds != EMPTY
     if keep.all():
@@ -142,7 +129,7 @@ def _dense_kinds(mask: NumpyMask, qb: _Blocks, kb: _Blocks, bq: int, bkv: int) -
     return np.where(all_, FULL, np.where(any_, PARTIAL, EMPTY)).astype(np.int8)
 
 
-class _BoundNumpy(Mask):
+class _BoundNumpy(BoundIntervals, Mask):
     """A ``NumpyMask`` leaf bound to one blocking, so composites containing it take the
     O(candidates) path of structured masks.
 
@@ -181,14 +168,6 @@ class _BoundNumpy(Mask):
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
         return self._kinds[self._q_block[q_lo], self._kv_block[kv_lo]]
 
-    def attended_kv_range(self, q_lo, q_hi):
-        blk = self._q_block[q_lo]
-        return self._kv_lo[blk], self._kv_hi[blk]
-
-    def attending_q_range(self, kv_lo, kv_hi):
-        blk = self._kv_block[kv_lo]
-        return self._q_lo[blk], self._q_hi[blk]
-
 
 def _block_intervals(arr: np.ndarray, row_positions: np.ndarray, n_blocks: int, lo_sentinel, hi_sentinel):
     """Per block of rows (rows in laid-out order): the min / max column position attended."""
@@ -210,12 +189,11 @@ class Blocking(NamedTuple):
     bkv: int
     bound: dict
 
-
-def bind_numpy(mask: NumpyMask, blocking: Blocking) -> Mask:
-    """``NumpyMask.bound_to``: the array's ``_BoundNumpy`` for this blocking (analytics only)."""
-    if mask not in blocking.bound:
-        blocking.bound[mask] = _BoundNumpy(mask, blocking.qb, blocking.kb, blocking.bq, blocking.bkv)
-    return blocking.bound[mask]
+    def bind_numpy(self, mask: NumpyMask) -> Mask:
+        """``NumpyMask.bound_to``: the array's ``_BoundNumpy`` for this blocking (analytics only)."""
+        if mask not in self.bound:
+            self.bound[mask] = _BoundNumpy(mask, self.qb, self.kb, self.bq, self.bkv)
+        return self.bound[mask]
 
 
 def _dense_pair_entries(kinds: np.ndarray, q_sel: slice, kv_sel: slice, transpose: bool) -> _PairWork:
