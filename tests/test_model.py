@@ -17,8 +17,8 @@ from ringsplash.splash import SplashConfig
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
 # float32, accumulation order differs between strategies. Measured (S = 512, splash / ring zigzag / ring striped
-# against the reference): logits <= 1.4e-6 abs, at most 0.31 of this bound; grads <= 2.3e-8 abs (1.9e-8 with
-# XLA's default emitters); loss 1.1e-7 relative. Each bound below is within 10x of its measured error.
+# against the reference): logits <= 1.4e-6 abs, at most 0.31 of this bound; grads <= 1.9e-8 abs; loss 1.1e-7
+# relative. Each bound below is within 10x of its measured error.
 RTOL, ATOL = 2e-5, 2e-6
 GRAD_RTOL, GRAD_ATOL = 2e-5, 1.5e-7
 LOSS_RTOL = 1e-6
@@ -67,8 +67,8 @@ def test_model_strategies_agree():
     tests/test_ring.py's N=4, S=1024 zigzag case; here the half-shards are 64 tokens."""
     seq = 512
     # two layers (the default), not one: at num_layers=1 the ring's gradient program trips an XLA:CPU collective
-    # race (jax 0.10.2; a collective-permute rendezvous joined by 5 of 4 devices): about half the runs aborted,
-    # one returned a wrong loss. Two layers: no failure in 144 executions
+    # race (jax 0.10.2, seen while compiling with XLA:CPU's legacy emitters; a collective-permute rendezvous
+    # joined by 5 of 4 devices): about half the runs aborted, one returned a wrong loss. Two layers: no failure in 144
     ref_config = _config(max_seq_len=seq)
     model = Transformer(ref_config, key=jax.random.key(0))
     batch = _batch(seq)
