@@ -22,8 +22,7 @@ from ringsplash.train.metrics import MetricsLog, max_logit_metrics
 from ringsplash.train.state import (
     TrainState,
     check_run_config,
-    init_state,
-    place_state,
+    init_sharded_state,
     restore_sharded_state,
     save_checkpoint,
 )
@@ -104,8 +103,9 @@ def fit(
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
         model, opt_state = state.model, state.opt_state
     else:
-        state = init_state(model_config, tc, stream.seed)
-        model, opt_state = place_state(state.model, state.opt_state, mesh, plan, optimizer)
+        # created in place, sharded by the plan: an FSDP model never exists whole on one host
+        state = init_sharded_state(model_config, tc, mesh, plan, stream.seed)
+        model, opt_state = state.model, state.opt_state
     start = int(state.step)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)
     if is_main_process():

@@ -2,6 +2,7 @@
 ``ShardingPlan``, saved and restored as sharded orbax checkpoints (``ringsplash.checkpoints``)
 straight into the plan's shardings, hashed (``state_digest``), and the run's config checked."""
 
+import functools
 import json
 import os
 from typing import NamedTuple
@@ -26,11 +27,47 @@ class TrainState(NamedTuple):
     data_seed: jax.Array  # int32 scalar: the data stream's seed
 
 
+def _fresh(model_config: TransformerConfig, tc: TrainConfig, key: jax.Array):
+    """(parameters, AdamW state) of a fresh model initialised from ``key``. The key is an argument
+    of the jitted program, not a constant: XLA would otherwise constant-fold the whole random
+    initialisation on the host at compile time (minutes for a 1B model)."""
+    params = eqx.filter(Transformer(model_config, key=key), eqx.is_array)
+    return params, make_optimizer(tc).init(params)
+
+
 def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
-    """A fresh state on the default device: the model initialised from ``tc.seed``, AdamW state, step 0."""
-    model = Transformer(model_config, key=jax.random.key(tc.seed))
-    opt_state = make_optimizer(tc).init(eqx.filter(model, eqx.is_array))
-    return TrainState(model, opt_state, jnp.asarray(0, jnp.int32), jnp.asarray(data_seed, jnp.int32))
+    """A fresh state on the default device: the model initialised from ``tc.seed``, AdamW state, step 0.
+    The same jitted program as ``init_sharded_state``, so both draw the same bits."""
+    params, opt_state = jax.jit(functools.partial(_fresh, model_config, tc))(jax.random.key(tc.seed))
+    _, static = eqx.partition(eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed)),
+                              _is_struct)
+    return TrainState(eqx.combine(params, static), opt_state, jnp.asarray(0, jnp.int32),
+                      jnp.asarray(data_seed, jnp.int32))
+
+
+def sharded_init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                    plan: partitioning.ShardingPlan):
+    """The jitted program ``init_sharded_state`` runs, ``fn(jax.random.key(tc.seed))``: it returns
+    (parameters, AdamW state) with the shardings of ``abstract_state``. Lower it for a TPU topology to see the
+    per-device memory of a fresh initialisation (``ringsplash.aot.compile_report``)."""
+    target = abstract_state(model_config, tc, mesh, plan)
+    params = eqx.filter(target.model, _is_struct)
+    shardings = jax.tree.map(lambda x: x.sharding, (params, target.opt_state))
+    return jax.jit(functools.partial(_fresh, model_config, tc), out_shardings=shardings)
+
+
+def init_sharded_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                       plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
+    """A fresh state created in place on ``mesh``: one jitted initialisation whose outputs carry the
+    shardings of ``abstract_state`` (parameters and AdamW moments laid out by ``plan``), so each device
+    computes only its own shards and no host ever holds the whole model or its optimiser state. The
+    values are ``init_state``'s bit for bit (JAX's partitionable threefry draws the same numbers under
+    any sharding). Collective: every process calls it."""
+    params, opt_state = sharded_init_fn(model_config, tc, mesh, plan)(jax.random.key(tc.seed))
+    _, static = eqx.partition(eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed)),
+                              _is_struct)
+    return TrainState(eqx.combine(params, static), opt_state, jnp.asarray(0, jnp.int32),
+                      jnp.asarray(data_seed, jnp.int32))
 
 
 def place_state(model: Transformer, opt_state, mesh: jax.sharding.Mesh, plan: partitioning.ShardingPlan,
