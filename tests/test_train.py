@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data, layouts, train
-from ringsplash.model import TransformerConfig
+from ringsplash.model import Transformer, TransformerConfig
 from support.training import BLOCKS, TASK
 from support.training import setup as _setup
 
@@ -195,3 +195,19 @@ def test_a_non_finite_loss_stops_training_naming_the_step(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records and all(np.isfinite(r["loss"]) for r in records)  # nothing non-finite was logged
     assert not os.path.isdir(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
+
+
+def test_fit_starts_from_given_parameters(tmp_path):
+    """``fit(init_model=...)`` trains those parameters: with a zero learning rate AdamW leaves them
+    unchanged bit for bit, and the optimiser state is fresh (one step counted)."""
+    config, tc, stream = _setup(steps=2)
+    tc = tc.__class__(**{**tc.__dict__, "steps": 1, "learning_rate": 0.0, "warmup_steps": 0, "data_parallel": 2})
+    start = Transformer(config, key=jax.random.key(42))
+    state = train.fit(config, tc, stream, str(tmp_path), init_model=start)
+    for got, want in zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_array)),
+                         jax.tree.leaves(eqx.filter(start, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    fresh = train.init_state(config, tc)
+    assert not np.array_equal(np.asarray(state.model.embedding), np.asarray(fresh.model.embedding))
+    with pytest.raises(ValueError, match=r"init_model's parameters do not have the shapes.*2 layers, d_model 32"):
+        train.fit(config.replace(d_model=64), tc, stream, str(tmp_path / "other"), init_model=start)

@@ -19,6 +19,7 @@ from ringsplash.train.state import (
     restore_sharded_state,
     save_checkpoint,
     sharded_init_fn,
+    start_from,
     state_digest,
 )
 from ringsplash.train.step import (
@@ -70,6 +71,7 @@ __all__ = [
     "save_checkpoint",
     "shard_batch",
     "sharded_init_fn",
+    "start_from",
     "sharding_plan",
     "state_digest",
     "stream_batch",

@@ -14,7 +14,7 @@ import numpy as np
 from ringsplash import checkpoints
 from ringsplash.data import DataStream
 from ringsplash.distributed import is_main_process
-from ringsplash.model import TransformerConfig
+from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.train.batches import stream_batch
 from ringsplash.train.config import TrainConfig, learning_rate_schedule, make_optimizer
 from ringsplash.train.mesh import make_mesh
@@ -23,6 +23,7 @@ from ringsplash.train.state import (
     TrainState,
     check_run_config,
     init_sharded_state,
+    start_from,
     restore_sharded_state,
     save_checkpoint,
 )
@@ -62,6 +63,7 @@ def fit(
     resume: bool = True,
     stop_after: int | None = None,
     on_log: Callable[[TrainState, dict], dict | None] | None = None,
+    init_model: Transformer | None = None,
 ) -> TrainState:
     """Train for ``tc.steps`` steps (resuming from the latest checkpoint under ``run_dir/checkpoints``).
 
@@ -76,6 +78,12 @@ def fit(
 
     ``stop_after`` stops early after that many total steps (for tests of exact resumption);
     ``on_log(state, record)`` may return extra metrics (e.g. a held-out evaluation) to log.
+
+    ``init_model`` starts a fresh run from these parameters instead of a random initialisation
+    (a pretrained model: ``ringsplash.hf.load_hf(path, mesh=mesh)``, whose config may differ from
+    ``model_config`` in anything but the parameter shapes, e.g. a new RoPE scaling or strategy);
+    they are placed in the plan's shardings on ``mesh`` (multi-process: pass arrays on ``mesh``).
+    A resumed run continues from its checkpoint and ignores it.
     """
     from tqdm.auto import tqdm
 
@@ -103,8 +111,10 @@ def fit(
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
         model, opt_state = state.model, state.opt_state
     else:
-        # created in place, sharded by the plan: an FSDP model never exists whole on one host
-        state = init_sharded_state(model_config, tc, mesh, plan, stream.seed)
+        if init_model is None:  # created in place, sharded by the plan: never whole on one host
+            state = init_sharded_state(model_config, tc, mesh, plan, stream.seed)
+        else:
+            state = start_from(init_model, model_config, tc, mesh, plan, stream.seed)
         model, opt_state = state.model, state.opt_state
     start = int(state.step)
     end = tc.steps if stop_after is None else min(tc.steps, stop_after)

@@ -70,6 +70,30 @@ def init_sharded_state(model_config: TransformerConfig, tc: TrainConfig, mesh: j
                       jnp.asarray(data_seed, jnp.int32))
 
 
+def start_from(model: Transformer, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+               plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
+    """A fresh state from given parameters (e.g. a pretrained model) under ``model_config``: the
+    parameters moved into the plan's shardings and a fresh AdamW state created there, by jitted
+    programs (no host copy: multi-host safe when ``model``'s arrays live on ``mesh``)."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"init_model must be a ringsplash Transformer, got {type(model).__name__}")
+    try:
+        model = model.with_config(model_config)
+    except ValueError:
+        raise ValueError("init_model's parameters do not have the shapes and dtypes model_config describes "
+                         f"(init_model: {model.config.num_layers} layers, d_model {model.config.d_model}, "
+                         f"param_dtype {model.config.param_dtype}; model_config: {model_config.num_layers} layers, "
+                         f"d_model {model_config.d_model}, param_dtype {model_config.param_dtype})") from None
+    target = abstract_state(model_config, tc, mesh, plan, data_seed)
+    params, static = eqx.partition(model, eqx.is_array)
+    param_sh = jax.tree.map(lambda x: x.sharding, eqx.filter(target.model, _is_struct))
+    opt_sh = jax.tree.map(lambda x: x.sharding, target.opt_state)
+    params = jax.jit(lambda p: p, out_shardings=param_sh)(params)
+    opt_state = jax.jit(make_optimizer(tc).init, out_shardings=opt_sh)(params)
+    return TrainState(eqx.combine(params, static), opt_state, jnp.asarray(0, jnp.int32),
+                      jnp.asarray(data_seed, jnp.int32))
+
+
 def place_state(model: Transformer, opt_state, mesh: jax.sharding.Mesh, plan: partitioning.ShardingPlan,
                 optimizer: optax.GradientTransformation):
     """(model, opt_state) on the mesh laid out by ``plan`` (multi-host safe, from host copies)."""
