@@ -230,14 +230,20 @@ def test_load_hf_refuses_pickles_and_directories_without_weights(hf_models, tmp_
 # ------------------------------------------------------------------------------ saving, round trip
 
 
-def test_save_hf_round_trip_transformers_loads_it(hf_models, tmp_path):
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_save_hf_round_trip_transformers_loads_it(hf_models, tmp_path, kind):
     """save_hf(load_hf(p)) -> transformers loads it -> equal logits; every tensor bit-identical."""
     from safetensors.numpy import load_file
 
-    directory, _, expected = hf_models("mistral")
+    directory, original, expected = hf_models(kind)
     rhf.save_hf(rhf.load_hf(directory), tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(back).__name__ == "MistralForCausalLM" and back.config.sliding_window == 128
+    assert type(back) is type(original)
+    for key, value in original.config.to_dict().items():
+        if key not in ("architectures", "transformers_version", "_name_or_path", "dtype", "bos_token_id",
+                       "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+                       "max_window_layers"):  # qwen: unused when layer_types is written
+            assert getattr(back.config, key, value) == value, key
     np.testing.assert_array_equal(torch_logits(back, _tokens()), expected)
     a, b = load_file(os.path.join(directory, "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -361,22 +367,47 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_imported_models_under_ring_and_usp_on_4_devices(hf_models, kind, strategy):
-    from ringsplash.data import Batch
+def _logits_in_shard_map(model, tokens: np.ndarray) -> np.ndarray:
+    """Logits of one sequence under the model's sequence-parallel strategy: laid out, sharded over
+    the trainer's mesh axes, the model called inside ``shard_map`` on each device's local shard
+    (no ring schedule passed: each layer builds its own), unpermuted back."""
+    from jax.sharding import PartitionSpec as P
 
-    directory, _, expected = hf_models(kind)
-    model = rhf.load_hf(directory, max_seq_len=SEQ, splash=BLOCKS, **STRATEGIES[strategy])
     c = model.config
     mesh = train.mesh_for(c)
-    tokens = _tokens()[None]
-    positions = np.arange(SEQ, dtype=np.int32)[None]
-    ones = np.ones_like(tokens)
-    sharded = train.shard_batch(Batch(tokens, tokens, ones.astype(np.float32), positions, ones), mesh, c)
+    spec = train.batch_spec(c)
+    lay = lambda x: layouts.permute(x[None], c.ring_layout, c.layout_shards, axis=1)
     params, static = eqx.partition(model, eqx.is_array)
-    model = eqx.combine(train.replicate(params, mesh), static)
-    logits = np.asarray(train.make_logits_fn(c, mesh)(model, sharded))
-    logits = layouts.unpermute(logits, c.ring_layout, c.layout_shards, axis=1)[0]
+    run = jax.jit(jax.shard_map(lambda p, t, q: jax.vmap(eqx.combine(p, static))(t, q), mesh=mesh,
+                                in_specs=(P(), spec, spec), out_specs=P(*spec, None), check_vma=False))
+    out = run(params, lay(tokens), lay(np.arange(len(tokens), dtype=np.int32)))
+    return layouts.unpermute(np.asarray(out), c.ring_layout, c.layout_shards, axis=1)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_imported_models_under_ring_and_usp_on_4_devices(hf_models, kind, strategy):
+    directory, _, expected = hf_models(kind)
+    model = rhf.load_hf(directory, max_seq_len=SEQ, splash=BLOCKS, **STRATEGIES[strategy])
+    np.testing.assert_allclose(_logits_in_shard_map(model, _tokens()), expected, rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.slow
+def test_fsdp_loaded_model_runs_in_the_trainers_ring_logits_fn(hf_models):
+    """load_hf(mesh=...) straight into the trainer's FSDP layout, then the trainer's own logits
+    function (parameters gathered layer by layer inside the ring's shard_map)."""
+    from ringsplash.data import Batch
+
+    directory, _, expected = hf_models("qwen3")
+    config = rhf.config_from_hf(directory, max_seq_len=SEQ, splash=BLOCKS, **STRATEGIES["ring-zigzag"])
+    mesh = train.mesh_for(config)
+    model = rhf.load_hf(directory, mesh=mesh, max_seq_len=SEQ, splash=BLOCKS, **STRATEGIES["ring-zigzag"])
+    assert model.config == config
+    plan = train.sharding_plan(config, mesh, True)
+    tokens, positions = _tokens()[None], np.arange(SEQ, dtype=np.int32)[None]
+    ones = np.ones_like(tokens)
+    batch = train.shard_batch(Batch(tokens, tokens, ones.astype(np.float32), positions, ones), mesh, config)
+    logits = np.asarray(train.make_logits_fn(config, mesh, plan=plan)(model, batch))
+    logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)[0]
     np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ATOL)

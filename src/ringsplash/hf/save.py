@@ -86,8 +86,10 @@ def hf_config_dict(c: TransformerConfig, model_type: str | None = None, *, dtype
              rms_norm_eps=_field(c, "norm_eps"), tie_word_embeddings=c.tie_embeddings,
              dtype=dtype or c.param_dtype, attention_dropout=0.0)
     if gemma:
-        scale = _field(c, "attention_scale")
-        d.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=(scale or c.head_dim**-0.5) ** -2,
+        scalar = (_field(c, "attention_scale") or c.head_dim**-0.5) ** -2  # scale = query_pre_attn_scalar ** -0.5
+        if abs(scalar - round(scalar)) < 1e-6 * scalar:
+            scalar = round(scalar)  # transformers' field is an int
+        d.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
                  attn_logit_softcapping=c.logit_soft_cap, final_logit_softcapping=_field(c, "final_logit_soft_cap"))
     else:
         d.update(hidden_act="silu", attention_bias=False, mlp_bias=False)
