@@ -152,6 +152,22 @@ def test_config_from_hf_takes_numpy_dtypes_and_names(hf_models):
         rhf.load_hf(directory, param_dtype="int8")
 
 
+def test_importing_ringsplash_imports_no_torch_transformers_or_safetensors():
+    """``rs.hf`` is imported on first use; config_from_hf needs none of them (a subprocess: this
+    process has torch loaded already)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ringsplash as rs; assert 'ringsplash.hf' not in sys.modules; "
+            "rs.hf.config_from_hf(dict(model_type='llama', vocab_size=8, hidden_size=16, intermediate_size=32, "
+            "num_hidden_layers=1, num_attention_heads=2)); "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
 # ------------------------------------------------------------------------------ bad input
 
 
