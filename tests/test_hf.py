@@ -427,3 +427,53 @@ def test_fsdp_loaded_model_runs_in_the_trainers_ring_logits_fn(hf_models):
     logits = np.asarray(train.make_logits_fn(config, mesh, plan=plan)(model, batch))
     logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)[0]
     np.testing.assert_allclose(logits, expected, rtol=0, atol=LOGITS_ATOL)
+
+
+# ------------------------------------------------------------------------------ AOT preflight from a config.json
+
+
+def _preflight():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "aot_preflight.py")
+    spec = importlib.util.spec_from_file_location("aot_preflight", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+G3_PREFLIGHT = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=128, sliding_window=1024,
+                    layer_types=["sliding_attention", "full_attention"])
+
+
+def test_preflight_hf_config_builds_the_model_from_the_file(tmp_path):
+    """--hf-config: the model from config.json alone (no weights), the run flags on top; model flags refused."""
+    transformers.Gemma3TextConfig(**G3_PREFLIGHT).save_pretrained(tmp_path)
+    preflight = _preflight()
+    config = preflight.parse_args(["--hf-config", str(tmp_path), "--seq-len", "4096", "--remat", "full"])
+    run = preflight.run_options(config, 4)
+    c = preflight.build_model_config(config, **run)
+    assert c == rhf.config_from_hf(tmp_path, **run)
+    assert (c.max_seq_len, c.attention, c.ring_size, c.remat) == (4096, "ring", 4, "full")
+    assert c.layer_types == ("sliding_attention", "full_attention") and c.sliding_window == 1024 and c.qk_norm
+    config = preflight.parse_args(["--hf-config", str(tmp_path), "--num-layers", "4", "--mask", "full"])
+    with pytest.raises(SystemExit, match=r"describes the model: drop --num-layers, --mask"):
+        preflight.build_model_config(config, **run)
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.e2e
+def test_preflight_hf_config_compiles_for_v5e(tmp_path):
+    """The whole preflight from a gemma3 config.json: ring over v5e:2x2 with sliding and full layers."""
+    import subprocess
+    import sys
+
+    transformers.Gemma3TextConfig(**G3_PREFLIGHT).save_pretrained(tmp_path)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "scripts/aot_preflight.py", "--hf-config", str(tmp_path), "--topology",
+                        "v5e:2x2", "--seq-len", "2048", "--block", "256"], cwd=root, env={**env, "JAX_PLATFORMS": "cpu"},
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "context=4" in r.stdout and r.stdout.strip().endswith("FITS")
