@@ -43,6 +43,8 @@ FAMILIES = {
     "llama-tied": ("LlamaConfig", dict(TINY, tie_word_embeddings=True)),
     "qwen2": ("Qwen2Config", TINY),
     "qwen3": ("Qwen3Config", dict(TINY, head_dim=32)),
+    # Qwen2 with its sliding window on the layers from max_window_layers on
+    "qwen2-sliding": ("Qwen2Config", dict(TINY, use_sliding_window=True, sliding_window=128, max_window_layers=1)),
     "gemma2": ("Gemma2Config", dict(TINY, head_dim=16, sliding_window=128, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
     "gemma3": ("Gemma3TextConfig", dict(TINY, head_dim=16, sliding_window=128, query_pre_attn_scalar=24,
@@ -141,6 +143,14 @@ def test_config_from_hf_reads_the_older_rope_keys():
     assert c.rope_theta == 500000.0 and c.rope_scaling == RopeScaling("linear", factor=4.0)
     d = dict(model_type="llama", **TINY, rope_theta=10000.0, rope_scaling=None)
     assert rhf.config_from_hf(d).rope_scaling == RopeScaling("default")
+    # Gemma 3 before rope_parameters: rope_theta (global layers, scaled), rope_local_base_freq (sliding layers)
+    d = dict(model_type="gemma3_text", **TINY, head_dim=16, rope_theta=1e6, rope_local_base_freq=1e4,
+             rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window_pattern=2)
+    c = rhf.config_from_hf(d)
+    assert (c.rope_theta, c.local_rope_theta, c.rope_scaling) == (1e6, 1e4, RopeScaling("linear", factor=8.0))
+    assert c.layer_types == ("sliding_attention", "full_attention") and c.sliding_window == 4096
+    with pytest.raises(ValueError, match=r"sliding layers' RoPE must be plain .* rope_type='linear'"):
+        rhf.config_from_hf(dict(d, rope_parameters=dict(sliding_attention=dict(rope_type="linear", factor=2.0))))
 
 
 def test_config_from_hf_takes_numpy_dtypes_and_names(hf_models):

@@ -99,8 +99,9 @@ def hf_config_dict(c: TransformerConfig, model_type: str | None = None, *, dtype
     if model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         d.update(layer_types=list(types) if types else ["full_attention"] * c.num_layers,
                  sliding_window=_field(c, "sliding_window"))
-        if model_type.startswith("qwen"):
-            d.update(use_sliding_window=bool(types), max_window_layers=c.num_layers)
+        if model_type.startswith("qwen"):  # transformers derives layer_types from these when absent
+            first = types.index("sliding_attention") if types else c.num_layers
+            d.update(use_sliding_window=bool(types), max_window_layers=first)
     if model_type == "gemma3_text":
         d["rope_parameters"] = {"full_attention": _rope_dict(c, scaling, c.rope_theta),
                                 "sliding_attention": {"rope_type": "default",
