@@ -342,9 +342,14 @@ def test_load_hf_with_mesh_reads_each_slice_once_into_the_trainers_shardings(hf_
 
 
 @pytest.mark.slow
-def test_gradients_match_torch_autograd(hf_models):
-    """d(sum(logits * w)) / d(every parameter): ours (jax.grad) vs transformers' (torch autograd)."""
-    directory, hf_model, _ = hf_models("llama")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma2", "gemma3"])
+def test_gradients_match_torch_autograd(hf_models, kind):
+    """d(sum(logits * w)) / d(every parameter): ours (jax.grad) vs transformers' (torch autograd),
+    each of our parameters matched to its HF tensors by the name map (stacked ones layer by layer)."""
+    from ringsplash.hf.config import FAMILIES as HF_FAMILIES
+    from ringsplash.hf.names import name_map, path_name
+
+    directory, hf_model, _ = hf_models(kind)
     tokens = _tokens(n=GRAD_SEQ)
     w = np.random.default_rng(1).standard_normal((GRAD_SEQ, TINY["vocab_size"])).astype(np.float32)
     hf_model.zero_grad()
@@ -352,29 +357,28 @@ def test_gradients_match_torch_autograd(hf_models):
     loss.backward()
     model = rhf.load_hf(directory)
     grads = eqx.filter_grad(lambda m: jnp.sum(our_logits_traced(m, tokens) * w))(model)
-    pairs = [(grads.embedding, hf_model.model.embed_tokens.weight.grad, False),
-             (grads.unembedding, hf_model.lm_head.weight.grad, True),
-             (grads.final_norm.weight, hf_model.model.norm.weight.grad, False)]
-    for i, layer in enumerate(hf_model.model.layers):
-        g = jax.tree.map(lambda x, i=i: x[i], grads.layers)
-        pairs += [(g.attention.wq, layer.self_attn.q_proj.weight.grad, True),
-                  (g.attention.wk, layer.self_attn.k_proj.weight.grad, True),
-                  (g.attention.wv, layer.self_attn.v_proj.weight.grad, True),
-                  (g.attention.wo, layer.self_attn.o_proj.weight.grad, True),
-                  (g.mlp.w_gate, layer.mlp.gate_proj.weight.grad, True),
-                  (g.mlp.w_up, layer.mlp.up_proj.weight.grad, True),
-                  (g.mlp.w_down, layer.mlp.down_proj.weight.grad, True),
-                  (g.attention_norm.weight, layer.input_layernorm.weight.grad, False),
-                  (g.mlp_norm.weight, layer.post_attention_layernorm.weight.grad, False)]
-    worst = 0.0
-    for ours, theirs, transpose in pairs:
-        theirs = theirs.numpy().T if transpose else theirs.numpy()
-        worst = max(worst, float(np.abs(np.asarray(ours) - theirs).max() / np.abs(theirs).max()))
-    # measured max |d grad| / max |grad| per tensor: 1.2e-6; 10x
+    names = name_map(model.config, gemma_norms=HF_FAMILIES[hf_model.config.model_type].gemma_norms)
+    worst, compared = 0.0, 0
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        tn = names[path_name(path)]
+        for layer in range(g.shape[0]) if tn.stacked else (None,):
+            ours = np.asarray(g if layer is None else g[layer])
+            theirs = hf_model.get_parameter(tn.hf_name(layer)).grad.numpy()
+            theirs = theirs.T if tn.transpose else theirs
+            pad = hf_model.config.pad_token_id
+            if tn.path == "embedding" and pad is not None:
+                # torch's nn.Embedding(padding_idx=pad) (gemma: pad_token_id 0) leaves the pad row out of the
+                # lookup's gradient, a training convention of transformers; our embedding has none
+                ours, theirs = np.delete(ours, pad, axis=0), np.delete(theirs, pad, axis=0)
+            worst = max(worst, float(np.abs(ours - theirs).max() / np.abs(theirs).max()))
+            compared += 1
+    assert compared == len(list(hf_model.parameters()))  # every HF parameter (tied: one)
     assert worst < GRAD_RTOL, worst
 
 
-GRAD_RTOL = 1.2e-5
+# measured max |d grad| / max |grad| per tensor (float32, 128 tokens): llama 1.4e-6, qwen2 1.6e-6, gemma2 1.2e-6,
+# gemma3 1.4e-6; 10x the largest
+GRAD_RTOL = 1.6e-5
 GRAD_SEQ = 128
 
 
