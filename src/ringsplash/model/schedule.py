@@ -48,7 +48,7 @@ def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.shard
     return {kind: _cached(config, int(seq_len), mesh, bool(shapes_only), kind) for kind in config.attention_kinds}
 
 
-def schedule_specs(schedule: RingSchedule | dict[str, RingSchedule] | None, axis_name: str):
+def schedule_specs(schedule: RingSchedule | dict[str, RingSchedule] | None, axis_name: str | None):
     """``shard_map`` specs of a model's ring schedule (``model_ring_schedule``): each device takes its q
     shard's rows (``RingSchedule.specs``)."""
     return None if schedule is None else jax.tree.map(lambda _: P(None, axis_name), schedule)

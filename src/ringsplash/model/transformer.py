@@ -199,7 +199,7 @@ class Transformer(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
-        schedule: RingSchedule | None = None,
+        schedule: RingSchedule | dict[str, RingSchedule] | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Float32 logits for one example. ``key`` enables attention dropout (training only);
         ``schedule`` as for ``hidden``."""
@@ -219,7 +219,7 @@ class Transformer(eqx.Module):
         key: jax.Array | None = None,
         gather_layer: Callable[[Block], Block] | None = None,
         return_max_logits: bool = False,
-        schedule: RingSchedule | None = None,
+        schedule: RingSchedule | dict[str, RingSchedule] | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, "layers heads"]]:
         """Final-normed hidden states (compute dtype) for one example.
 
