@@ -123,6 +123,7 @@ def compile_step(config: Config):
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
     from ringsplash.model import Transformer, TransformerConfig, rope_scaling_from_flags
+    from ringsplash.model.schedule import schedule_bytes_per_device
     from ringsplash.splash import SplashConfig
 
     devices = aot.topology_devices(config.topology)
@@ -185,7 +186,7 @@ def compile_step(config: Config):
             "opt_bytes": partitioning.local_bytes(opt_abs, opt_specs, mesh_shape),
             "replicated_state_bytes": nbytes(params_abs) + nbytes(opt_abs),
             "batch_bytes": 5 * 4 * rows * config.seq_len // devices.size,
-            "schedule_bytes": 0 if schedule is None else schedule.nbytes_per_device,
+            "schedule_bytes": schedule_bytes_per_device(schedule),
             "estimates": _estimates(config, model_config, params_abs, data, context, rows, plan.sharded)}
     return compiled, info
 

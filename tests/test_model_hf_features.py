@@ -19,6 +19,7 @@ import transformers
 from ringsplash import data, layouts, partitioning, train
 from ringsplash.model import RopeScaling, Transformer, TransformerConfig
 from ringsplash.model.hf_features import LayerSegment, layer_segments
+from ringsplash.model.schedule import schedule_bytes_per_device
 from ringsplash.model.transformer import _layer_schedules
 from ringsplash.splash import SplashConfig
 
@@ -406,6 +407,7 @@ def test_patterned_ring_matches_reference(patterned_reference):
     schedule = train.batch_ring_schedule(config, mesh, train.shard_batch(data.pack_documents([tokens], S, 1), mesh,
                                                                          config))
     assert set(schedule) == {"full_attention", "sliding_attention"}
+    assert schedule_bytes_per_device(schedule) == sum(s.nbytes_per_device for s in schedule.values()) > 0
     got = _strategy_logits(config, model.with_config(config), tokens, fsdp=True)
     err = float(np.max(np.abs(got - want)))
     print(f"ring: max |d logits| {err:.1e}")
