@@ -168,6 +168,19 @@ def test_mistral_sliding_window_matches_transformers():
     _compare(*_mistral(), atol=5e-5)
 
 
+def test_all_sliding_layer_types_equal_local_mask():
+    """Mistral's two spellings agree: every layer 'sliding_attention' with sliding_window=W is mask='local'
+    with local_window=W - 1 (the hf loader uses the latter: one mask, one ring schedule)."""
+    n, w = 128, 40
+    local = TransformerConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, max_seq_len=n, mask="local",
+                              local_window=w - 1)
+    typed = local.replace(mask="causal", local_window=None, layer_types=("sliding_attention",) * 2, sliding_window=w)
+    model = Transformer(local, key=jax.random.key(4))
+    tokens = jnp.asarray(_tokens()[:n], jnp.int32)
+    run = eqx.filter_jit(lambda m: m(tokens, jnp.arange(n)))
+    np.testing.assert_array_equal(run(model), run(model.with_config(typed)))
+
+
 @pytest.mark.slow
 def test_sliding_window_one_token_off_is_caught():
     """The comparisons see a window one token too long or short: off by > 1 (Mistral), 0.34 (Gemma 2)."""
@@ -259,6 +272,16 @@ def test_tied_unembedding_is_the_embedding():
     assert abs(float(jnp.std(model.embedding)) * 64**0.5 - 1) < 0.05
     logits = eqx.filter_jit(model)(jnp.arange(64, dtype=jnp.int32), jnp.arange(64))
     assert 0.5 < float(jnp.std(logits)) < 2
+
+
+def test_fresh_offset_norm_is_the_plain_norm():
+    """norm_offset=1 (Gemma): fresh weights are 0, so a fresh model computes what norm_offset=0 would."""
+    from ringsplash.model import RMSNorm
+
+    x = jax.random.normal(jax.random.key(0), (3, 5, 16))
+    gemma, plain = RMSNorm(16, jnp.float32, offset=1.0), RMSNorm(16, jnp.float32)
+    assert not np.any(np.asarray(gemma.weight))
+    np.testing.assert_array_equal(gemma(x), plain(x))
 
 
 # ------------------------------------------------------------------ layer patterns
