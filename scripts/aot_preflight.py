@@ -172,6 +172,7 @@ def compile_step(config: Config):
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
     from ringsplash.model import Transformer
+    from ringsplash.model.schedule import schedule_bytes_per_device
 
     devices = aot.topology_devices(config.topology)
     data, context = _mesh_shape(config, devices.size)
@@ -221,18 +222,9 @@ def compile_step(config: Config):
             "opt_bytes": partitioning.local_bytes(opt_abs, opt_specs, mesh_shape),
             "replicated_state_bytes": nbytes(params_abs) + nbytes(opt_abs),
             "batch_bytes": 5 * 4 * rows * config.seq_len // devices.size,
-            "schedule_bytes": _schedule_bytes(schedule),
+            "schedule_bytes": schedule_bytes_per_device(schedule),
             "estimates": _estimates(config, model_config, params_abs, data, context, rows, plan.sharded)}
     return compiled, info
-
-
-def _schedule_bytes(schedule) -> int:
-    """Bytes per device of the ring's schedule: None, one ``RingSchedule``, or one per layer type (a dict)."""
-    if schedule is None:
-        return 0
-    if isinstance(schedule, dict):
-        return sum(s.nbytes_per_device for s in schedule.values())
-    return schedule.nbytes_per_device
 
 
 def _estimates(config, model_config, params_abs, data, context, rows, sharded) -> dict:

@@ -406,6 +406,8 @@ class TransformerConfig:
             d["splash"] = SplashConfig(**d["splash"])
         if isinstance(d.get("rope_scaling"), dict):
             d["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
+        if isinstance(d.get("layer_types"), list):  # JSON has no tuples
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
 

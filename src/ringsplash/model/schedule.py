@@ -20,7 +20,7 @@ from ringsplash.model.config import TransformerConfig
 from ringsplash.parallel.heads import local_head_mask, ulysses_heads
 from ringsplash.parallel.ring_plan import RingSchedule, ring_schedule
 
-__all__ = ["model_ring_schedule", "schedule_specs", "uses_ring_schedule"]
+__all__ = ["model_ring_schedule", "schedule_bytes_per_device", "schedule_specs", "uses_ring_schedule"]
 
 
 def uses_ring_schedule(config: TransformerConfig) -> bool:
@@ -48,10 +48,17 @@ def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.shard
     return {kind: _cached(config, int(seq_len), mesh, bool(shapes_only), kind) for kind in config.attention_kinds}
 
 
-def schedule_specs(schedule: RingSchedule | dict[str, RingSchedule] | None, axis_name: str):
+def schedule_specs(schedule: RingSchedule | dict[str, RingSchedule] | None, axis_name: str | None):
     """``shard_map`` specs of a model's ring schedule (``model_ring_schedule``): each device takes its q
     shard's rows (``RingSchedule.specs``)."""
     return None if schedule is None else jax.tree.map(lambda _: P(None, axis_name), schedule)
+
+
+def schedule_bytes_per_device(schedule: RingSchedule | dict[str, RingSchedule] | None) -> int:
+    """Bytes of one device's slice of a model's ring schedule (every layer type's; 0 for None)."""
+    if schedule is None:
+        return 0
+    return sum(s.nbytes_per_device for s in (schedule.values() if isinstance(schedule, dict) else [schedule]))
 
 
 @functools.lru_cache(maxsize=8)  # small: each entry holds device arrays (1/N of the schedule per device)

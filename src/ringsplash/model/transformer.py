@@ -1,9 +1,13 @@
-"""Decoder-only ``Transformer``: embedding → [RMSNorm → attention, RMSNorm → SwiGLU] × L → logits.
+"""Decoder-only ``Transformer``: embedding → [RMSNorm → attention, RMSNorm → SwiGLU] × L → logits
+(with the Hugging Face family options of ``TransformerConfig``: GeGLU, (1 + w) norms, sandwich norms,
+scaled embeddings, a final logit soft cap, per-layer sliding / full attention).
 
 Per example: ``model(tokens, positions, segment_ids=None) -> logits``; batch with ``jax.vmap``.
 The loss path calls ``model.hidden(...)`` (final-normed hidden states) and projects chunks of
-tokens with ``model.unembedding_matrix()`` itself, so full ``[seq, vocab]`` logits never exist.
-Layers are one stacked ``Block`` (built with ``eqx.filter_vmap``) run by ``lax.scan``, so the
+tokens with ``model.unembedding_matrix()`` itself (applying ``config.final_logit_soft_cap`` as
+``model.logits`` does), so full ``[seq, vocab]`` logits never exist.
+Layers are one stacked ``Block`` (built with ``eqx.filter_vmap``) run by ``lax.scan`` (with
+``layer_types``: by scans over periods of the pattern, ``hf_features.layer_segments``), so the
 compile time does not grow with depth; ``config.remat`` names the ``jax.checkpoint`` policy of
 the scanned block (``remat_policy``). Under a sequence-parallel strategy (``"ring"``,
 ``"allgather"``, ``"ulysses"``, ``"usp"``) call it inside ``shard_map`` on the local shard of
@@ -199,7 +203,7 @@ class Transformer(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
-        schedule: RingSchedule | None = None,
+        schedule: RingSchedule | dict[str, RingSchedule] | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Float32 logits for one example. ``key`` enables attention dropout (training only);
         ``schedule`` as for ``hidden``."""
@@ -219,7 +223,7 @@ class Transformer(eqx.Module):
         key: jax.Array | None = None,
         gather_layer: Callable[[Block], Block] | None = None,
         return_max_logits: bool = False,
-        schedule: RingSchedule | None = None,
+        schedule: RingSchedule | dict[str, RingSchedule] | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, "layers heads"]]:
         """Final-normed hidden states (compute dtype) for one example.
 
