@@ -162,6 +162,7 @@ def test_config_from_hf_takes_numpy_dtypes_and_names(hf_models):
         rhf.load_hf(directory, param_dtype="int8")
 
 
+@pytest.mark.slow  # a fresh interpreter importing jax: ~6-10 s here
 def test_importing_ringsplash_imports_no_torch_transformers_or_safetensors():
     """``rs.hf`` is imported on first use; config_from_hf needs none of them (a subprocess: this
     process has torch loaded already)."""
@@ -251,6 +252,16 @@ def test_load_hf_refuses_pickles_and_directories_without_weights(hf_models, tmp_
         rhf.load_hf(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         rhf.config_from_hf(tmp_path / "nowhere")
+
+
+def test_without_safetensors_the_error_says_how_to_install(hf_models, monkeypatch):
+    import sys
+
+    directory, _, _ = hf_models("llama")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
+    with pytest.raises(ImportError, match=r'needs safetensors: pip install -e "\.\[hf\]"'):
+        rhf.load_hf(directory)
+    assert rhf.config_from_hf(directory).vocab_size == 256  # the config alone needs nothing
 
 
 # ------------------------------------------------------------------------------ saving, round trip
@@ -424,12 +435,14 @@ def test_imported_models_under_ring_and_usp_on_4_devices(hf_models, kind, strate
 
 
 @pytest.mark.slow
-def test_fsdp_loaded_model_runs_in_the_trainers_ring_logits_fn(hf_models):
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
+def test_fsdp_loaded_model_runs_in_the_trainers_ring_logits_fn(hf_models, kind):
     """load_hf(mesh=...) straight into the trainer's FSDP layout, then the trainer's own logits
-    function (parameters gathered layer by layer inside the ring's shard_map)."""
+    function (parameters gathered layer by layer inside the ring's shard_map; gemma3: one ring
+    schedule per layer type)."""
     from ringsplash.data import Batch
 
-    directory, _, expected = hf_models("qwen3")
+    directory, _, expected = hf_models(kind)
     config = rhf.config_from_hf(directory, max_seq_len=SEQ, splash=BLOCKS, **STRATEGIES["ring-zigzag"])
     mesh = train.mesh_for(config)
     model = rhf.load_hf(directory, mesh=mesh, max_seq_len=SEQ, splash=BLOCKS, **STRATEGIES["ring-zigzag"])

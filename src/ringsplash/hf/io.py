@@ -34,11 +34,21 @@ def reset_bytes_read() -> None:
     _bytes_read = 0
 
 
+def _safetensors():
+    """The safetensors package, or an ImportError saying how to install it."""
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:
+        raise ImportError("reading or writing Hugging Face weights needs safetensors: pip install -e \".[hf]\" "
+                          "(config_from_hf alone does not)") from e
+    return safetensors
+
+
 def _safe_open(file: str):
     import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy reader needs)
-    from safetensors import safe_open
 
-    return safe_open(file, framework="numpy")
+    return _safetensors().safe_open(file, framework="numpy")
 
 
 _PICKLE_HELP = (
@@ -146,8 +156,7 @@ def write_checkpoint(path: str, sizes: dict[str, int], produce: Callable[[Iterab
     ``model.safetensors.index.json``). ``produce(names)`` yields ``(name, numpy array)`` for those
     names, one file's worth at a time; with ``write=False`` (processes other than 0) it is still
     called (it may run collectives) but nothing is written. Returns the file names."""
-    from safetensors.numpy import save_file
-
+    save_file = _safetensors().numpy.save_file
     groups = plan_shards(sizes, max_shard_size)
     files = shard_file_names(len(groups))
     weight_map = {}
