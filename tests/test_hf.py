@@ -327,6 +327,12 @@ def test_bf16_checkpoint_loads(tmp_path):
     ours = rhf.load_hf(tmp_path, param_dtype="bfloat16")
     assert ours.embedding.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(ours.embedding, np.float32), model.model.embed_tokens.weight.detach().float().numpy())
+    # and back out in bfloat16: the same bits, and transformers reads it as a bfloat16 model
+    rhf.save_hf(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.dtype == torch.bfloat16
+    for name, p in model.named_parameters():
+        assert torch.equal(p, back.get_parameter(name)), name
 
 
 # ------------------------------------------------------------------------------ sharded load
