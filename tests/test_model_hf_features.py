@@ -405,6 +405,7 @@ def _strategy_logits(config, model, tokens, *, fsdp=False):
     sharded = train.shard_batch(batch, mesh, config)
     params, static = eqx.partition(model, eqx.is_array)
     plan = train.sharding_plan(config, mesh, fsdp=fsdp)
+    assert plan.sharded == fsdp  # sharded: each layer's weights are gathered inside the scanned step
     params = jax.device_put(params, partitioning.shardings(plan.specs, mesh))
     logits_fn = train.make_logits_fn(config, mesh, plan=plan)
     logits = np.asarray(logits_fn(eqx.combine(params, static), sharded))
