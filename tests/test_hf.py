@@ -440,6 +440,25 @@ def test_imported_models_under_ring_and_usp_on_4_devices(hf_models, kind, strate
     np.testing.assert_allclose(_logits_in_shard_map(model, _tokens()), expected, rtol=0, atol=LOGITS_ATOL)
 
 
+OTHER_STRATEGIES = {
+    "splash": dict(attention="splash"),
+    "allgather-4": dict(attention="allgather", ring_axis_name="context", ring_size=4, ring_layout="striped"),
+    "ulysses-2": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(OTHER_STRATEGIES))
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_imported_models_under_splash_allgather_and_ulysses(hf_models, kind, strategy):
+    """The remaining strategies on the families with the most mask / logit features (Mistral's window
+    on every layer; Gemma 2's alternating windows, attention soft-cap and query_pre_attn_scalar)."""
+    directory, _, expected = hf_models(kind)
+    model = rhf.load_hf(directory, max_seq_len=SEQ, splash=BLOCKS, **OTHER_STRATEGIES[strategy])
+    got = our_logits(model, _tokens()) if strategy == "splash" else _logits_in_shard_map(model, _tokens())
+    np.testing.assert_allclose(got, expected, rtol=0, atol=LOGITS_ATOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
 def test_fsdp_loaded_model_runs_in_the_trainers_ring_logits_fn(hf_models, kind):
