@@ -140,6 +140,9 @@ def _check_flags(d: dict, fam: Family) -> None:
                 "(the model has q/k/v biases only)")
     if d.get("use_bidirectional_attention"):
         _refuse(d, "use_bidirectional_attention", True, "makes attention bidirectional (causal only)")
+    if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
+        _refuse(d, "partial_rotary_factor", d["partial_rotary_factor"], "rotates part of each head only (RoPE over "
+                "the whole head here)")
     if d.get("is_encoder_decoder"):
         _refuse(d, "is_encoder_decoder", True, "is not a decoder-only model")
     if "gemma" not in fam.model_type:
