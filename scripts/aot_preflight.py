@@ -52,7 +52,8 @@ TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", 
 class Config:
     topology: str = "v5e:2x2"  # the TPU slice to compile for (e.g. v5e:2x4, v6e:2x2, v5p:4x4x4)
     preset: str = ""  # a ringsplash.model.presets name: its shape becomes the default of the model flags; "" = none
-    #: a Hugging Face config.json or checkpoint directory: the model (shape and features) from it, the run flags on top
+    #: a Hugging Face config.json or checkpoint directory: the model (shape and features) from it, the run flags on
+    #: top; "" = the model flags below
     hf_config: str = ""
     data_parallel: int = 1  # devices on the mesh's data axis
     context_parallel: int = 0  # devices on the ring; 0 = auto: every device not on the data axis (devices / data_parallel)

@@ -361,6 +361,10 @@ def test_load_hf_with_mesh_reads_each_slice_once_into_the_trainers_shardings(hf_
     assert got == want and any(s != jax.sharding.PartitionSpec() for s in got)
     for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(sharded)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    hf_io.reset_bytes_read()
+    replicated = rhf.load_hf(directory, mesh=mesh, fsdp=False)
+    assert hf_io.bytes_read() == total  # every device holds the whole tensor: read once, shared
+    assert {x.sharding.spec for x in jax.tree.leaves(replicated)} == {jax.sharding.PartitionSpec()}
 
 
 # ------------------------------------------------------------------------------ gradients
