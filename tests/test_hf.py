@@ -143,6 +143,13 @@ def test_config_from_hf_reads_the_older_rope_keys():
     assert c.rope_theta == 500000.0 and c.rope_scaling == RopeScaling("linear", factor=4.0)
     d = dict(model_type="llama", **TINY, rope_theta=10000.0, rope_scaling=None)
     assert rhf.config_from_hf(d).rope_scaling == RopeScaling("default")
+    # both keys: rope_scaling wins, as in transformers
+    d = dict(model_type="llama", **TINY, rope_scaling=dict(type="linear", factor=4.0),
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    assert rhf.config_from_hf(d).rope_scaling == RopeScaling("linear", factor=4.0)
+    config = transformers.LlamaConfig(**TINY, rope_scaling=dict(type="linear", factor=4.0),
+                                      rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    assert config.rope_parameters["rope_type"] == "linear"
     # Gemma 3 before rope_parameters: rope_theta (global layers, scaled), rope_local_base_freq (sliding layers)
     d = dict(model_type="gemma3_text", **TINY, head_dim=16, rope_theta=1e6, rope_local_base_freq=1e4,
              rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window_pattern=2)

@@ -115,7 +115,10 @@ def _rope(d: dict, fam: Family, max_pos: int) -> tuple[float, RopeScaling, float
                                  f"sliding layers' RoPE must be plain (rope_type 'default', rope_theta), got "
                                  f"rope_type={kind!r}{' and ' + str(sorted(local)) if local else ''}")
             params = params.get("full_attention")
-    scaling = params if params is not None else d.get("rope_scaling")
+        if d.get("rope_scaling"):  # transformers: an old rope_scaling updates the full layers' parameters
+            params = {**(params or {}), **d["rope_scaling"]}
+    # transformers: a (non-empty) rope_scaling wins over rope_parameters
+    scaling = d.get("rope_scaling") or params
     if scaling is not None and not isinstance(scaling, dict):
         raise ValueError(f"rope_scaling / rope_parameters must be a dict or null, got {scaling!r}")
     theta = (scaling or {}).get("rope_theta", top_theta)
