@@ -244,9 +244,7 @@ def build_config(fields: dict, model_type: str = "", **overrides) -> Transformer
         if model_supports(name):
             continue
         value = fields.pop(name)
-        if name == "intermediate_size":  # the SwiGLU width through mlp_ratio / mlp_multiple, exactly
-            fields.update(mlp_ratio=(value - 0.5) / fields["d_model"], mlp_multiple=value)
-        elif value != _IMPLICIT[name]:
+        if value != _IMPLICIT[name]:
             raise ValueError(f"{model_type or 'this model'} needs {name}={value!r}, which this ringsplash's "
                              f"TransformerConfig does not support yet: model_type={model_type!r} is not supported "
                              f"yet with this config")
