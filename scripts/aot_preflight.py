@@ -11,6 +11,13 @@ batch), outputs, temporaries — against the chip's capacity. Exits 1 when it do
     python scripts/aot_preflight.py --preset llama3-8b --topology v5p:4x4x4 --data-parallel 4 --seq-len 262144 \
         --remat full --loss-chunk 4096
     python scripts/aot_preflight.py --preset 1b --topology v5e:2x4 --remat full --loss-chunk 2048 --find-max-seq-len
+    python scripts/aot_preflight.py --hf-config path/to/config.json --topology v5p:4x4x4 --seq-len 131072 --remat full
+
+``--hf-config`` takes the model from a Hugging Face config.json (or a checkpoint directory; no
+weights are read): its shape and every family feature (``ringsplash.hf.config_from_hf``); the run
+flags (``--seq-len``, topology, parallelism, layout, blocks, remat, dtypes, loss chunk) apply on
+top. The model flags (``--d-model``, ``--num-layers``, ..., ``--mask``, the RoPE flags, ``--preset``)
+then must stay unset: the file says them.
 
 Parameters and AdamW state are sharded over data x context (``--no-fsdp``: replicated); the
 report splits the arguments into parameters / optimiser state / batch and names the biggest
@@ -45,6 +52,9 @@ TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", 
 class Config:
     topology: str = "v5e:2x2"  # the TPU slice to compile for (e.g. v5e:2x4, v6e:2x2, v5p:4x4x4)
     preset: str = ""  # a ringsplash.model.presets name: its shape becomes the default of the model flags; "" = none
+    #: a Hugging Face config.json or checkpoint directory: the model (shape and features) from it, the run flags on
+    #: top; "" = the model flags below
+    hf_config: str = ""
     data_parallel: int = 1  # devices on the mesh's data axis
     context_parallel: int = 0  # devices on the ring; 0 = auto: every device not on the data axis (devices / data_parallel)
     seq_len: int = 32768  # tokens per row (the model's max_seq_len)
@@ -82,6 +92,46 @@ def parse_args(argv=None) -> Config:
     from ringsplash.model.presets import PRESETS
 
     return parse_config(Config, argv, description=__doc__, presets=PRESETS)
+
+
+#: the flags that describe the model itself: with --hf-config the file says them
+MODEL_FLAGS = ("preset", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_ratio",
+               "mlp_multiple", "rope_theta", "rope_scaling", "rope_factor", "rope_original_max_len", "mask")
+
+
+def build_model_config(config: Config, **run):
+    """The ``TransformerConfig`` of ``config``'s model with the run options ``run`` (strategy, length,
+    dtypes, blocks, remat): from ``--hf-config`` (``ringsplash.hf.config_from_hf``) or the model flags."""
+    from ringsplash.model import TransformerConfig, rope_scaling_from_flags
+
+    if config.hf_config:
+        defaults = Config()
+        given = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(config, f) != getattr(defaults, f)]
+        if given:
+            raise SystemExit(f"--hf-config={config.hf_config!r} describes the model: drop {', '.join(given)} (or "
+                             f"edit a copy of the config.json)")
+        from ringsplash.hf import config_from_hf
+
+        return config_from_hf(config.hf_config, **run)
+    return TransformerConfig(
+        vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta, mask=config.mask,
+        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
+        **run)
+
+
+def run_options(config: Config, context: int) -> dict:
+    """The ``TransformerConfig`` fields the run flags set (not the model's own)."""
+    from ringsplash import train
+    from ringsplash.splash import SplashConfig
+
+    b = config.block
+    ring = context > 1
+    return dict(max_seq_len=config.seq_len, attention="ring" if ring else "splash",
+                ring_axis_name=train.CONTEXT if ring else None, ring_layout=config.layout, ring_size=context,
+                remat=config.remat, param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
+                splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend))
 
 
 def chip_capacity(topology: str) -> int:
@@ -122,25 +172,13 @@ def compile_step(config: Config):
 
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
-    from ringsplash.model import Transformer, TransformerConfig, rope_scaling_from_flags
-    from ringsplash.splash import SplashConfig
+    from ringsplash.model import Transformer
+    from ringsplash.model.schedule import schedule_bytes_per_device
 
     devices = aot.topology_devices(config.topology)
     data, context = _mesh_shape(config, devices.size)
     mesh = aot.topology_mesh(config.topology, (train.DATA, train.CONTEXT), (data, context))
-    b = config.block
-    ring = context > 1
-    model_config = TransformerConfig(
-        vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
-        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
-        max_seq_len=config.seq_len, mask=config.mask,
-        attention="ring" if ring else "splash", ring_axis_name=train.CONTEXT if ring else None,
-        ring_layout=config.layout, ring_size=context, remat=config.remat,
-        param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
-        splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
-        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
-    )
+    model_config = build_model_config(config, **run_options(config, context))
     rows = config.batch_size or data
     tc = train.TrainConfig(steps=1000, batch_size=rows, data_parallel=data, context_parallel=context, warmup_steps=10,
                            fsdp=config.fsdp, loss_chunk=config.loss_chunk)
@@ -185,7 +223,7 @@ def compile_step(config: Config):
             "opt_bytes": partitioning.local_bytes(opt_abs, opt_specs, mesh_shape),
             "replicated_state_bytes": nbytes(params_abs) + nbytes(opt_abs),
             "batch_bytes": 5 * 4 * rows * config.seq_len // devices.size,
-            "schedule_bytes": 0 if schedule is None else schedule.nbytes_per_device,
+            "schedule_bytes": schedule_bytes_per_device(schedule),
             "estimates": _estimates(config, model_config, params_abs, data, context, rows, plan.sharded)}
     return compiled, info
 

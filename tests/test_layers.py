@@ -19,7 +19,7 @@ LAYERS = {
     "splash": 6,
     "parallel": 7,
     "model": 8, "partitioning": 8, "data": 8, "checkpoints": 8,
-    "train": 9,
+    "train": 9, "hf": 9,
 }
 
 

@@ -51,3 +51,12 @@ __all__ += [
 ]
 
 __all__ += ["RingSchedule", "ring_schedule"]
+
+
+def __getattr__(name: str):
+    """``rs.hf`` imported on first use (Hugging Face checkpoints; ``import ringsplash`` stays light)."""
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module("ringsplash.hf")
+    raise AttributeError(f"module 'ringsplash' has no attribute {name!r}")

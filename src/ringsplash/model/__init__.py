@@ -3,6 +3,7 @@ ulysses / usp)."""
 
 from ringsplash.model.attention import Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
+from ringsplash.model.hf_features import LAYER_TYPES, MLP_ACTIVATIONS, layer_segments
 from ringsplash.model.parallelism import ContextParallel
 from ringsplash.model.qk_clip import QKClipFactors, apply_qk_clip, qk_clip_factors
 from ringsplash.model.rope_scaling import (
@@ -16,7 +17,9 @@ from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Trans
 
 __all__ = [
     "GATHERED",
+    "LAYER_TYPES",
     "MASKS",
+    "MLP_ACTIVATIONS",
     "REMAT_POLICIES",
     "ROPE_TYPES",
     "STRATEGIES",
@@ -31,6 +34,7 @@ __all__ = [
     "TransformerConfig",
     "apply_qk_clip",
     "attend",
+    "layer_segments",
     "qk_clip_factors",
     "remat_policy",
     "rope",

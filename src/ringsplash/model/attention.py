@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.config import TransformerConfig, dtype_of
+from ringsplash.model.norm import RMSNorm
 from ringsplash.model.rope_scaling import RopeScaling, rope_attention_factor, rope_inv_freq
 from ringsplash.parallel.ring_plan import RingSchedule
 from ringsplash.reference import reference_attention
@@ -63,11 +64,13 @@ def attend(
     key: jax.Array | None = None,
     return_max_logits: bool = False,
     schedule: RingSchedule | None = None,
+    layer_type: str | None = None,
 ) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
     """Run the configured strategy on one example (sequence-parallel strategies: one local shard);
     with ``return_max_logits`` also the per-head max logits over the whole sequence (no gradient).
     ``schedule``: this device's slice of the ring's schedule (``model.schedule.model_ring_schedule``)
-    for ``"ring"`` / ``"usp"`` (None: the whole schedule as a replicated constant); others ignore it."""
+    for ``"ring"`` / ``"usp"`` (None: the whole schedule as a replicated constant); others ignore it.
+    ``layer_type``: the layer's entry of ``config.layer_types`` (its mask, ``config.make_mask``)."""
     seq = q.shape[1]
     cp = config.context_parallel
     for role in cp.roles:
@@ -86,9 +89,9 @@ def attend(
                 f"mesh axis {axis_name!r} has {actual} devices but the config says {role}_size={size}"
             )
         seq = seq * actual
-    mask = config.make_mask(seq)
+    mask = config.make_mask(seq, layer_type)
     seg = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
-    common = dict(segment_ids=seg, scale=None, logit_soft_cap=config.logit_soft_cap, sinks=sinks,
+    common = dict(segment_ids=seg, scale=config.attention_scale, logit_soft_cap=config.logit_soft_cap, sinks=sinks,
                   return_max_logits=return_max_logits)
     if config.attention == "reference":
         if config.attention_dropout > 0 and key is not None:
@@ -112,7 +115,8 @@ def attend(
 
 
 class Attention(eqx.Module):
-    """GQA self-attention: projections, RoPE on q and k, the chosen strategy, output projection."""
+    """GQA self-attention: projections (+ biases with ``attention_bias``), per-head RMSNorm of q and k
+    (``qk_norm``), RoPE on q and k, the chosen strategy, output projection."""
 
     wq: Float[Array, "d_model heads_x_d"]
     wk: Float[Array, "d_model kv_heads_x_d"]
@@ -120,6 +124,11 @@ class Attention(eqx.Module):
     wo: Float[Array, "heads_x_dv d_model"]
     sinks: Float[Array, " heads"] | None
     config: TransformerConfig = eqx.field(static=True)
+    bq: Float[Array, " heads_x_d"] | None
+    bk: Float[Array, " kv_heads_x_d"] | None
+    bv: Float[Array, " kv_heads_x_dv"] | None
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
 
     def __init__(self, config: TransformerConfig, *, key: jax.Array):
         c = config
@@ -134,6 +143,14 @@ class Attention(eqx.Module):
         self.wv = init(kv, c.d_model, c.num_kv_heads * c.v_head_dim)
         self.wo = init(ko, c.num_heads * c.v_head_dim, c.d_model, gain=(2 * c.num_layers) ** -0.5)
         self.sinks = jnp.zeros((c.num_heads,), jnp.float32) if c.sinks else None
+        self.bq = self.bk = self.bv = self.q_norm = self.k_norm = None
+        if c.attention_bias:
+            self.bq = jnp.zeros((c.num_heads * c.head_dim,), pdt)
+            self.bk = jnp.zeros((c.num_kv_heads * c.head_dim,), pdt)
+            self.bv = jnp.zeros((c.num_kv_heads * c.v_head_dim,), pdt)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, pdt, c.norm_eps, c.norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, pdt, c.norm_eps, c.norm_offset)
         self.config = config
 
     def __call__(
@@ -145,25 +162,33 @@ class Attention(eqx.Module):
         key: jax.Array | None = None,
         return_max_logits: bool = False,
         schedule: RingSchedule | None = None,
+        layer_type: str | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, " heads"]]:
         """The layer's output; with ``return_max_logits`` also its per-head max logits
-        (``schedule``: the ring's per-device schedule, see ``attend``)."""
+        (``schedule``: the ring's per-device schedule, ``layer_type``: the layer's mask and RoPE, see ``attend``)."""
         c = self.config
         cdt = dtype_of(c.compute_dtype)
         seq = x.shape[0]
         x = x.astype(cdt)
 
-        def heads(w, n, dim=c.head_dim):
-            return (x @ w.astype(cdt)).reshape(seq, n, dim).transpose(1, 0, 2)
+        def heads(w, b, n, dim=c.head_dim):
+            y = x @ w.astype(cdt)
+            if b is not None:
+                y = y + b.astype(cdt)
+            return y.reshape(seq, n, dim).transpose(1, 0, 2)
 
+        q, k = heads(self.wq, self.bq, c.num_heads), heads(self.wk, self.bk, c.num_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         # the current length of dynamic / longrope RoPE: the whole sequence's (this call holds one of its
         # context_shards local shards), static (ringsplash.model.rope_scaling)
         rope_len = seq * c.context_shards
-        q = rope(heads(self.wq, c.num_heads), positions, c.rope_theta, c.rope_scaling, seq_len=rope_len)
-        k = rope(heads(self.wk, c.num_kv_heads), positions, c.rope_theta, c.rope_scaling, seq_len=rope_len)
-        v = heads(self.wv, c.num_kv_heads, c.v_head_dim)
+        theta, scaling = c.rope_for(layer_type)
+        q = rope(q, positions, theta, scaling, seq_len=rope_len)
+        k = rope(k, positions, theta, scaling, seq_len=rope_len)
+        v = heads(self.wv, self.bv, c.num_kv_heads, c.v_head_dim)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits,
-                     schedule=schedule)
+                     schedule=schedule, layer_type=layer_type)
         max_logits = None
         if return_max_logits:
             out, max_logits = out

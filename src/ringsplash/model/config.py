@@ -12,6 +12,7 @@ from typing import Literal
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_choice, check_float, check_int, check_positive_int, literal_choices
+from ringsplash.model.hf_features import SLIDING, LayerType, MlpActivation, check_hf_features
 from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel, Strategy
 from ringsplash.model.rope_scaling import RopeScaling, check_rope_dim
 from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
@@ -81,7 +82,23 @@ class TransformerConfig:
     Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; ``v_head_dim`` is
     the value (and attention output) head size, ``None`` = ``head_dim`` (MLA-style models use
     e.g. q/k 192, v 128); the SwiGLU hidden width is ``mlp_ratio * d_model`` rounded up to a
-    multiple of ``mlp_multiple``.
+    multiple of ``mlp_multiple``, or ``intermediate_size`` when given.
+
+    Hugging Face families (``ringsplash.model.hf_features``; defaults keep ringsplash's own model):
+    ``mlp_activation`` (``"silu"``, or ``"gelu_tanh"`` for Gemma's GeGLU); ``attention_bias`` (q/k/v
+    projection biases, Qwen2); ``qk_norm`` (RMSNorm over head_dim on q and k per head before RoPE,
+    Qwen3 / Gemma 3); ``norm_eps`` of every RMSNorm; ``norm_offset`` (RMSNorm scales by
+    ``norm_offset + weight`` in float32: Gemma's 1.0; fresh weights are ``1 - norm_offset``);
+    ``post_norms`` (Gemma's RMSNorm on the attention and MLP outputs before the residual adds);
+    ``scale_embeddings`` (embeddings times sqrt(d_model), the factor rounded to the compute dtype first);
+    ``attention_scale`` (softmax scale, None = head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5);
+    ``final_logit_soft_cap`` (logits = cap * tanh(logits / cap), in float32; ``logit_soft_cap`` caps the
+    attention logits); ``layer_types`` (None, or per layer ``"full_attention"`` (uses ``mask``) /
+    ``"sliding_attention"``: a causal window of ``sliding_window`` tokens, the query included, as in
+    Hugging Face: ``LocalMask(window=(sliding_window - 1, 0))``); ``local_rope_theta`` (the RoPE base of
+    sliding layers, unscaled: Gemma 3; None = theirs is the full layers' RoPE). ``tie_embeddings``: the
+    unembedding is ``embedding.T`` itself (a fresh tied model draws the embedding with std
+    d_model ** -0.5, so its logits start well scaled).
     """
 
     vocab_size: int
@@ -115,6 +132,19 @@ class TransformerConfig:
     v_head_dim: int | None = None  # None = head_dim
     qk_clip_threshold: float | None = None
     rope_scaling: RopeScaling | None = None
+    intermediate_size: int | None = None  # None = the mlp_ratio / mlp_multiple rule
+    mlp_activation: MlpActivation = "silu"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
+    post_norms: bool = False
+    scale_embeddings: bool = False
+    attention_scale: float | None = None  # None = head_dim ** -0.5
+    final_logit_soft_cap: float | None = None
+    layer_types: tuple[LayerType, ...] | None = None  # None = every layer uses mask
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None  # None = sliding layers use the full layers' RoPE
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple",
@@ -166,6 +196,7 @@ class TransformerConfig:
                     f"qk_clip_threshold needs the attention strategy to report max logits; attention="
                     f"{self.attention!r} cannot: use one of {MAX_LOGIT_STRATEGIES} or qk_clip_threshold=None"
                 )
+        check_hf_features(self)
         if not isinstance(self.splash, SplashConfig):
             raise TypeError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
 
@@ -294,6 +325,8 @@ class TransformerConfig:
 
     @property
     def mlp_hidden(self) -> int:
+        if self.intermediate_size is not None:
+            return self.intermediate_size
         hidden = math.ceil(self.mlp_ratio * self.d_model)
         return self.mlp_multiple * math.ceil(hidden / self.mlp_multiple)
 
@@ -316,9 +349,24 @@ class TransformerConfig:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def make_mask(self, seq_len: int) -> masks_lib.Mask:
-        """The ``(seq_len, seq_len)`` attention mask over original positions (lazy, hashable)."""
+    @property
+    def attention_kinds(self) -> tuple[str | None, ...]:
+        """The distinct masks of the layers: ``(None,)`` (every layer uses ``mask``) or the layer types used."""
+        return (None,) if self.layer_types is None else tuple(sorted(set(self.layer_types)))
+
+    def rope_for(self, layer_type: str | None = None) -> tuple[float, RopeScaling | None]:
+        """``(theta, scaling)`` of the RoPE of a layer of ``layer_type`` (``local_rope_theta``: sliding
+        layers' own base, unscaled, with Hugging Face's numerics when the model's RoPE has them)."""
+        if layer_type == SLIDING and self.local_rope_theta is not None:
+            return self.local_rope_theta, None if self.rope_scaling is None else RopeScaling()
+        return self.rope_theta, self.rope_scaling
+
+    def make_mask(self, seq_len: int, layer_type: str | None = None) -> masks_lib.Mask:
+        """The ``(seq_len, seq_len)`` attention mask over original positions (lazy, hashable) of a layer
+        of ``layer_type`` (None or ``"full_attention"``: ``mask``)."""
         shape = (seq_len, seq_len)
+        if layer_type == SLIDING:
+            return masks_lib.LocalMask(shape, window=(self.sliding_window - 1, 0))
         if isinstance(self.mask, masks_lib.Mask):
             if self.mask.shape != shape:
                 raise ValueError(f"mask={self.mask!r} has shape {self.mask.shape}, but the model is called on "
@@ -358,6 +406,8 @@ class TransformerConfig:
             d["splash"] = SplashConfig(**d["splash"])
         if isinstance(d.get("rope_scaling"), dict):
             d["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
+        if isinstance(d.get("layer_types"), list):  # JSON has no tuples
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
 
 

@@ -7,17 +7,20 @@ program as a constant replicated on every device; the trainer instead builds it 
 the host, sharded over the ring axis (each process builds only its devices' rows), and passes
 it into its ``jit`` as an argument and into ``shard_map`` with ``schedule.specs(ring axis)``,
 so each device holds its own q shard's rows: 1/N of it (``Transformer.hidden(schedule=)``).
+With ``layer_types`` each layer type has its own mask, so the schedule is a dict of one
+``RingSchedule`` per layer type (``schedule_specs`` gives its ``shard_map`` specs either way).
 """
 
 import functools
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from ringsplash.model.config import TransformerConfig
 from ringsplash.parallel.heads import local_head_mask, ulysses_heads
 from ringsplash.parallel.ring_plan import RingSchedule, ring_schedule
 
-__all__ = ["model_ring_schedule", "uses_ring_schedule"]
+__all__ = ["model_ring_schedule", "schedule_bytes_per_device", "schedule_specs", "uses_ring_schedule"]
 
 
 def uses_ring_schedule(config: TransformerConfig) -> bool:
@@ -26,10 +29,11 @@ def uses_ring_schedule(config: TransformerConfig) -> bool:
 
 
 def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.sharding.Mesh, *,
-                        shapes_only: bool = False) -> RingSchedule | None:
+                        shapes_only: bool = False) -> RingSchedule | dict[str, RingSchedule] | None:
     """The (cached) ring schedule of ``config``'s attention at ``seq_len`` tokens on ``mesh``:
     global arrays sharded ``P(None, ring axis)`` (``shapes_only``: ``ShapeDtypeStruct`` s for AOT
-    lowering); None for strategies without a ring (``uses_ring_schedule``).
+    lowering); a dict ``{layer type: RingSchedule}`` when ``config.layer_types`` is set; None for
+    strategies without a ring (``uses_ring_schedule``).
 
     Args:
         config: the model's config (strategy, mask, heads, ring size / layout, ``SplashConfig``).
@@ -39,12 +43,27 @@ def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.shard
     """
     if not uses_ring_schedule(config):
         return None
-    return _cached(config, int(seq_len), mesh, bool(shapes_only))
+    if config.layer_types is None:
+        return _cached(config, int(seq_len), mesh, bool(shapes_only), None)
+    return {kind: _cached(config, int(seq_len), mesh, bool(shapes_only), kind) for kind in config.attention_kinds}
 
 
-@functools.lru_cache(maxsize=4)  # small: each entry holds device arrays (1/N of the schedule per device)
-def _cached(config: TransformerConfig, seq_len: int, mesh, shapes_only: bool) -> RingSchedule:
-    mask = config.make_mask(seq_len)
+def schedule_specs(schedule: RingSchedule | dict[str, RingSchedule] | None, axis_name: str | None):
+    """``shard_map`` specs of a model's ring schedule (``model_ring_schedule``): each device takes its q
+    shard's rows (``RingSchedule.specs``)."""
+    return None if schedule is None else jax.tree.map(lambda _: P(None, axis_name), schedule)
+
+
+def schedule_bytes_per_device(schedule: RingSchedule | dict[str, RingSchedule] | None) -> int:
+    """Bytes of one device's slice of a model's ring schedule (every layer type's; 0 for None)."""
+    if schedule is None:
+        return 0
+    return sum(s.nbytes_per_device for s in (schedule.values() if isinstance(schedule, dict) else [schedule]))
+
+
+@functools.lru_cache(maxsize=8)  # small: each entry holds device arrays (1/N of the schedule per device)
+def _cached(config: TransformerConfig, seq_len: int, mesh, shapes_only: bool, layer_type) -> RingSchedule:
+    mask = config.make_mask(seq_len, layer_type)
     heads, kv_heads = config.num_heads, config.num_kv_heads
     if config.attention == "usp":  # the inner ring sees the Ulysses rank's heads (usp_attention)
         split = ulysses_heads(heads, kv_heads, config.ulysses_size, config.ulysses_axis_name)

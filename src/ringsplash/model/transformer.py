@@ -1,9 +1,13 @@
-"""Decoder-only ``Transformer``: embedding → [RMSNorm → attention, RMSNorm → SwiGLU] × L → logits.
+"""Decoder-only ``Transformer``: embedding → [RMSNorm → attention, RMSNorm → SwiGLU] × L → logits
+(with the Hugging Face family options of ``TransformerConfig``: GeGLU, (1 + w) norms, sandwich norms,
+scaled embeddings, a final logit soft cap, per-layer sliding / full attention).
 
 Per example: ``model(tokens, positions, segment_ids=None) -> logits``; batch with ``jax.vmap``.
 The loss path calls ``model.hidden(...)`` (final-normed hidden states) and projects chunks of
-tokens with ``model.unembedding_matrix()`` itself, so full ``[seq, vocab]`` logits never exist.
-Layers are one stacked ``Block`` (built with ``eqx.filter_vmap``) run by ``lax.scan``, so the
+tokens with ``model.unembedding_matrix()`` itself (applying ``config.final_logit_soft_cap`` as
+``model.logits`` does), so full ``[seq, vocab]`` logits never exist.
+Layers are one stacked ``Block`` (built with ``eqx.filter_vmap``) run by ``lax.scan`` (with
+``layer_types``: by scans over periods of the pattern, ``hf_features.layer_segments``), so the
 compile time does not grow with depth; ``config.remat`` names the ``jax.checkpoint`` policy of
 the scanned block (``remat_policy``). Under a sequence-parallel strategy (``"ring"``,
 ``"allgather"``, ``"ulysses"``, ``"usp"``) call it inside ``shard_map`` on the local shard of
@@ -26,6 +30,8 @@ from jax.ad_checkpoint import checkpoint_name
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.attention import ATTENTION_LSE, ATTENTION_OUT, Attention
 from ringsplash.model.config import RematPolicy, TransformerConfig, dtype_of
+from ringsplash.model.hf_features import layer_segments
+from ringsplash.model.norm import RMSNorm
 from ringsplash.parallel.ring_plan import RingSchedule
 
 #: checkpoint name of a layer's weights after ``gather_layer``
@@ -49,24 +55,13 @@ def remat_policy(name: RematPolicy, *, gathered: bool = False):
     raise ValueError(f"unknown remat policy {name!r}")  # TransformerConfig validates; unreachable
 
 
-class RMSNorm(eqx.Module):
-    weight: Float[Array, " d_model"]
-    eps: float = eqx.field(static=True)
-
-    def __init__(self, d_model: int, dtype, eps: float = 1e-6):
-        self.weight = jnp.ones((d_model,), dtype)
-        self.eps = eps
-
-    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * self.weight.astype(jnp.float32)).astype(x.dtype)
-
-
 class SwiGLU(eqx.Module):
+    """Gated MLP ``(act(x W_gate) * x W_up) W_down``: SwiGLU (``silu``) or GeGLU (``gelu_tanh``)."""
+
     w_gate: Float[Array, "d_model hidden"]
     w_up: Float[Array, "d_model hidden"]
     w_down: Float[Array, "hidden d_model"]
+    activation: str = eqx.field(static=True)
 
     def __init__(self, config: TransformerConfig, *, key: jax.Array):
         c = config
@@ -76,25 +71,39 @@ class SwiGLU(eqx.Module):
         self.w_gate = (jax.random.normal(k1, (c.d_model, h)) / c.d_model**0.5).astype(pdt)
         self.w_up = (jax.random.normal(k2, (c.d_model, h)) / c.d_model**0.5).astype(pdt)
         self.w_down = (jax.random.normal(k3, (h, c.d_model)) / (h * 2 * c.num_layers) ** 0.5).astype(pdt)
+        self.activation = c.mlp_activation
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
         dt = x.dtype
-        return (jax.nn.silu(x @ self.w_gate.astype(dt)) * (x @ self.w_up.astype(dt))) @ self.w_down.astype(dt)
+        gate = x @ self.w_gate.astype(dt)
+        gate = jax.nn.silu(gate) if self.activation == "silu" else jax.nn.gelu(gate, approximate=True)
+        return (gate * (x @ self.w_up.astype(dt))) @ self.w_down.astype(dt)
+
+
+def _norm(config: TransformerConfig, d: int | None = None) -> RMSNorm:
+    c = config
+    return RMSNorm(d or c.d_model, dtype_of(c.param_dtype), c.norm_eps, c.norm_offset)
 
 
 class Block(eqx.Module):
+    """Pre-norm block; with ``post_norms`` also a norm on each sub-layer's output before its residual add."""
+
     attention_norm: RMSNorm
     attention: Attention
     mlp_norm: RMSNorm
     mlp: SwiGLU
+    post_attention_norm: RMSNorm | None
+    post_mlp_norm: RMSNorm | None
 
     def __init__(self, config: TransformerConfig, *, key: jax.Array):
         ka, km = jax.random.split(key)
-        pdt = dtype_of(config.param_dtype)
-        self.attention_norm = RMSNorm(config.d_model, pdt)
+        self.attention_norm = _norm(config)
         self.attention = Attention(config, key=ka)
-        self.mlp_norm = RMSNorm(config.d_model, pdt)
+        self.mlp_norm = _norm(config)
         self.mlp = SwiGLU(config, key=km)
+        self.post_attention_norm = self.post_mlp_norm = None
+        if config.post_norms:
+            self.post_attention_norm, self.post_mlp_norm = _norm(config), _norm(config)
 
     def __call__(
         self,
@@ -105,12 +114,18 @@ class Block(eqx.Module):
         key: jax.Array | None = None,
         return_max_logits: bool = False,
         schedule: RingSchedule | None = None,
+        layer_type: str | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, " heads"]]:
         a = self.attention(self.attention_norm(x), positions, segment_ids, key=key,
-                           return_max_logits=return_max_logits, schedule=schedule)
+                           return_max_logits=return_max_logits, schedule=schedule, layer_type=layer_type)
         a, max_logits = a if return_max_logits else (a, None)
+        if self.post_attention_norm is not None:
+            a = self.post_attention_norm(a)
         x = x + a.astype(x.dtype)
-        x = x + self.mlp(self.mlp_norm(x)).astype(x.dtype)
+        m = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        x = x + m.astype(x.dtype)
         return (x, max_logits) if return_max_logits else x
 
 
@@ -152,7 +167,9 @@ def _check_example(tokens, positions, segment_ids, vocab_size: int, max_seq_len:
 
 
 class Transformer(eqx.Module):
-    """Embedding, ``num_layers`` stacked blocks, final RMSNorm, unembedding (optionally tied)."""
+    """Embedding, ``num_layers`` stacked blocks, final RMSNorm, unembedding (optionally tied: then
+    ``embedding.T`` itself, and a fresh embedding has std ``d_model ** -0.5``, not 1, so the initial
+    logits are well scaled)."""
 
     embedding: Float[Array, "vocab d_model"]
     layers: Block  # every array leaf has a leading [num_layers] axis
@@ -165,9 +182,12 @@ class Transformer(eqx.Module):
             raise TypeError(f"config must be a TransformerConfig, got {type(config).__name__}")
         ke, kl, ku = jax.random.split(key, 3)
         pdt = dtype_of(config.param_dtype)
-        self.embedding = jax.random.normal(ke, (config.vocab_size, config.d_model)).astype(pdt)
+        embedding = jax.random.normal(ke, (config.vocab_size, config.d_model))
+        if config.tie_embeddings:
+            embedding = embedding / config.d_model**0.5
+        self.embedding = embedding.astype(pdt)
         self.layers = eqx.filter_vmap(lambda k: Block(config, key=k))(jax.random.split(kl, config.num_layers))
-        self.final_norm = RMSNorm(config.d_model, pdt)
+        self.final_norm = _norm(config)
         if config.tie_embeddings:
             self.unembedding = None
         else:
@@ -183,12 +203,16 @@ class Transformer(eqx.Module):
         segment_ids: Int[Array, " seq"] | None = None,
         *,
         key: jax.Array | None = None,
-        schedule: RingSchedule | None = None,
+        schedule: RingSchedule | dict[str, RingSchedule] | None = None,
     ) -> Float[Array, "seq vocab"]:
         """Float32 logits for one example. ``key`` enables attention dropout (training only);
         ``schedule`` as for ``hidden``."""
         x = self.hidden(tokens, positions, segment_ids, key=key, schedule=schedule)
-        return (x @ self.unembedding_matrix()).astype(jnp.float32)
+        return self.logits(x)
+
+    def logits(self, hidden: Float[Array, "*tokens d_model"]) -> Float[Array, "*tokens vocab"]:
+        """Float32 logits of final hidden states (``final_logit_soft_cap`` applied)."""
+        return soft_cap((hidden @ self.unembedding_matrix()).astype(jnp.float32), self.config.final_logit_soft_cap)
 
     def hidden(
         self,
@@ -199,7 +223,7 @@ class Transformer(eqx.Module):
         key: jax.Array | None = None,
         gather_layer: Callable[[Block], Block] | None = None,
         return_max_logits: bool = False,
-        schedule: RingSchedule | None = None,
+        schedule: RingSchedule | dict[str, RingSchedule] | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, "layers heads"]]:
         """Final-normed hidden states (compute dtype) for one example.
 
@@ -213,36 +237,50 @@ class Transformer(eqx.Module):
                 over the whole sequence), collected by the layer scan; no gradient. QK-clip input.
             schedule: under ``"ring"`` / ``"usp"``, this device's slice of the ring's schedule
                 (``ringsplash.model.schedule.model_ring_schedule``, passed into ``shard_map`` with
-                ``schedule.specs(ring axis)``), shared by every layer (one mask); None = each
-                layer's ring holds the whole schedule as a constant replicated on every device.
+                ``schedule_specs(schedule, ring axis)``): one ``RingSchedule`` shared by every layer, or
+                with ``layer_types`` a dict of one per layer type; None = each layer's ring holds the
+                whole schedule as a constant replicated on every device.
+
+        Layers run as ``lax.scan`` s (``hf_features.layer_segments``): one over every layer, or with
+        ``layer_types`` one over groups of a period of the pattern, so the program does not grow with depth.
         """
         c = self.config
         _check_example(tokens, positions, segment_ids, c.vocab_size, c.max_seq_len, c.context_shards, c.attention)
         cdt = dtype_of(c.compute_dtype)
         x = self.embedding[tokens].astype(cdt)
+        if c.scale_embeddings:  # the factor rounded to the hidden dtype first, as transformers does
+            x = x * jnp.asarray(c.d_model**0.5, cdt)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        schedules = _layer_schedules(c, schedule)
 
-        def step(h, xs):
-            layer_params, layer_key = xs
-            if gather_layer is not None:
-                layer_params = jax.tree.map(lambda w: checkpoint_name(w, GATHERED), gather_layer(layer_params))
-            layer = eqx.combine(layer_params, static)
-            if return_max_logits:  # the layer's max logits leave the scan as its per-layer output
-                return layer(h, positions, segment_ids, key=layer_key, return_max_logits=True, schedule=schedule)
-            return layer(h, positions, segment_ids, key=layer_key, schedule=schedule), None
+        def layer_step(layer_type):
+            def step(h, xs):
+                layer_params, layer_key = xs
+                if gather_layer is not None:
+                    layer_params = jax.tree.map(lambda w: checkpoint_name(w, GATHERED), gather_layer(layer_params))
+                layer = eqx.combine(layer_params, static)
+                kw = dict(key=layer_key, schedule=schedules[layer_type], layer_type=layer_type)
+                if return_max_logits:  # the layer's max logits leave the scan as its per-layer output
+                    return layer(h, positions, segment_ids, return_max_logits=True, **kw)
+                return layer(h, positions, segment_ids, **kw), None
 
-        wrap, policy = remat_policy(c.remat, gathered=gather_layer is not None)
-        if wrap:
-            step = jax.checkpoint(step, policy=policy)
+            wrap, policy = remat_policy(c.remat, gathered=gather_layer is not None)
+            return jax.checkpoint(step, policy=policy) if wrap else step
+
+        steps = {kind: layer_step(kind) for kind in c.attention_kinds}
         keys = None if key is None else jax.random.split(key, c.num_layers)
-        x, max_logits = jax.lax.scan(step, x, (dynamic, keys))
-        return (self.final_norm(x), max_logits) if return_max_logits else self.final_norm(x)
+        max_logits = []
+        for seg in layer_segments(c.layer_types, c.num_layers):
+            x, mx = _run_segment(seg, steps, x, (dynamic, keys), c.num_layers)
+            max_logits.append(mx)
+        if not return_max_logits:
+            return self.final_norm(x)
+        return self.final_norm(x), max_logits[0] if len(max_logits) == 1 else jnp.concatenate(max_logits)
 
     def unembedding_matrix(self) -> Float[Array, "d_model vocab"]:
-        """The output projection in the compute dtype (the scaled embedding when tied)."""
-        c = self.config
-        w = self.embedding.T / c.d_model**0.5 if self.unembedding is None else self.unembedding
-        return w.astype(dtype_of(c.compute_dtype))
+        """The output projection in the compute dtype (``embedding.T`` itself when tied)."""
+        w = self.embedding.T if self.unembedding is None else self.unembedding
+        return w.astype(dtype_of(self.config.compute_dtype))
 
     def with_config(self, config: TransformerConfig) -> "Transformer":
         """These parameters under another config with the same parameter shapes (e.g. another
@@ -256,3 +294,44 @@ class Transformer(eqx.Module):
 
     def num_params(self) -> int:
         return sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(self, eqx.is_array)))
+
+
+def soft_cap(logits: Float[Array, "*shape"], cap: float | None) -> Float[Array, "*shape"]:
+    """``cap * tanh(logits / cap)`` (None: unchanged)."""
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _layer_schedules(c: TransformerConfig, schedule) -> dict:
+    """The ring schedule of each layer type (``c.attention_kinds``): a dict passed in is checked, one
+    ``RingSchedule`` serves a config whose layers share one mask."""
+    kinds = c.attention_kinds
+    if isinstance(schedule, dict):
+        if set(schedule) != set(kinds):
+            raise ValueError(f"schedule must map each layer type {kinds} to its RingSchedule "
+                             f"(model_ring_schedule builds it), got keys {tuple(schedule)}")
+        return schedule
+    if schedule is not None and len(kinds) > 1:
+        raise ValueError(f"layer_types has layers of {kinds}, each with its own mask and ring schedule: pass "
+                         f"schedule as a dict {{layer type: RingSchedule}} (model_ring_schedule builds it) or None")
+    return dict.fromkeys(kinds, schedule)
+
+
+def _run_segment(seg, steps: dict, x, xs, num_layers: int):
+    """Scan the layers of ``seg`` (a ``LayerSegment``) over ``x``; ``xs`` = (stacked params, keys or None).
+    Returns the new ``x`` and the segment's per-layer step outputs (``[layers, ...]`` or None)."""
+    if seg.num_layers != num_layers:
+        xs = jax.tree.map(lambda a: a[seg.start:seg.start + seg.num_layers], xs)
+    if len(seg.kinds) == 1:
+        return jax.lax.scan(steps[seg.kinds[0]], x, xs)
+    p = len(seg.kinds)
+    xs = jax.tree.map(lambda a: a.reshape(seg.groups, p, *a.shape[1:]), xs)
+
+    def group(h, group_xs):
+        outs = []
+        for j, kind in enumerate(seg.kinds):  # static: each layer of the period with its own mask
+            h, out = steps[kind](h, jax.tree.map(lambda a, j=j: a[j], group_xs))
+            outs.append(out)
+        return h, None if outs[0] is None else jnp.stack(outs)
+
+    x, outs = jax.lax.scan(group, x, xs)
+    return x, None if outs is None else outs.reshape(seg.num_layers, *outs.shape[2:])

@@ -15,7 +15,8 @@ from ringsplash.data import Batch, DataStream
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.model.config import dtype_of
 from ringsplash.model.qk_clip import apply_qk_clip
-from ringsplash.model.schedule import model_ring_schedule
+from ringsplash.model.schedule import model_ring_schedule, schedule_specs
+from ringsplash.model.transformer import soft_cap
 from ringsplash.train.batches import stream_batch
 from ringsplash.train.mesh import CONTEXT, DATA, batch_spec, check_mesh, mesh_axes
 
@@ -26,6 +27,7 @@ def chunked_loss_sums(
     labels: Int[Array, " tokens"],
     weights: Float[Array, " tokens"],
     loss_chunk: int = 0,
+    logit_soft_cap: float | None = None,
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
     """(sum of weighted cross-entropy, sum of weighted correct predictions) over ``tokens``.
 
@@ -39,11 +41,12 @@ def chunked_loss_sums(
         labels: next-token ids.
         weights: loss weights (the loss mask).
         loss_chunk: tokens per chunk; must divide the number of tokens.
+        logit_soft_cap: the model's ``final_logit_soft_cap`` (None: none), applied to each chunk's logits.
     """
     n = hidden.shape[0]
 
     def sums(h, y, w):
-        logits = (h @ unembedding).astype(jnp.float32)
+        logits = soft_cap((h @ unembedding).astype(jnp.float32), logit_soft_cap)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
         correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
         return jnp.sum(ce * w), jnp.sum(correct * w)
@@ -83,7 +86,7 @@ def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, g
         mx = (jnp.max(rows_mx, axis=0),)
     w = batch.loss_mask.astype(jnp.float32)
     s, c = chunked_loss_sums(hidden.reshape(-1, hidden.shape[-1]), model.unembedding_matrix(),
-                             batch.labels.reshape(-1), w.reshape(-1), loss_chunk)
+                             batch.labels.reshape(-1), w.reshape(-1), loss_chunk, model.config.final_logit_soft_cap)
     return s, jnp.sum(w), c, *mx
 
 
@@ -98,7 +101,7 @@ def batch_ring_schedule(model_config: TransformerConfig, mesh, batch: Batch):
 
 def _schedule_spec(model_config: TransformerConfig, schedule):
     """``shard_map`` spec of the schedule operand: each device takes its q shard's rows."""
-    return None if schedule is None else schedule.specs(model_config.ring_axis_name)
+    return schedule_specs(schedule, model_config.ring_axis_name)
 
 
 def _batch_specs(model_config: TransformerConfig) -> Batch:
@@ -296,8 +299,7 @@ def make_logits_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.
 
     def body(model, batch, gather_layer, schedule):
         hidden = lambda t, q, s: model.hidden(t, q, s, gather_layer=gather_layer, schedule=schedule)
-        return (jax.vmap(hidden)(batch.tokens, batch.positions, batch.segment_ids) @ model.unembedding_matrix()
-                ).astype(jnp.float32)
+        return model.logits(jax.vmap(hidden)(batch.tokens, batch.positions, batch.segment_ids))
 
     return _sharded_apply(model_config, mesh, plan, body, P(*batch_spec(model_config), None))
 
