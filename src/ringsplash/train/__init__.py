@@ -71,8 +71,8 @@ __all__ = [
     "save_checkpoint",
     "shard_batch",
     "sharded_init_fn",
-    "start_from",
     "sharding_plan",
+    "start_from",
     "state_digest",
     "stream_batch",
 ]

@@ -23,9 +23,9 @@ from ringsplash.train.state import (
     TrainState,
     check_run_config,
     init_sharded_state,
-    start_from,
     restore_sharded_state,
     save_checkpoint,
+    start_from,
 )
 from ringsplash.train.step import make_train_step, sharding_plan
 
