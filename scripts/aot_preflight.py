@@ -94,9 +94,10 @@ def parse_args(argv=None) -> Config:
     return parse_config(Config, argv, description=__doc__, presets=PRESETS)
 
 
-#: the flags that describe the model itself: with --hf-config the file says them
+#: the flags that describe the model itself: with --hf-config the file says them (the --rope-* flags
+#: still apply there: they extend the pretrained model's context)
 MODEL_FLAGS = ("preset", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_ratio",
-               "mlp_multiple", "rope_theta", "rope_scaling", "rope_factor", "rope_original_max_len", "mask")
+               "mlp_multiple", "rope_theta", "mask")
 
 
 def build_model_config(config: Config, **run):
@@ -112,7 +113,14 @@ def build_model_config(config: Config, **run):
                              f"edit a copy of the config.json)")
         from ringsplash.hf import config_from_hf
 
-        return config_from_hf(config.hf_config, **run)
+        model = config_from_hf(config.hf_config, **run)
+        if not config.rope_scaling:
+            return model
+        # a context extension of the pretrained model: a new RoPE scaling; dynamic / yarn / llama3 start
+        # from the length it was trained at (its max_position_embeddings) unless the flag says otherwise
+        trained = config.rope_original_max_len or (0 if config.rope_scaling == "linear" else config_from_hf(
+            config.hf_config).max_seq_len)
+        return model.replace(rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, trained))
     return TransformerConfig(
         vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,

@@ -531,6 +531,12 @@ def test_preflight_hf_config_builds_the_model_from_the_file(tmp_path):
     config = preflight.parse_args(["--hf-config", str(tmp_path), "--num-layers", "4", "--mask", "full"])
     with pytest.raises(SystemExit, match=r"describes the model: drop --num-layers, --mask"):
         preflight.build_model_config(config, **run)
+    # --rope-* extend the pretrained model's context, from the length it was trained at
+    config = preflight.parse_args(["--hf-config", str(tmp_path), "--seq-len", "4096", "--rope-scaling", "yarn",
+                                   "--rope-factor", "4"])
+    c = preflight.build_model_config(config, **preflight.run_options(config, 4))
+    trained = rhf.config_from_hf(tmp_path).max_seq_len
+    assert c.rope_scaling == RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=trained)
 
 
 @pytest.mark.tpu_compile

@@ -1,4 +1,5 @@
-"""Every ```python block of README.md runs as pasted, in a fresh interpreter, and exits 0."""
+"""Every ```python block of README.md (and of docs/INTERNALS.md) runs as pasted, in a fresh interpreter,
+and exits 0."""
 
 import os
 import pathlib
@@ -8,8 +9,10 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+BLOCKS += re.findall(r"^```python\n(.*?)^```", (ROOT / "docs" / "INTERNALS.md").read_text(), flags=re.M | re.S)
 TIMEOUT_S = 300  # generous for a loaded machine; each block takes ~10 s of CPU
 
 
