@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ringsplash import masks as masks_lib
 from ringsplash._types import Array, Float, Int
 from ringsplash.model.config import TransformerConfig, dtype_of
 from ringsplash.model.norm import RMSNorm
@@ -17,6 +18,7 @@ from ringsplash.model.rope_scaling import RopeScaling, rope_attention_factor, ro
 from ringsplash.parallel.ring_plan import RingSchedule
 from ringsplash.reference import reference_attention
 from ringsplash.segment_ids import SegmentIds
+from ringsplash.splash.config import NUM_LANES
 
 #: checkpoint names of the attention output and its log-sum-exp (the ring names its residuals
 #: with them, so a policy saving them never re-runs the ring forward in the backward pass)
@@ -100,7 +102,10 @@ def attend(
     if config.attention == "splash":
         from ringsplash.splash import splash_attention  # import at call: kernels are a lower layer
 
-        return splash_attention(q, k, v, mask, config=config.splash, **common)
+        pad = -seq % NUM_LANES
+        if not pad or isinstance(config.mask, masks_lib.Mask):  # a Mask serves its own length only
+            return splash_attention(q, k, v, mask, config=config.splash, **common)
+        return _padded_splash(config, q, k, v, segment_ids, pad, layer_type, common)
     from ringsplash import parallel
 
     common.update(layout=config.ring_layout, config=config.splash)
@@ -112,6 +117,27 @@ def attend(
     if config.attention == "ring":
         return parallel.ring_attention(q, k, v, mask, axis_name=config.ring_axis_name, schedule=schedule, **common)
     return parallel.allgather_attention(q, k, v, mask, axis_name=config.ring_axis_name, **common)
+
+
+def _padded_splash(config, q, k, v, segment_ids, pad: int, layer_type, common: dict):
+    """Splash attention at a length its 128-token lanes do not tile (600 tokens, say): the tokens
+    padded to the next multiple of 128 inside, never by the user. Padded queries and keys get two
+    segment ids of their own (below any real one), so no real query sees a padded key and every
+    padded query row is fully masked (0, no NaN; no max logit); the padding is sliced off after."""
+    from ringsplash.splash import splash_attention
+
+    seq = q.shape[1]
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+    real = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    low = jnp.iinfo(jnp.int32).min
+    seg = SegmentIds(q=jnp.concatenate([real, jnp.full((pad,), low, jnp.int32)]),
+                     kv=jnp.concatenate([real, jnp.full((pad,), low + 1, jnp.int32)]))
+    out = splash_attention(widen(q), widen(k), widen(v), config.make_mask(seq + pad, layer_type),
+                           config=config.splash, **{**common, "segment_ids": seg})
+    if common["return_max_logits"]:
+        out, max_logits = out
+        return out[:, :seq], max_logits
+    return out[:, :seq]
 
 
 class Attention(eqx.Module):

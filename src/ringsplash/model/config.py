@@ -314,6 +314,8 @@ class TransformerConfig:
         if a not in ("splash", "allgather", "ulysses"):
             return
         # the rule of every Splash path (splash/blocks.py), on the lengths this strategy's kernels see
+        if a == "splash":  # the model pads a length the kernels' 128-token lanes do not tile (model.attention)
+            seq = -(-seq // NUM_LANES) * NUM_LANES
         q_len = seq // self.ring_size if a == "allgather" else seq
         multiple = {"splash": NUM_LANES, "allgather": self.ring_size * NUM_LANES,
                     "ulysses": math.lcm(self.ulysses_size, NUM_LANES)}[a]
