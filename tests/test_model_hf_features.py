@@ -137,6 +137,7 @@ def _compare(hf, config, atol):
 # measured max |ours - transformers| over the 512 x 96 logits (float32, CPU; fixed seeds) is in each
 # test's comment; every tolerance is 10x it. A wrong feature is off by 0.07 (Gemma 2 without its final
 # soft cap) to 1.6 (Mistral's window one token too short): 4 orders of magnitude above the tolerances.
+@pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 @pytest.mark.parametrize("tie", [False, True])
 def test_llama_matches_transformers(tie):
     """Llama (a tied one: the unembedding is the embedding itself). Measured 5.2e-6 / 6.0e-6 (tied)."""
@@ -144,6 +145,7 @@ def test_llama_matches_transformers(tie):
     _compare(hf, TransformerConfig(**_common(hf)), atol=6e-5)
 
 
+@pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 def test_qwen2_attention_bias_matches_transformers():
     """q/k/v biases. Measured 3.0e-6."""
     hf = _hf_model("qwen2")
@@ -151,6 +153,7 @@ def test_qwen2_attention_bias_matches_transformers():
     _compare(hf, TransformerConfig(**_common(hf), attention_bias=True), atol=3e-5)
 
 
+@pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 def test_qwen3_qk_norm_matches_transformers():
     """Per-head RMSNorm of q and k before RoPE. Measured 4.0e-6."""
     hf = _hf_model("qwen3")
@@ -162,12 +165,14 @@ def _mistral(w=100):
     return hf, TransformerConfig(**_common(hf), mask="local", local_window=w - 1)
 
 
+@pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 def test_mistral_sliding_window_matches_transformers():
     """Mistral's window of W keys (the query included) is mask='local' with local_window = W - 1.
     Measured 4.6e-6."""
     _compare(*_mistral(), atol=5e-5)
 
 
+@pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 def test_all_sliding_layer_types_equal_local_mask():
     """Mistral's two spellings agree: every layer 'sliding_attention' with sliding_window=W is mask='local'
     with local_window=W - 1 (the hf loader uses the latter: one mask, one ring schedule)."""
@@ -422,6 +427,7 @@ def patterned_reference():
     return model, tokens, np.asarray(eqx.filter_jit(model)(jnp.asarray(tokens), jnp.arange(S)))
 
 
+@pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 def test_patterned_ring_matches_reference(patterned_reference):
     """A Gemma-2-like model (sliding + full layer, each with its own ring schedule) under the zigzag
     ring on 4 devices, parameters FSDP-sharded: the reference's logits. Measured 2.2e-6."""
