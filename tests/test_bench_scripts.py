@@ -25,3 +25,27 @@ def test_bench_splash_quick_prints_tables():
     assert "| 8K | causal | 136 / 256 |" in out  # 16 x 17 / 2 blocks of 512 at 8K
     assert "| v5e:2x2 | 8K | causal |" in out and "ERROR" not in out
     assert "not a TPU speed" in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+def test_bench_hf_tiny_prints_tables(tmp_path):
+    """scripts/bench_hf.py --tiny: the write, load (whole, 4 devices in one process, 2 processes
+    via the launcher) and forward sections run; each sharded process reads its share; the two
+    forwards' logits agree; the checkpoint is deleted at the end."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_hf.py"), "--tiny", "--seq-lens", "256", "--repeats", "1",
+         "--layouts", "whole", "1x4", "2x1", "--dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| load | process | seconds | read (GiB) |" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| FSDP, 2 processes x 1 device |")]
+    assert len(rows) == 2 and all("| 0.50 |" in r for r in rows), out
+    assert "| whole, 1 process x 1 device | 0 |" in out and "| FSDP, 1 process x 4 devices | 0 |" in out
+    diff = next(ln for ln in out.splitlines() if "transformers (sdpa)" in ln).split("|")[7]
+    assert float(diff.split()[0]) < 1e-4, out
+    assert not os.path.exists(tmp_path / "tiny")
