@@ -271,10 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dir", default="/tmp/bench_hf", help="where the checkpoint goes (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="dtype stored on disk (default: %(default)s); params load as float32")
-    parser.add_argument("--sections", nargs="+", default=["load", "forward"], choices=["load", "forward"])
+    parser.add_argument("--sections", nargs="+", default=["load", "forward"], choices=["load", "forward"],
+                        help="which tables: load (time, bytes read, peak RSS) and / or forward (tokens/s)")
     parser.add_argument("--layouts", nargs="+", default=["whole", "1x4", "2x2", "4x1"],
                         help="load rows: whole, 1x4 (one process, 4 devices), PxD via launch_local.py")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192])
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[2048, 8192], help="forward lengths (tokens)")
     parser.add_argument("--repeats", type=int, default=2, help="timed forwards per row (median)")
     parser.add_argument("--compare-stride", type=int, default=64, help="compare logits on every N-th position")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per load row")

@@ -22,9 +22,6 @@ REJECTED = [
     (dict(attention="ring", ring_size=4), ["attention='ring' needs ring_axis_name", "ring_axis_name='context'"]),
     (dict(attention="ring", ring_axis_name="", ring_size=4), ["needs ring_axis_name"]),
     (dict(num_heads=4, num_kv_heads=3), ["num_heads=4 must be divisible by num_kv_heads=3", "num_kv_heads"]),
-    (dict(attention="splash", max_seq_len=1000),
-     ["attention='splash' at max_seq_len=1000: SplashConfig.block_q=128 cannot tile the 1000-token max_seq_len",
-      "block_q=1024", "divisible by 128"]),
     # the ring shrinks blocks to its shards; a shard it cannot tile names the config / S that would
     (dict(attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=8 * 200),
      ["S // 8 = 1600 // 8 = 200 tokens per zigzag half-shard", "cannot tile the 200-token zigzag half-shard",
