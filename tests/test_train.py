@@ -197,6 +197,7 @@ def test_a_non_finite_loss_stops_training_naming_the_step(tmp_path):
     assert not os.path.isdir(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
 
 
+@pytest.mark.slow
 def test_fit_starts_from_given_parameters(tmp_path):
     """``fit(init_model=...)`` trains those parameters: with a zero learning rate AdamW leaves them
     unchanged bit for bit, and the optimiser state is fresh (one step counted)."""
