@@ -106,6 +106,14 @@ def plan_sharding(
     return ShardingPlan(specs, tuple(axes) if fsdp else (), num_shards, tuple(replicated))
 
 
+def plan_model_sharding(params, mesh: jax.sharding.Mesh, *, fsdp: bool) -> ShardingPlan:
+    """The layout of a ringsplash ``Transformer``'s parameters on ``mesh``, the one the trainer and
+    ``hf.load_hf`` share: FSDP over every mesh axis together, each stacked ``layers.`` leaf's layer
+    axis kept whole; or replicated (``fsdp=False``)."""
+    return plan_sharding(params, dict(mesh.shape), fsdp=fsdp, axes=tuple(mesh.axis_names),
+                         stacked=lambda path: path.startswith("layers."))
+
+
 def _sharded_dim(spec: P) -> int | None:
     for d, entry in enumerate(spec):
         if entry is not None:

@@ -37,9 +37,7 @@ def dtype_name(arg: str, value) -> str:
 def sharding_plan(config, mesh: jax.sharding.Mesh, fsdp: bool = True) -> partitioning.ShardingPlan:
     """The trainer's parameter layout (``ringsplash.train.sharding_plan``): FSDP over every mesh
     axis, the stacked layer axis kept whole."""
-    params = abstract_params(config)
-    return partitioning.plan_sharding(params, dict(mesh.shape), fsdp=fsdp, axes=tuple(mesh.axis_names),
-                                      stacked=lambda path: path.startswith("layers."))
+    return partitioning.plan_model_sharding(abstract_params(config), mesh, fsdp=fsdp)
 
 
 def _hf_shape(tn: TensorName, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -35,14 +35,27 @@ def _fresh(model_config: TransformerConfig, tc: TrainConfig, key: jax.Array):
     return params, make_optimizer(tc).init(params)
 
 
-def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
-    """A fresh state on the default device: the model initialised from ``tc.seed``, AdamW state, step 0.
-    The same jitted program as ``init_sharded_state``, so both draw the same bits."""
-    params, opt_state = jax.jit(functools.partial(_fresh, model_config, tc))(jax.random.key(tc.seed))
+def _start(model_config: TransformerConfig, tc: TrainConfig, params, opt_state, data_seed: int) -> TrainState:
+    """The step-0 ``TrainState`` of ``model_config``'s parameters and an optimiser state."""
     _, static = eqx.partition(eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed)),
                               _is_struct)
     return TrainState(eqx.combine(params, static), opt_state, jnp.asarray(0, jnp.int32),
                       jnp.asarray(data_seed, jnp.int32))
+
+
+def _state_shardings(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                     plan: partitioning.ShardingPlan):
+    """(parameter shardings, optimiser-state shardings) of ``plan`` on ``mesh``, as ``abstract_state``'s."""
+    params = eqx.filter(eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed)), _is_struct)
+    param_sh = partitioning.shardings(plan.specs, mesh)
+    return param_sh, partitioning.optimizer_shardings(make_optimizer(tc), params, param_sh, mesh)
+
+
+def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
+    """A fresh state on the default device: the model initialised from ``tc.seed``, AdamW state, step 0.
+    The same jitted program as ``init_sharded_state``, so both draw the same bits."""
+    params, opt_state = jax.jit(functools.partial(_fresh, model_config, tc))(jax.random.key(tc.seed))
+    return _start(model_config, tc, params, opt_state, data_seed)
 
 
 def sharded_init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
@@ -50,10 +63,8 @@ def sharded_init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.
     """The jitted program ``init_sharded_state`` runs, ``fn(jax.random.key(tc.seed))``: it returns
     (parameters, AdamW state) with the shardings of ``abstract_state``. Lower it for a TPU topology to see the
     per-device memory of a fresh initialisation (``ringsplash.aot.compile_report``)."""
-    target = abstract_state(model_config, tc, mesh, plan)
-    params = eqx.filter(target.model, _is_struct)
-    shardings = jax.tree.map(lambda x: x.sharding, (params, target.opt_state))
-    return jax.jit(functools.partial(_fresh, model_config, tc), out_shardings=shardings)
+    return jax.jit(functools.partial(_fresh, model_config, tc),
+                   out_shardings=_state_shardings(model_config, tc, mesh, plan))
 
 
 def init_sharded_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
@@ -64,10 +75,7 @@ def init_sharded_state(model_config: TransformerConfig, tc: TrainConfig, mesh: j
     values are ``init_state``'s bit for bit (JAX's partitionable threefry draws the same numbers under
     any sharding). Collective: every process calls it."""
     params, opt_state = sharded_init_fn(model_config, tc, mesh, plan)(jax.random.key(tc.seed))
-    _, static = eqx.partition(eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed)),
-                              _is_struct)
-    return TrainState(eqx.combine(params, static), opt_state, jnp.asarray(0, jnp.int32),
-                      jnp.asarray(data_seed, jnp.int32))
+    return _start(model_config, tc, params, opt_state, data_seed)
 
 
 def start_from(model: Transformer, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
@@ -84,14 +92,10 @@ def start_from(model: Transformer, model_config: TransformerConfig, tc: TrainCon
                          f"(init_model: {model.config.num_layers} layers, d_model {model.config.d_model}, "
                          f"param_dtype {model.config.param_dtype}; model_config: {model_config.num_layers} layers, "
                          f"d_model {model_config.d_model}, param_dtype {model_config.param_dtype})") from None
-    target = abstract_state(model_config, tc, mesh, plan, data_seed)
-    params, static = eqx.partition(model, eqx.is_array)
-    param_sh = jax.tree.map(lambda x: x.sharding, eqx.filter(target.model, _is_struct))
-    opt_sh = jax.tree.map(lambda x: x.sharding, target.opt_state)
-    params = jax.jit(lambda p: p, out_shardings=param_sh)(params)
+    param_sh, opt_sh = _state_shardings(model_config, tc, mesh, plan)
+    params = jax.jit(lambda p: p, out_shardings=param_sh)(eqx.filter(model, eqx.is_array))
     opt_state = jax.jit(make_optimizer(tc).init, out_shardings=opt_sh)(params)
-    return TrainState(eqx.combine(params, static), opt_state, jnp.asarray(0, jnp.int32),
-                      jnp.asarray(data_seed, jnp.int32))
+    return _start(model_config, tc, params, opt_state, data_seed)
 
 
 def place_state(model: Transformer, opt_state, mesh: jax.sharding.Mesh, plan: partitioning.ShardingPlan,
@@ -117,8 +121,7 @@ def abstract_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.s
     optimizer = make_optimizer(tc)
     model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed))
     params, static = eqx.partition(model, _is_struct)
-    param_sh = partitioning.shardings(plan.specs, mesh)
-    opt_sh = partitioning.optimizer_shardings(optimizer, params, param_sh, mesh)
+    param_sh, opt_sh = _state_shardings(model_config, tc, mesh, plan)
     with_sharding = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
     params = jax.tree.map(with_sharding, params, param_sh)
     opt_state = jax.tree.map(with_sharding, jax.eval_shape(optimizer.init, params), opt_sh)

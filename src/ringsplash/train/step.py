@@ -120,8 +120,7 @@ def sharding_plan(model_config: TransformerConfig, mesh, fsdp: bool) -> partitio
     every mesh axis (stacked layer axes kept whole) or replicated."""
     model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(0))
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return partitioning.plan_sharding(params, dict(mesh.shape), fsdp=fsdp, axes=mesh_axes(mesh),
-                                      stacked=lambda path: path.startswith("layers."))
+    return partitioning.plan_model_sharding(params, mesh, fsdp=fsdp)
 
 
 def _is_spec(x) -> bool:
