@@ -349,6 +349,8 @@ def test_bf16_checkpoint_loads(tmp_path):
     np.testing.assert_array_equal(np.asarray(ours.embedding, np.float32), model.model.embed_tokens.weight.detach().float().numpy())
     # and back out in bfloat16: the same bits, and transformers reads it as a bfloat16 model
     rhf.save_hf(ours, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["dtype"] == saved["torch_dtype"] == "bfloat16"  # new and old transformers' key
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert back.dtype == torch.bfloat16
     for name, p in model.named_parameters():

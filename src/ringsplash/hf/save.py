@@ -85,6 +85,7 @@ def hf_config_dict(c: TransformerConfig, model_type: str | None = None, *, dtype
              num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=max_pos,
              rms_norm_eps=_field(c, "norm_eps"), tie_word_embeddings=c.tie_embeddings,
              dtype=dtype or c.param_dtype, attention_dropout=0.0)
+    d["torch_dtype"] = d["dtype"]  # the key transformers < 4.56 reads (newer versions read dtype)
     if gemma:
         scalar = (_field(c, "attention_scale") or c.head_dim**-0.5) ** -2  # scale = query_pre_attn_scalar ** -0.5
         if abs(scalar - round(scalar)) < 1e-6 * scalar:
