@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import jaxtyping
 import numpy as np
@@ -38,7 +39,7 @@ def test_bytes_corpus_round_trips_documents_and_counts(inputs):
                              data.TokenizeOptions(shard_tokens=64), progress=False)
     corpus = data.TokenizedCorpus(str(tmp / "c"))
     files = data.input_files([str(tmp / "in")])  # the order documents are written in: sorted walk, then the JSONL
-    expected = [open(f, "rb").read() for f in files] + [t.encode() for t in texts[8:]]
+    expected = [Path(f).read_bytes() for f in files] + [t.encode() for t in texts[8:]]
     assert len(corpus) == m["num_documents"] == 13 and m["vocab_size"] == 256 and len(m["shards"]) > 1
     for i, e in enumerate(expected):
         assert bytes(np.asarray(corpus[i], np.uint8)) == e
