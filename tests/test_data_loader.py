@@ -1,25 +1,12 @@
 """Packing plans and the Grain ``Loader``: pieces cover every document once, targets never cross
 a document boundary, shuffles and mixtures by seed, process-local rows, resumable iterators."""
 
-import os
-
 import jaxtyping
 import numpy as np
 import pytest
 
 from ringsplash import data
-
-
-def make_corpus(path, rng, n=40, lo=1, hi=100, letters="abcdefghijklmnopqrstuvwxyz"):
-    """A bytes corpus of ``n`` random documents of ``lo..hi-1`` letters under ``path``."""
-    src = os.path.join(path + "_src")
-    os.makedirs(src, exist_ok=True)
-    alphabet = np.array(list(letters))
-    for i in range(n):
-        with open(os.path.join(src, f"{i:04d}.txt"), "w") as f:
-            f.write("".join(rng.choice(alphabet, int(rng.integers(lo, hi)))))
-    data.tokenize_corpus([src], path, progress=False)
-    return data.TokenizedCorpus(path)
+from support.corpus import make_corpus
 
 
 @pytest.fixture(scope="module")
