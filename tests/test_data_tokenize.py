@@ -138,3 +138,20 @@ def test_options_are_checked():
         data.TokenizeOptions(errors="ignore")
     with pytest.raises(FileNotFoundError, match=r"tokenizer='nope\.json' must be 'bytes' or an existing"):
         data.TokenizeOptions(tokenizer="nope.json")
+
+
+def test_tokenize_script_writes_a_corpus_and_reports_bad_input(inputs, capsys):
+    import importlib.util
+
+    tmp, _ = inputs
+    spec = importlib.util.spec_from_file_location(
+        "tokenize_corpus_script", os.path.join(os.path.dirname(__file__), "..", "scripts", "tokenize_corpus.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    m = script.main([str(tmp / "in"), str(tmp / "in.jsonl"), str(tmp / "c"), "--no-progress"])
+    assert m["num_documents"] == 13 and '"num_documents": 13' in capsys.readouterr().out
+    _write(str(tmp / "bad.jsonl"), '{"body": "x"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        script.main([str(tmp / "bad.jsonl"), str(tmp / "c2"), "--no-progress"])
+    assert exit_.value.code == 2
+    assert "bad.jsonl:1: no text field 'text'" in capsys.readouterr().err
