@@ -20,7 +20,6 @@ of ``(seed, g)``: random access, so
 
 import dataclasses
 import functools
-import os
 import threading
 from collections.abc import Sequence
 
@@ -196,9 +195,9 @@ class Loader:
         return it
 
     def describe(self) -> dict:
-        """What makes the batches (sources by fingerprint, the config): a resumed run must match it."""
-        return {"sources": [{"fingerprint": c.fingerprint, "vocab_size": c.vocab_size,
-                             "documents": len(c), "name": os.path.basename(os.path.normpath(c.path))}
+        """What makes the batches (sources by fingerprint, not path: a corpus may move; the config
+        but its thread and prefetch counts): a resumed run must match it."""
+        return {"sources": [{"fingerprint": c.fingerprint, "vocab_size": c.vocab_size, "documents": len(c)}
                             for c in self.corpora],
                 "config": {k: v for k, v in dataclasses.asdict(self.config).items()
                            if k not in ("num_threads", "prefetch")}}
