@@ -118,3 +118,21 @@ def test_each_packed_documents_loss_is_its_loss_alone(corpus, attention):
         alone_loss = (ce_alone[i, :n] * alone.loss_mask[i, :n]).sum() / max(alone.loss_mask[i, :n].sum(), 1)
         assert abs(packed_loss - alone_loss) <= DOC_ATOL, (i, packed_loss, alone_loss)
     assert len(where) > 2  # the rows really pack several documents
+
+
+def test_checkpoint_stores_and_restores_the_loader_iterator(corpus, tmp_path):
+    """``checkpoints.save_state(data_iterator=...)`` writes this process's Grain state next to the
+    arrays; ``restore_data_iterator`` puts a fresh iterator back there (its next batch is the one
+    the saved iterator would have read), and reports a checkpoint without one."""
+    from ringsplash import checkpoints
+
+    loader = data.Loader(corpus.path, data.LoaderConfig(seq_len=S, batch_size=4, seed=2))
+    it = loader.iterator([0, 1, 2, 3])
+    for _ in range(3):
+        next(it)
+    checkpoints.save_state(str(tmp_path), {"w": np.arange(3.0)}, step=3, data_iterator=it)
+    checkpoints.save_state(str(tmp_path), {"w": np.arange(3.0)}, step=4)
+    fresh = loader.iterator([0, 1, 2, 3])
+    assert checkpoints.restore_data_iterator(str(tmp_path), 3, fresh)
+    np.testing.assert_array_equal(next(fresh).tokens, loader.batch(3).tokens)
+    assert not checkpoints.restore_data_iterator(str(tmp_path), 4, loader.iterator([0, 1, 2, 3]))
