@@ -77,6 +77,9 @@ class _LoaderBatches:
             checkpoints.restore_data_iterator(ckpt, start, self.iterator)
 
     def __call__(self, step: int):
+        at = self.iterator.get_state().get("next_index")
+        if at != step:  # a restored state that is not this step's (another loader, another Grain format)
+            raise RuntimeError(f"the data iterator stands at batch {at}, the run at step {step}")
         return place_rows(next(self.iterator), self.rows, self.loader.batch_size, self.mesh, self.model_config)
 
 
