@@ -1,0 +1,3 @@
+from ringsplash.evals.cli import main
+
+main()
