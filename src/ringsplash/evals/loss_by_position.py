@@ -7,6 +7,7 @@ Position ``p`` scores the prediction of token ``p + 1`` from tokens ``0..p``, so
 
 import json
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -39,7 +40,7 @@ class LossByPosition(NamedTuple):
                             zip(self.bucket_starts, self.bucket_ends, self.bucket_loss, self.bucket_accuracy)]}
 
 
-def document_rows(tokens: np.ndarray, seq_len: int, num_docs: int) -> np.ndarray:
+def document_rows(tokens: np.ndarray | Sequence[int], seq_len: int, num_docs: int) -> np.ndarray:
     """``[num_docs, seq_len]``: consecutive, non-overlapping windows of a token stream."""
     tokens = np.asarray(tokens)
     if seq_len < 2 or num_docs < 1:

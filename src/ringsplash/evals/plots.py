@@ -42,8 +42,8 @@ def heatmap(grid: np.ndarray, lengths: Sequence[int], depths: Sequence[float], p
     return True
 
 
-def line_plot(x: Sequence[float], ys: dict[str, Sequence[float]], path: str, *, xlabel: str, ylabel: str,
-              title: str = "", logx: bool = False) -> bool:
+def line_plot(x: np.ndarray | Sequence[float], ys: dict[str, np.ndarray | Sequence[float]], path: str, *,
+              xlabel: str, ylabel: str, title: str = "", logx: bool = False) -> bool:
     plt = _pyplot()
     if plt is None:
         return False

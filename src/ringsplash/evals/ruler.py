@@ -94,8 +94,9 @@ class RulerSample:
     input_tokens: int
 
 
-def _sentences(text: str) -> list[str]:
-    out = [s.strip() for s in re.split(r"(?<=[.!?])\s+", re.sub(r"\s+", " ", text)) if s.strip()]
+def _tokens_of_text(text: str) -> list[str]:
+    """The haystack as whitespace-separated words (RULER builds its essay haystack from words too)."""
+    out = text.split()
     if not out:
         raise ValueError("haystack text must not be empty")
     return out
@@ -128,31 +129,33 @@ def _fit(build: Callable[[int], str], budget: int, tokenizer: Tokenizer, what: s
     return build(lo)
 
 
-def _insert(sentences: list[str], items: list[str], rng: np.random.Generator, keep_order: bool = False) -> str:
-    """``items`` placed between sentences at uniformly random boundaries."""
-    at = sorted(rng.integers(0, len(sentences) + 1, size=len(items)).tolist())
+def _insert(words: list[str], items: list[str], rng: np.random.Generator, keep_order: bool = False) -> str:
+    """``items`` placed at uniformly random sentence ends of ``words`` (any word boundary if none)."""
+    ends = [i for i in range(1, len(words)) if words[i - 1].endswith((".", "!", "?"))]
+    bounds = np.asarray([0, *ends, len(words)])
+    at = sorted(bounds[rng.integers(0, len(bounds), size=len(items))].tolist())
     if not keep_order:
         items = [items[i] for i in rng.permutation(len(items))]
     out, j = [], 0
-    for i in range(len(sentences) + 1):
+    for i in range(len(words) + 1):
         while j < len(items) and at[j] == i:
             out.append(items[j])
             j += 1
-        if i < len(sentences):
-            out.append(sentences[i])
+        if i < len(words):
+            out.append(words[i])
     return " ".join(out)
 
 
-def _niah(rng, sentences, words, num_keys, num_values, tokenizer, budget):
+def _niah(rng, hay_words, words, num_keys, num_values, tokenizer, budget):
     keys = list(rng.choice(words, size=num_keys, replace=False))
     values = [[str(v) for v in rng.integers(1_000_000, 10_000_000, size=num_values)] for _ in keys]
     needles = [f"One of the special magic numbers for {k} is: {v}." for k, vs in zip(keys, values) for v in vs]
     q = int(rng.integers(num_keys))
     kind = "numbers" if num_values > 1 else "number"
-    start = int(rng.integers(len(sentences)))
+    start = int(rng.integers(len(hay_words)))
 
     def build(n):
-        hay = [sentences[(start + i) % len(sentences)] for i in range(n)]
+        hay = [hay_words[(start + i) % len(hay_words)] for i in range(n)]
         context = _insert(hay, needles, np.random.default_rng(int(start) + n))
         return (f"Some special magic numbers are hidden within the following text. Make sure to memorize them. "
                 f"I will quiz you about the numbers afterwards.\n{context}\nWhat are all the special magic {kind} "
@@ -171,7 +174,7 @@ def _variable_tracking(rng, tokenizer, budget, hops=4):
             names.append(name)
     value = str(int(rng.integers(10_000, 100_000)))
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
-    noise = _sentences(_NOISE)
+    noise = _tokens_of_text(_NOISE)
 
     def build(n):
         hay = [noise[i % len(noise)] for i in range(n)]
@@ -214,13 +217,13 @@ def ruler_samples(task: str, tokenizer: Tokenizer, length: int, num_samples: int
     if budget < 1:
         raise ValueError(f"length={length} does not fit: it must exceed max_new_tokens={new}")
     rng = np.random.default_rng([seed, int(length), RULER_TASKS.index(task)])
-    sentences, words = _sentences(text), None
+    hay_words, words = _tokens_of_text(text), None
     out = []
     for i in range(num_samples):
         if task.startswith("niah"):
             words = words or _words(text)
             k, v = {"niah_single": (1, 1), "niah_multikey": (4, 1), "niah_multivalue": (1, 4)}[task]
-            prompt, refs = _niah(rng, sentences, words, k, v, tokenizer, budget)
+            prompt, refs = _niah(rng, hay_words, words, k, v, tokenizer, budget)
         elif task == "variable_tracking":
             prompt, refs = _variable_tracking(rng, tokenizer, budget)
         else:
