@@ -216,8 +216,8 @@ def test_model_trained_on_recall_scores_high_on_passkey_at_its_training_length(t
     values = range(task.value_offset, task.value_offset + task.num_values)
     passkey = evals.token_passkey_task(task.key_offset, 0, values)  # one key-value pair in filler, then SEP key
     hay = evals.Haystack(np.random.default_rng(1).integers(1, 1 + task.num_filler, size=5000))
-    # prompt + answer = the training length
-    records = evals.run_grid(evals.Scorer(model), passkey, hay, [seq - 1], [0.0, 0.25, 0.5, 0.75, 1.0], 8,
+    # length = prompt + answer = the training length
+    records = evals.run_grid(evals.Scorer(model), passkey, hay, [seq], [0.0, 0.25, 0.5, 0.75, 1.0], 8,
                              generate_fn=greedy_generate_fn(model), extra_tokens=0, batch_size=40, seed=2)
     acc = np.mean([r["symbol_accuracy"] for r in records])
     gen = np.mean([r["generated_match"] for r in records])
@@ -266,12 +266,14 @@ def test_bad_input_errors(scorer, tmp_path):
     hay = evals.Haystack.from_text("some filler text. " * 10, tok)
     with pytest.raises(ValueError, match=r"length=100 does not fit the passkey prompt"):
         evals.run_grid(scorer, task, hay, [100], [0.5])
+    with pytest.raises(ValueError, match=r"length=259 does not fit the passkey prompt: .* 251 tokens and the answer 9"):
+        evals.run_grid(scorer, task, hay, [259], [0.5])  # 251 + 5 digits + 4 extra tokens = 260
     with pytest.raises(ValueError, match=r"depth=1\.5 must be in \[0, 1\]"):
         evals.run_grid(scorer, task, hay, [400], [0.0, 1.5])
     with pytest.raises(ValueError, match=r"depth=-0\.1"):
         task.prompt(hay, 400, -0.1, task.draw_key(np.random.default_rng(0)))
-    with pytest.raises(ValueError, match=r"do not fit the model's max_seq_len=512"):
-        evals.run_grid(scorer, task, hay, [510], [0.5])
+    with pytest.raises(ValueError, match=r"length=513 does not fit the model's max_seq_len=512"):
+        evals.run_grid(scorer, task, hay, [400, 513], [0.5])
     with pytest.raises(ValueError, match="max_seq_len=512"):
         scorer.token_scores(np.zeros((1, 600), np.int32))
     with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=256\)"):
@@ -322,7 +324,8 @@ def test_lm_eval_adapter_runs_local_tasks_end_to_end(model, scorer, tmp_path, mo
     tok = evals.BytesTokenizer()
     lm = RingsplashLM(model, tok, generate_fn=generate, batch_size=4, max_length=256)
     out = lm_eval.simple_evaluate(model=lm, tasks=["rs_local_mc", "rs_local_ppl", "rs_local_gen"],
-                                  task_manager=TaskManager(include_path=str(tmp_path)), bootstrap_iters=0)
+                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                  bootstrap_iters=0)
     res = out["results"]
 
     def lp(context: str, cont: str) -> float:  # the continuation's log-prob, straight from the scorer
@@ -354,3 +357,24 @@ def test_lm_eval_adapter_runs_local_tasks_end_to_end(model, scorer, tmp_path, mo
     ids = tok.encode("The sky is blue")
     s = scorer.token_scores(np.asarray([ids]))
     assert greedy == bool(s.correct[0, len(tok.encode("The sky is")) - 1:].all())
+
+
+def test_tokenizer_json_loads_and_builds_passkey_prompts(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([evals.read_text()[:20000]], trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    loaded = evals.load_tokenizer(str(tmp_path))  # a directory holding tokenizer.json
+    assert isinstance(loaded, evals.HFTokenizer) and loaded.vocab_size == tok.get_vocab_size()
+    text = "The pass key is 40213. Remember it."
+    assert loaded.decode(loaded.encode(text)) == text
+    task = evals.passkey_task(loaded, digits=5)
+    key = np.array([4, 0, 2, 1, 3])
+    prompt = task.prompt(evals.Haystack.from_text(evals.read_text()[:3000], loaded), 300, 0.5, key)
+    assert prompt.shape == (300,) and "The pass key is 40213." in loaded.decode(prompt.tolist())
+    assert loaded.decode(task.key_tokens(key).tolist()) == "40213"

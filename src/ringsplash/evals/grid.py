@@ -41,8 +41,10 @@ def run_grid(
 ) -> list[dict]:
     """One record per prompt: ``samples`` prompts (own key, own haystack offset) per (length, depth).
 
-    ``length`` counts the prompt's tokens; teacher-forced rows hold ``length + key_len`` tokens.
-    ``scorer=None`` skips teacher-forced scoring, ``generate_fn=None`` generation.
+    As in RULER, ``length`` counts the prompt and the tokens generated after it (``key_len +
+    extra_tokens``): the prompt has ``length - key_len - extra_tokens`` tokens, a teacher-forced row
+    (prompt + key) ``length - extra_tokens``. ``scorer=None`` skips teacher-forced scoring,
+    ``generate_fn=None`` generation.
     """
     if scorer is None and generate_fn is None:
         raise ValueError("run_grid needs a scorer (teacher-forced), a generate_fn (generative) or both")
@@ -50,14 +52,17 @@ def run_grid(
         raise ValueError(f"samples={samples} and batch_size={batch_size} must be >= 1")
     if not lengths or not depths:
         raise ValueError(f"lengths={list(lengths)} and depths={list(depths)} must be non-empty")
+    answer = task.key_len + extra_tokens
+    if extra_tokens < 0:
+        raise ValueError(f"extra_tokens={extra_tokens} must be >= 0")
     for length in lengths:  # every bad cell is reported before any work
+        if length - answer < task.overhead:
+            raise ValueError(f"length={length} does not fit the {task.name} prompt: its prefix, needle and question "
+                             f"take {task.overhead} tokens and the answer {answer} more")
         for depth in depths:
-            check_length_depth(task, length, depth)
-    if scorer is not None:
-        longest = max(lengths) + task.key_len
-        if longest > scorer.config.max_seq_len:
-            raise ValueError(f"length={max(lengths)} + the {task.key_len}-token answer = {longest} tokens do not fit "
-                             f"the model's max_seq_len={scorer.config.max_seq_len}")
+            check_length_depth(task, length - answer, depth)
+    if scorer is not None and max(lengths) > scorer.config.max_seq_len:
+        raise ValueError(f"length={max(lengths)} does not fit the model's max_seq_len={scorer.config.max_seq_len}")
     from tqdm.auto import tqdm
 
     rng = np.random.default_rng(seed)
@@ -69,8 +74,9 @@ def run_grid(
             for s in range(samples):
                 key = task.draw_key(rng)
                 offset = int(rng.integers(0, haystack.tokens.size))
+                prompt = task.prompt(haystack, L - answer, float(d), key, offset)
                 rows.append(({"task": task.name, "length": L, "depth": float(d), "sample": s,
-                              "key": task.key_text(key)}, key, task.prompt(haystack, L, float(d), key, offset)))
+                              "key": task.key_text(key)}, key, prompt))
         for i in range(0, len(rows), batch_size):
             part = rows[i:i + batch_size]
             prompts = np.stack([r[2] for r in part])
@@ -79,7 +85,7 @@ def run_grid(
                 for rec, scores in zip((r[0] for r in part), _teacher_forced(scorer, task, prompts, keys)):
                     rec.update(scores)
             if generate_fn is not None:
-                new = np.asarray(generate_fn(prompts, np.full(len(part), L, np.int32), task.key_len + extra_tokens))
+                new = np.asarray(generate_fn(prompts, np.full(len(part), L - answer, np.int32), answer))
                 for (rec, key, _), toks in zip(part, new):
                     text = task.decode([int(t) for t in toks])
                     rec["generated"] = text
