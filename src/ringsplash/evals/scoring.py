@@ -1,6 +1,7 @@
 """Teacher-forced scoring: next-token log-probabilities of a model on batches of token rows.
 
-``Scorer(model)`` jits one program per row shape. The vocabulary projection runs over chunks of
+``Scorer(model)`` jits one program per row shape (rows right-padded to a multiple of
+``pad_multiple``, so nearby lengths share one). The vocabulary projection runs over chunks of
 positions, so ``[seq, vocab]`` float32 logits of a long row never exist at once. The model runs
 as a single-device strategy (``reference`` / ``splash``; ``ringsplash.evals.model_io`` converts a
 context-parallel model); under ``jit`` its arrays may live on any one device or be sharded.
@@ -33,12 +34,12 @@ class TokenScores(NamedTuple):
 class Scorer:
     """Teacher-forced scores of ``model`` (positions ``0..seq-1``, one document per row)."""
 
-    def __init__(self, model: Transformer, *, chunk: int = 2048):
+    def __init__(self, model: Transformer, *, chunk: int = 2048, pad_multiple: int = 128):
         if not isinstance(model, Transformer):
             raise TypeError(f"model must be a ringsplash Transformer, got {type(model).__name__}")
-        if chunk < 1:
-            raise ValueError(f"chunk={chunk} must be >= 1")
-        self.model, self.chunk = model, chunk
+        if chunk < 1 or pad_multiple < 1:
+            raise ValueError(f"chunk={chunk} and pad_multiple={pad_multiple} must be >= 1")
+        self.model, self.chunk, self.pad_multiple = model, chunk, pad_multiple
         self.config = model.config
         params, static = eqx.partition(model, eqx.is_array)
         self._params = params
@@ -59,10 +60,17 @@ class Scorer:
                              f"is the tokenizer the model's?")
         return t.astype(np.int32)
 
+    def _padded(self, t: np.ndarray) -> np.ndarray:
+        """Right-padded (token 0) to a multiple of ``pad_multiple`` (at most ``max_seq_len``), so rows of
+        nearby lengths share one compiled program; causal attention keeps earlier positions unchanged."""
+        n = min(-(-t.shape[1] // self.pad_multiple) * self.pad_multiple, self.config.max_seq_len)
+        return np.pad(t, ((0, 0), (0, n - t.shape[1]))) if n > t.shape[1] else t
+
     def token_scores(self, tokens: np.ndarray) -> TokenScores:
         t = self.check_rows(tokens)
-        lp, ok = jax.device_get(self._token_scores(self._params, jnp.asarray(t)))
-        return TokenScores(np.asarray(lp, np.float32), np.asarray(ok, bool))
+        lp, ok = jax.device_get(self._token_scores(self._params, jnp.asarray(self._padded(t))))
+        n = t.shape[1] - 1
+        return TokenScores(np.asarray(lp, np.float32)[:, :n], np.asarray(ok, bool)[:, :n])
 
     def logprobs_at(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """float32 ``[batch, k, vocab]``: the next-token log-distribution at ``positions [batch, k]``."""
@@ -71,7 +79,8 @@ class Scorer:
         if q.ndim != 2 or q.shape[0] != t.shape[0] or q.min() < 0 or q.max() >= t.shape[1]:
             raise ValueError(f"positions must be int [batch={t.shape[0]}, k] in [0, {t.shape[1]}), got shape "
                              f"{q.shape} range [{q.min()}, {q.max()}]")
-        return np.asarray(jax.device_get(self._logprobs_at(self._params, jnp.asarray(t), jnp.asarray(q))))
+        return np.asarray(jax.device_get(self._logprobs_at(self._params, jnp.asarray(self._padded(t)),
+                                                           jnp.asarray(q))))
 
 
 def _hidden(model: Transformer, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq d_model"]:
