@@ -251,8 +251,27 @@ def test_cli_passkey_and_loss_write_results(hf_dir, tmp_path, capsys):
     assert "| positions | loss (nats)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_inference_generate_fn_equals_the_reference_greedy_decoder_and_drives_the_cli(model, hf_dir, tmp_path):
+    pytest.importorskip("ringsplash.inference")  # rs.inference.generate: the KV-cache decoder
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 256, size=(3, 40)).astype(np.int32)
+    lengths = np.array([40, 25, 33], np.int32)  # right-padded rows of different prompt lengths
+    np.testing.assert_array_equal(evals.inference_generate_fn(model)(prompts, lengths, 6),
+                                  greedy_generate_fn(model)(prompts, lengths, 6))
+    from ringsplash.evals.cli import main
+
+    result = main(["passkey", "--model", hf_dir, "--lengths", "300", "--depths", "0.5", "--samples", "2",
+                   "--attention", "reference", "--out", str(tmp_path)])
+    assert "generated_match" in result["summary"][0]
+    assert all("generated" in json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
+
+
 def test_generation_without_inference_module_is_a_clear_error(model, monkeypatch):
+    import ringsplash
+
     monkeypatch.setitem(sys.modules, "ringsplash.inference", None)  # import fails as if absent
+    monkeypatch.delattr(ringsplash, "inference", raising=False)
     with pytest.raises(ImportError, match="--no-generate"):
         evals.inference_generate_fn(model)
 
