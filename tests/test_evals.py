@@ -307,6 +307,8 @@ def test_bad_input_errors(scorer, tmp_path):
         evals.Haystack(np.zeros(0, np.int32))
     with pytest.raises(ValueError, match="length=100 does not fit"):
         evals.ruler_samples("niah_single", tok, 100, 1, evals.read_text())
+    with pytest.raises(ValueError, match=r"niah_multikey at length=512 .* even without filler it takes \d+ tokens"):
+        evals.ruler_samples("niah_multikey", tok, 512, 1, evals.read_text())
     with pytest.raises(ValueError, match="task='qa'"):
         evals.ruler_samples("qa", tok, 1000, 1, evals.read_text())
     with pytest.raises(ValueError, match="fewer than num_docs"):
