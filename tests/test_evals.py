@@ -399,3 +399,15 @@ def test_tokenizer_json_loads_and_builds_passkey_prompts(tmp_path):
     prompt = task.prompt(evals.Haystack.from_text(evals.read_text()[:3000], loaded), 300, 0.5, key)
     assert prompt.shape == (300,) and "The pass key is 40213." in loaded.decode(prompt.tolist())
     assert loaded.decode(task.key_tokens(key).tolist()) == "40213"
+
+
+def test_single_device_keeps_the_parameters_of_a_ring_model(model):
+    ring = model.with_config(TransformerConfig(**{**CONFIG.__dict__, "attention": "ring", "ring_axis_name": "context",
+                                                  "ring_size": 2}))
+    one = evals.single_device(ring, "reference")
+    assert one.config.attention == "reference" and one.config.ring_size == 1 and one.config.ring_axis_name is None
+    for x, y in zip(jax.tree.leaves(eqx.filter(one, eqx.is_array)), jax.tree.leaves(eqx.filter(ring, eqx.is_array)),
+                    strict=True):
+        assert x is y
+    with pytest.raises(ValueError, match="attention='ring' must be one of"):
+        evals.single_device(model, "ring")
