@@ -23,7 +23,7 @@ def _floats(s: str) -> list[float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ringsplash.evals", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ringsplash.evals", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=("loss", "passkey", "niah", "ruler"))
     p.add_argument("--model", required=True, help="Hugging Face checkpoint dir or ringsplash run dir")
