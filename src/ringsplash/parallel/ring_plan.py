@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
+from ringsplash._checks import check_divides, check_positive_int
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
@@ -336,6 +337,9 @@ def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layo
         axis_name: the ring axis of ``mesh``.
         shapes_only: with ``mesh``: ``jax.ShapeDtypeStruct`` s (for AOT lowering), no arrays.
     """
+    num_shards, heads, kv_heads = (check_positive_int(n, x) for n, x in
+                                   (("num_shards", num_shards), ("heads", heads), ("kv_heads", kv_heads)))
+    check_divides("kv_heads", kv_heads, "heads", heads, hint="GQA groups")
     if device_kind is None and mesh is not None:
         device_kind = mesh.devices.flat[0].device_kind
     rows = None if mesh is None else process_rows(mesh, axis_name)
