@@ -294,3 +294,28 @@ def test_a_lost_process_is_reported_within_the_heartbeat_timeout(tmp_path, sig, 
     assert procs[0].returncode != 0, out
     assert elapsed < HEARTBEAT + 10, f"process 0 took {elapsed:.0f} s to notice: {out[-2000:]}"
     assert re.search(sign, out), out[-3000:]
+
+
+def test_launcher_names_a_stopped_process(tmp_path):
+    """Process 1 stopped under the launcher: process 0 is aborted by the coordination service
+    within the heartbeat timeout, and the launcher says that process 1 is stopped, not dead."""
+    import signal
+    import threading
+
+    def stop_process_1():
+        pid_file = tmp_path / "1.pid"
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # past the first collectives
+        os.kill(int(pid_file.read_text()), signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_process_1, daemon=True)
+    stopper.start()
+    r = _launch("--processes", "2", "--devices", "1", "--heartbeat-timeout", str(HEARTBEAT),
+                os.path.join(WORKERS, "collectives_forever.py"), env={"PID_DIR": str(tmp_path)}, timeout=120)
+    stopper.join()
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert re.search(r"process 0 exited with code -?\d+ \(process\(es\) \[1\] are stopped", r.stdout), r.stdout[-3000:]
+    with pytest.raises(ProcessLookupError):  # the launcher left nothing behind, stopped or not
+        os.kill(int((tmp_path / "1.pid").read_text()), 0)
