@@ -118,13 +118,15 @@ def test_verify_command_reports_each_checkpoint(saved, capsys):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A tiny run trained to its end (6 steps, checkpoints every 2), and one stopped after step 4
-    (checkpoints 2 and 4), which each case copies, damages and resumes."""
+    """A tiny run trained to its end (6 steps, checkpoints every 2), and a copy of it that lost its
+    last checkpoint (checkpoints 2 and 4: a run interrupted after step 4), which each case
+    copies, damages and resumes."""
     root = tmp_path_factory.mktemp("integrity")
     config, tc, stream = _setup(steps=6)
     tc = tc.__class__(**{**tc.__dict__, "checkpoint_every": 2})
     full = train.fit(config, tc, stream, str(root / "full"))
-    train.fit(config, tc, stream, str(root / "cut"), stop_after=4)
+    shutil.copytree(root / "full", root / "cut")
+    shutil.rmtree(root / "cut" / "checkpoints" / "6")
     assert checkpoints.all_steps(str(root / "cut" / "checkpoints")) == [2, 4]
     return root, (config, tc, stream), train.state_digest(full)
 

@@ -24,7 +24,7 @@ def _mesh(n):
 
 
 @pytest.fixture(scope="module")
-def qkv():
+def qkv():  # (never reaches a kernel: every call below is refused while it is traced)
     q, k, v, _, _ = inputs(jax.random.key(0), 2, 1, S, S, d=32)
     return q, k, v
 
@@ -43,12 +43,7 @@ def test_ring_refuses_a_schedule_built_for_another_mask(qkv):
     with pytest.raises(ValueError, match=r"kv_heads: the schedule was built for 1, this call has 2"):
         rs.ring_attention_sharded(q, q, q, local, mesh=mesh, axis_name="ctx",
                                   layout="zigzag", config=CONFIG, schedule=sched)
-    # the schedule of this very call is accepted, and gives the reference's answer
-    got = rs.ring_attention_sharded(q, k, v, local, mesh=mesh, axis_name="ctx", layout="contiguous", config=CONFIG,
-                                    schedule=rs.ring_schedule(local, N, "contiguous", CONFIG, heads=2, kv_heads=1,
-                                                              mesh=mesh, axis_name="ctx"))
-    want = rs.reference_attention(q, k, v, local)
-    assert float(np.max(np.abs(np.asarray(got) - np.asarray(want)))) <= 1e-5  # float32; measured ~1e-6
+    # (the schedule of the call itself runs: tests/test_work_pieces.py)
 
 
 MODEL = TransformerConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_seq_len=S,
