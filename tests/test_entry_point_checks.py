@@ -529,6 +529,18 @@ def _schedule(**kw):
                             **{**dict(heads=HEADS, kv_heads=KV_HEADS), **kw})
 
 
+def _experiment_config(script: str, **kw):
+    """The experiment script's ``Config`` (loaded from experiments/) built with ``kw``."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"_experiment_{script}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return (getattr(module, "DemoConfig", None) or module.Config)(**kw)
+
+
 CONFIG_CASES = [  # (id, call, argument the error must name)
     ("splash backend", lambda: SplashConfig(backend="tpu"), "backend"),
     ("splash probs_dtype", lambda: SplashConfig(probs_dtype="bf16"), "probs_dtype"),
@@ -574,6 +586,12 @@ CONFIG_CASES = [  # (id, call, argument the error must name)
     ("ring_schedule heads 0", lambda: _schedule(heads=0), "heads"),
     ("ring_schedule kv_heads", lambda: _schedule(kv_heads=3), "kv_heads"),
     ("ring_schedule num_shards str", lambda: _schedule(num_shards="2"), "num_shards"),
+    ("byte_lm layout", lambda: _experiment_config("byte_lm", layout="yes"), "layout"),
+    ("byte_lm backend", lambda: _experiment_config("byte_lm", backend="tpu"), "backend"),
+    ("train_long_context attention", lambda: _experiment_config("train_long_context", attention="flash"), "attention"),
+    ("train_long_context remat", lambda: _experiment_config("train_long_context", remat="yes"), "remat"),
+    ("strategy_equivalence layout", lambda: _experiment_config("strategy_equivalence", layout="diagonal"), "layout"),
+    ("mask_demo mask", lambda: _experiment_config("mask_demo", mask="triangle"), "mask"),
     ("usp_mesh ulysses 0", lambda: rs.parallel.usp.usp_mesh(0, 2), "ulysses"),
     ("splash_attention scale str", lambda: _splash(*inputs(jax.random.key(0), HEADS, KV_HEADS, S, S, d=D)[:3],
                                                    scale="0.1"), "scale"),
