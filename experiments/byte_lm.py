@@ -65,6 +65,15 @@ class Config:
     run_dir: str = ""  # "" = auto: runs/byte_lm/<time>
     progress: bool = True  # show a progress bar
 
+    def __post_init__(self):
+        """Option strings checked at once, each error naming its flag (the library configs check the rest)."""
+        from ringsplash.cli import check_choices
+        from ringsplash.layouts import LAYOUTS
+        from ringsplash.model.config import REMAT_POLICIES, STRATEGIES
+        from ringsplash.splash.config import BACKENDS
+
+        check_choices(self, {"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS, "backend": BACKENDS})
+
 
 def parse_args(argv=None) -> Config:
     from ringsplash.model.presets import PRESETS

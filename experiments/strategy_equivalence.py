@@ -46,6 +46,14 @@ class Config:
     batch_size: int = 2  # rows (two packed documents each)
     seed: int = 0  # seed of the parameters and the tokens
 
+    def __post_init__(self):
+        """Option strings checked at once, each error naming its flag (the library configs check the rest)."""
+        from ringsplash.cli import check_choices
+        from ringsplash.layouts import LAYOUTS
+        from ringsplash.splash.config import BACKENDS
+
+        check_choices(self, {"layout": LAYOUTS, "backend": BACKENDS})
+
 
 def parse_args(argv=None) -> Config:
     from ringsplash.model.presets import PRESETS

@@ -83,6 +83,15 @@ class Config:
     log_every: int = 10  # steps between training-metric lines
     progress: bool = True  # show a progress bar
 
+    def __post_init__(self):
+        """Option strings checked at once, each error naming its flag (the library configs check the rest)."""
+        from ringsplash.cli import check_choices
+        from ringsplash.layouts import LAYOUTS
+        from ringsplash.model.config import REMAT_POLICIES, STRATEGIES
+        from ringsplash.splash.config import BACKENDS
+
+        check_choices(self, {"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS, "backend": BACKENDS})
+
 
 def parse_args(argv=None) -> Config:
     from ringsplash.model.presets import PRESETS

@@ -8,6 +8,11 @@ devices and gloo collectives, so a mesh spans ``processes x devices`` devices ac
 boundaries. Output lines are forwarded with a ``[pN]`` prefix. When any process fails, the
 others are stopped and the launcher exits with that process's code; Ctrl-C stops them all. No
 process outlives the launcher.
+
+A process that dies or stops (killed, SIGSTOP, a hung host) stops sending heartbeats: after
+``--heartbeat-timeout`` seconds (default 30) the coordination service declares it lost, and the
+others exit with a message naming it (``ringsplash.distributed``); the launcher then stops the
+rest and says which processes were stopped rather than dead.
 """
 
 import argparse
@@ -20,7 +25,7 @@ import sys
 import threading
 import time
 
-from ringsplash.distributed import local_launch_env
+from ringsplash.distributed import HEARTBEAT_TIMEOUT, local_launch_env
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping the other processes
 
@@ -46,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices per process (default 2)")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds (default: none)")
+    parser.add_argument("--heartbeat-timeout", type=int, default=HEARTBEAT_TIMEOUT,
+                        help="seconds without a heartbeat after which a process counts as lost (died or stopped) "
+                             f"and the others stop, naming it (default {HEARTBEAT_TIMEOUT})")
     parser.add_argument("script", help="the experiment or script to run, e.g. experiments/train_long_context.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments (after --)")
     return parser
@@ -86,6 +94,15 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T in /proc; False where /proc is absent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def launch(args) -> int:
     port = free_port(args.port)
     coordinator = f"localhost:{port}"
@@ -99,7 +116,8 @@ def launch(args) -> int:
           flush=True)
     try:
         for i in range(args.processes):
-            penv = {**env, **local_launch_env(coordinator, args.processes, i, args.devices)}
+            penv = {**env, **local_launch_env(coordinator, args.processes, i, args.devices,
+                                              heartbeat_timeout=args.heartbeat_timeout)}
             cmd = [sys.executable, "-m", "ringsplash.distributed", args.script, "--", *args.script_args]
             # own session: the whole process group can be stopped, children included
             p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -114,7 +132,10 @@ def launch(args) -> int:
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                print(f"[launch_local] process {i} exited with code {code}; stopping the others", flush=True)
+                stopped = [j for j, p in enumerate(procs) if codes[j] is None and _is_stopped(p.pid)]
+                print(f"[launch_local] process {i} exited with code {code}"
+                      + (f" (process(es) {stopped} are stopped: SIGSTOP / suspended)" if stopped else "")
+                      + "; stopping the others", flush=True)
                 _stop(procs)
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):

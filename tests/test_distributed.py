@@ -18,7 +18,19 @@ class _Config:
 def test_local_launch_env_names_every_variable():
     env = distributed.local_launch_env("localhost:1234", 2, 1, 4)
     assert env == {"RINGSPLASH_COORDINATOR": "localhost:1234", "RINGSPLASH_NUM_PROCESSES": "2",
-                   "RINGSPLASH_PROCESS_ID": "1", "RINGSPLASH_LOCAL_DEVICES": "4"}
+                   "RINGSPLASH_PROCESS_ID": "1", "RINGSPLASH_LOCAL_DEVICES": "4",
+                   "RINGSPLASH_HEARTBEAT_TIMEOUT": str(distributed.HEARTBEAT_TIMEOUT)}
+
+
+def test_timeouts_come_from_the_environment_and_are_checked(monkeypatch):
+    monkeypatch.setenv(distributed.ENV_HEARTBEAT_TIMEOUT, "7")
+    monkeypatch.delenv(distributed.ENV_SHUTDOWN_TIMEOUT, raising=False)
+    got = distributed.timeouts()
+    assert got["heartbeat_timeout_seconds"] == 7 and got["shutdown_timeout_seconds"] == distributed.SHUTDOWN_TIMEOUT
+    for bad in ("0", "ten"):
+        monkeypatch.setenv(distributed.ENV_HEARTBEAT_TIMEOUT, bad)
+        with pytest.raises(ValueError, match="RINGSPLASH_HEARTBEAT_TIMEOUT"):
+            distributed.timeouts()
 
 
 def test_launched_locally_reads_the_coordinator_variable(monkeypatch):

@@ -500,3 +500,108 @@ def test_model_config_accepts_what_splash_attention_accepts():
     assert TransformerConfig(**base, attention="splash", max_seq_len=1000).max_seq_len == 1000
     with pytest.raises(ValueError, match=r"125-token zigzag half-shard.*e.g. S=1024\), or SplashConfig\(backend='xla'\)"):
         TransformerConfig(**base, attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=1000)
+
+
+# ----------------------------------------------------------------------------------------
+# configs and entry points: a bad string option, out-of-range number or wrong type is an
+# error naming the argument (one validation path: ringsplash._checks)
+
+
+def _train_config(**kw):
+    from ringsplash import train
+
+    return train.TrainConfig(**kw)
+
+
+def _model_config(**kw):
+    from ringsplash.model import TransformerConfig
+
+    return TransformerConfig(**{**dict(vocab_size=64, d_model=32, num_layers=2, num_heads=2, max_seq_len=S), **kw})
+
+
+def _ring_sharded(**kw):
+    q, k, v, _, _ = inputs(jax.random.key(0), HEADS, KV_HEADS, S, S, d=D)
+    return rs.ring_attention_sharded(q, k, v, CAUSAL, mesh=_mesh(N), axis_name="ctx", config=XLA, **kw)
+
+
+def _schedule(**kw):
+    return rs.ring_schedule(CAUSAL, kw.pop("num_shards", N), kw.pop("layout", "zigzag"), XLA,
+                            **{**dict(heads=HEADS, kv_heads=KV_HEADS), **kw})
+
+
+def _experiment_config(script: str, **kw):
+    """The experiment script's ``Config`` (loaded from experiments/) built with ``kw``."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / f"{script}.py"
+    spec = importlib.util.spec_from_file_location(f"_experiment_{script}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return (getattr(module, "DemoConfig", None) or module.Config)(**kw)
+
+
+CONFIG_CASES = [  # (id, call, argument the error must name)
+    ("splash backend", lambda: SplashConfig(backend="tpu"), "backend"),
+    ("splash probs_dtype", lambda: SplashConfig(probs_dtype="bf16"), "probs_dtype"),
+    ("splash block_q not a multiple", lambda: SplashConfig(block_q=100), "block_q"),
+    ("splash block_kv str", lambda: SplashConfig(block_kv="512"), "block_kv"),
+    ("model attention", lambda: _model_config(attention="flash"), "attention"),
+    ("model mask", lambda: _model_config(mask="triangle"), "mask"),
+    ("model remat", lambda: _model_config(remat="yes"), "remat"),
+    ("model param_dtype", lambda: _model_config(param_dtype="fp32"), "param_dtype"),
+    ("model ring_layout", lambda: _model_config(ring_layout="yes"), "ring_layout"),
+    ("model ring_axis_name", lambda: _model_config(ring_axis_name=3), "ring_axis_name"),
+    ("model ulysses_axis_name", lambda: _model_config(ulysses_axis_name=("a", "b")), "ulysses_axis_name"),
+    ("model sinks str", lambda: _model_config(sinks="yes"), "sinks"),
+    ("model tie_embeddings int", lambda: _model_config(tie_embeddings=1), "tie_embeddings"),
+    ("model qk_norm", lambda: _model_config(qk_norm="no"), "qk_norm"),
+    ("model d_model 0", lambda: _model_config(d_model=0), "d_model"),
+    ("model rope_theta str", lambda: _model_config(rope_theta="1e4"), "rope_theta"),
+    ("model attention_dropout 1", lambda: _model_config(attention_dropout=1.0), "attention_dropout"),
+    ("train learning_rate 0", lambda: _train_config(learning_rate=0.0), "learning_rate"),
+    ("train learning_rate str", lambda: _train_config(learning_rate="3e-3"), "learning_rate"),
+    ("train min_lr_ratio > 1", lambda: _train_config(min_lr_ratio=1.5), "min_lr_ratio"),
+    ("train weight_decay < 0", lambda: _train_config(weight_decay=-0.1), "weight_decay"),
+    ("train b1 = 1", lambda: _train_config(b1=1.0), "b1"),
+    ("train b2 None", lambda: _train_config(b2=None), "b2"),
+    ("train grad_clip 0", lambda: _train_config(grad_clip=0.0), "grad_clip"),
+    ("train seed float", lambda: _train_config(seed=1.5), "seed"),
+    ("train checkpoint_every < 0", lambda: _train_config(checkpoint_every=-1), "checkpoint_every"),
+    ("train checkpoint_every str", lambda: _train_config(checkpoint_every="10"), "checkpoint_every"),
+    ("train progress str", lambda: _train_config(progress="yes"), "progress"),
+    ("train fsdp int", lambda: _train_config(fsdp=1), "fsdp"),
+    ("train log_max_logits", lambda: _train_config(log_max_logits="no"), "log_max_logits"),
+    ("train steps 0", lambda: _train_config(steps=0), "steps"),
+    ("build_mask_info transpose str", lambda: rs.build_mask_info(CAUSAL, (128, 128), transpose="yes"), "transpose"),
+    ("build_mask_info transpose None", lambda: rs.build_mask_info(CAUSAL, (128, 128), transpose=None), "transpose"),
+    ("build_mask_info partial_mode", lambda: rs.build_mask_info(CAUSAL, (128, 128), partial_mode="x"),
+     "partial_mode"),
+    ("build_mask_info q_shards 0", lambda: rs.build_mask_info(CAUSAL, (128, 128), q_shards=0), "q_shards"),
+    ("layouts.permutation layout", lambda: rs.layouts.permutation("yes", S, N), "layout"),
+    ("ring_attention_sharded layout", lambda: _ring_sharded(layout="yes"), "layout"),
+    ("ring_attention_sharded unroll", lambda: _ring_sharded(unroll=0), "unroll"),
+    ("ring_attention_sharded axis_name", lambda: _ring_sharded(axis_name="nope"), "axis_name"),
+    ("ring_schedule layout", lambda: _schedule(layout="diagonal"), "layout"),
+    ("ring_schedule heads 0", lambda: _schedule(heads=0), "heads"),
+    ("ring_schedule kv_heads", lambda: _schedule(kv_heads=3), "kv_heads"),
+    ("ring_schedule num_shards str", lambda: _schedule(num_shards="2"), "num_shards"),
+    ("byte_lm layout", lambda: _experiment_config("byte_lm", layout="yes"), "layout"),
+    ("byte_lm backend", lambda: _experiment_config("byte_lm", backend="tpu"), "backend"),
+    ("train_long_context attention", lambda: _experiment_config("train_long_context", attention="flash"), "attention"),
+    ("train_long_context remat", lambda: _experiment_config("train_long_context", remat="yes"), "remat"),
+    ("strategy_equivalence layout", lambda: _experiment_config("strategy_equivalence", layout="diagonal"), "layout"),
+    ("mask_demo mask", lambda: _experiment_config("mask_demo", mask="triangle"), "mask"),
+    ("usp_mesh ulysses 0", lambda: rs.parallel.usp.usp_mesh(0, 2), "ulysses"),
+    ("splash_attention scale str", lambda: _splash(*inputs(jax.random.key(0), HEADS, KV_HEADS, S, S, d=D)[:3],
+                                                   scale="0.1"), "scale"),
+    ("splash_attention config type", lambda: _splash(*inputs(jax.random.key(0), HEADS, KV_HEADS, S, S, d=D)[:3],
+                                                     config={"backend": "xla"}), "config"),
+]
+
+
+@pytest.mark.parametrize("call, argument", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
+def test_bad_option_is_an_error_naming_the_argument(call, argument):
+    with pytest.raises((ValueError, TypeError)) as err:
+        call()
+    assert re.search(rf"\b{argument}\b", str(err.value)), str(err.value)

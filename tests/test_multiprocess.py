@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -240,3 +241,81 @@ def test_each_process_draws_only_its_rows(fsdp_runs):
 def test_a_process_count_that_does_not_divide_the_mesh_is_named(fsdp_runs):
     assert ("MESH ERROR mesh data=1 x context=3 = 3 devices cannot be split evenly over 2 processes"
             in fsdp_runs["stdout"]), fsdp_runs["stdout"]
+
+
+HEARTBEAT = 5  # s: RINGSPLASH_HEARTBEAT_TIMEOUT in the lost-peer tests (small, to keep them short)
+
+
+def _start_pair(tmp_path):
+    """Two processes of collectives_forever.py (one device each) with a HEARTBEAT-second heartbeat
+    timeout, both past their first collective."""
+    from ringsplash.distributed import local_launch_env
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PID_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "ringsplash.distributed",
+                               os.path.join(WORKERS, "collectives_forever.py")], cwd=ROOT,
+                              env={**env, **local_launch_env(f"localhost:{port}", 2, i, 1, heartbeat_timeout=HEARTBEAT)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for i in range(2)]
+    for p in procs:
+        for line in p.stdout:
+            if line.startswith("READY"):
+                break
+        else:
+            raise AssertionError(f"a worker ended before it was ready (code {p.wait()})")
+    return procs
+
+
+@pytest.mark.parametrize("sig, sign", [
+    ("SIGKILL", r"process 0: lost process\(es\) \[1\] of 2 \(no heartbeat for 5 s"),
+    ("SIGSTOP", r"unhealthy \(stopped sending heartbeats\):\s*1\s"),  # the service names task 1
+], ids=["SIGKILL", "SIGSTOP"])
+def test_a_lost_process_is_reported_within_the_heartbeat_timeout(tmp_path, sig, sign):
+    """Process 1 killed or stopped mid-run: process 0 leaves within the heartbeat timeout (plus
+    start-up slack), with a message naming process 1 (SIGKILL: ringsplash.distributed asks the
+    coordination service who is alive; SIGSTOP: the service's own report of the silent task)."""
+    import signal
+
+    procs = _start_pair(tmp_path)
+    try:
+        start = time.monotonic()
+        os.kill(procs[1].pid, getattr(signal, sig))
+        out, _ = procs[0].communicate(timeout=HEARTBEAT + 30)
+        elapsed = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    print(f"{sig}: process 0 exited with code {procs[0].returncode} after {elapsed:.1f} s")
+    assert procs[0].returncode != 0, out
+    assert elapsed < HEARTBEAT + 10, f"process 0 took {elapsed:.0f} s to notice: {out[-2000:]}"
+    assert re.search(sign, out), out[-3000:]
+
+
+def test_launcher_names_a_stopped_process(tmp_path):
+    """Process 1 stopped under the launcher: process 0 is aborted by the coordination service
+    within the heartbeat timeout, and the launcher says that process 1 is stopped, not dead."""
+    import signal
+    import threading
+
+    def stop_process_1():
+        pid_file = tmp_path / "1.pid"
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(2.0)  # past the first collectives
+        os.kill(int(pid_file.read_text()), signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_process_1, daemon=True)
+    stopper.start()
+    r = _launch("--processes", "2", "--devices", "1", "--heartbeat-timeout", str(HEARTBEAT),
+                os.path.join(WORKERS, "collectives_forever.py"), env={"PID_DIR": str(tmp_path)}, timeout=120)
+    stopper.join()
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert re.search(r"process 0 exited with code -?\d+ \(process\(es\) \[1\] are stopped", r.stdout), r.stdout[-3000:]
+    with pytest.raises(ProcessLookupError):  # the launcher left nothing behind, stopped or not
+        os.kill(int((tmp_path / "1.pid").read_text()), 0)

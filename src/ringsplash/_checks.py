@@ -19,10 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringsplash._scalar_checks import (
+    check_bool,
     check_choice,
     check_divides,
     check_float,
     check_int,
+    check_name,
     check_positive_int,
     check_positive_multiple,
     check_unroll,
@@ -40,6 +42,7 @@ __all__ = [
     "check_divides",
     "check_float",
     "check_int",
+    "check_name",
     "check_positive_int",
     "check_positive_multiple",
     "check_segment_ids",
@@ -126,13 +129,6 @@ def check_attention_call(
                 raise
             raise ValueError(f"{e} ({segment_hint})") from None
     return AttentionCall(heads, kv_heads, q_len, kv_len, d, scale, logit_soft_cap, segment_ids, int(v.shape[-1]))
-
-
-def check_bool(name: str, value) -> bool:
-    """``value`` if it is a bool (numpy bools too), else a TypeError naming ``name``."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {name}={value!r} ({type(value).__name__})")
-    return bool(value)
 
 
 def check_attention_inputs(q, k, v, mask=None, segment_ids=None, sinks=None, *, mask_shape=None, mask_hint=""):

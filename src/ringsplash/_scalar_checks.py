@@ -72,6 +72,20 @@ def check_float(name: str, value: Any, *, positive: bool = False, minimum: float
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool (numpy bools too), else a TypeError naming ``name``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_name(name: str, value: Any) -> str:
+    """``value`` if it is a non-empty ``str`` (a mesh axis name, ...)."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a non-empty str, got {name}={value!r} ({type(value).__name__})")
+    return value
+
+
 def check_choice(name: str, value: Any, choices: Collection[Any]) -> Any:
     """``value`` if it is one of ``choices``."""
     if isinstance(value, bool) or value not in tuple(choices):

@@ -24,11 +24,22 @@ Contract:
   sets it back (``it.set_state``).
 - Only array leaves are stored; every other leaf (equinox static fields, activation functions,
   python scalars) is taken from ``like``. Typed PRNG keys are stored as their key data.
+- **Verified**: the metadata records a checksum of every array (``ringsplash.checksums``:
+  independent of the sharding, so it holds on any restore mesh); ``restore_state`` recomputes
+  it on the restored arrays and refuses a mismatch with a ``CheckpointCorruptError`` naming the
+  checkpoint and the array. Files that cannot be read (truncated data or metadata, a missing
+  process directory) raise the same error instead of orbax's / tensorstore's.
+  ``restore_newest_valid`` walks back to the newest checkpoint that verifies, saying which it
+  skipped and why; ``python -m ringsplash.checkpoints verify RUN_DIR`` checks every checkpoint of
+  a run (or checkpoint) directory without resuming anything.
 """
 
+import argparse
 import dataclasses
 import json
 import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash._checks import check_positive_int
+from ringsplash.checksums import array_checksums
 from ringsplash.distributed import config_digest
 
 FORMAT = "ringsplash.checkpoints/1"
@@ -57,6 +69,12 @@ class LeafInfo:
     shape: tuple[int, ...]
     dtype: str  # numpy dtype name, or the key dtype (e.g. ``key<fry>``) for typed PRNG keys
     key_impl: str | None = None  # PRNG implementation name for typed key leaves
+    checksum: str | None = None  # ``ringsplash.checksums`` of the saved value (None: not recorded)
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint whose files cannot be read, or whose arrays do not match the checksums its
+    metadata records; the message names the checkpoint (and the array, for a mismatch)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,10 +276,12 @@ def save_state(
         json.dumps(config)  # fail here, before any write, if the config is not JSON-able
     leaves = _array_leaves(state)
     process_count = jax.process_count()
+    sums = array_checksums([x for _, x in leaves])  # collective: every process gets the same values
     meta = CheckpointMetadata(
         step=step, config=None if config is None else dict(config),
         config_hash=None if config is None else config_hash(config),
-        leaves=tuple(_leaf_info(p, x) for p, x in leaves), process_count=process_count,
+        leaves=tuple(dataclasses.replace(_leaf_info(p, x), checksum=c) for (p, x), c in zip(leaves, sums)),
+        process_count=process_count,
     )
     items = {f"{i:05d}": _savable(x, process_count) for i, (_, x) in enumerate(leaves)}
     args = {_ITEM: ocp.args.StandardSave(items)}
@@ -279,16 +299,50 @@ def save_state(
     return step
 
 
+def _where(directory: str, step: int) -> str:
+    return f"checkpoint {os.path.join(str(directory), str(step))!r}"
+
+
+def _unreadable(directory: str, step: int, what: str, err: BaseException) -> CheckpointCorruptError:
+    root = err  # the innermost error says what is wrong (orbax wraps tensorstore's)
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+    first = (str(root).strip().splitlines() or [""])[0][:300]
+    return CheckpointCorruptError(f"{_where(directory, step)}: its {what} cannot be read ({type(root).__name__}: "
+                                  f"{first}); the files are truncated, missing or corrupt")
+
+
+def _agree(error: CheckpointCorruptError | None, directory: str, step: int, what: str) -> None:
+    """Raise on every process when any process could not read its part (so all of them fall back
+    together, and none waits alone in a later collective); no-op with one process."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+        if failed.any() and error is None:
+            error = CheckpointCorruptError(f"{_where(directory, step)}: processes {np.flatnonzero(failed).tolist()} "
+                                           f"cannot read its {what}")
+    if error is not None:
+        raise error
+
+
 def read_metadata(directory: str, step: int | None = None) -> CheckpointMetadata:
-    """The metadata of checkpoint ``step`` (default: the latest), without reading any array."""
+    """The metadata of checkpoint ``step`` (default: the latest), without reading any array.
+    Raises ``CheckpointCorruptError`` when it cannot be read."""
     step = _resolve_step(directory, step)
-    with _manager(directory) as mngr:
-        custom = mngr.metadata(step).custom_metadata or {}
-    if _META_KEY not in custom:
-        raise ValueError(f"checkpoint {directory!r} step {step} was not written by ringsplash.checkpoints")
-    raw = dict(custom[_META_KEY])
-    leaves = tuple(LeafInfo(d["path"], tuple(d["shape"]), d["dtype"], d.get("key_impl")) for d in raw.pop("leaves"))
-    return CheckpointMetadata(**raw, leaves=leaves)
+    try:
+        with _manager(directory) as mngr:
+            custom = mngr.metadata(step).custom_metadata or {}
+        if _META_KEY in custom:
+            raw = dict(custom[_META_KEY])
+            leaves = tuple(LeafInfo(d["path"], tuple(d["shape"]), d["dtype"], d.get("key_impl"), d.get("checksum"))
+                           for d in raw.pop("leaves"))
+            return CheckpointMetadata(**raw, leaves=leaves)
+    except Exception as err:  # any failure to read is reported as a corrupt checkpoint
+        raise _unreadable(directory, step, "metadata (_CHECKPOINT_METADATA, state/_METADATA)", err) from err
+    raise CheckpointCorruptError(
+        f"{_where(directory, step)} holds no ringsplash metadata (_CHECKPOINT_METADATA is missing, empty or "
+        f"truncated, or the checkpoint was not written by ringsplash.checkpoints)")
 
 
 def restore_state(directory: str, like, *, step: int | None = None, config: Mapping[str, Any] | None = None):
@@ -308,7 +362,12 @@ def restore_state(directory: str, like, *, step: int | None = None, config: Mapp
         ``like`` with every array leaf replaced by the stored value, in the target sharding.
     """
     step = _resolve_step(directory, step)
-    meta = read_metadata(directory, step)
+    meta, error = None, None
+    try:
+        meta = read_metadata(directory, step)
+    except CheckpointCorruptError as err:
+        error = err
+    _agree(error, directory, step, "metadata")
     if config is not None and meta.config_hash != config_hash(config):
         saved = meta.config or {}
         differ = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
@@ -317,11 +376,15 @@ def restore_state(directory: str, like, *, step: int | None = None, config: Mapp
     leaves = _array_leaves(like)
     _check_compatible(meta.leaves, [_leaf_info(p, x) for p, x in leaves], directory, step)
     targets = {f"{i:05d}": _restore_target(p, x, s) for i, ((p, x), s) in enumerate(zip(leaves, meta.leaves))}
-    with _manager(directory) as mngr:
-        restored = mngr.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(targets)}))[_ITEM]
+    raw, error = None, None
+    try:
+        raw = _read_arrays(directory, step, targets)
+    except CheckpointCorruptError as err:
+        error = err
+    _agree(error, directory, step, "array data")
+    _verify(directory, step, meta.leaves, raw)
     values = []
-    for i, ((_, x), s) in enumerate(zip(leaves, meta.leaves)):
-        value = restored[f"{i:05d}"]
+    for value, (_, x), s in zip(raw, leaves, meta.leaves):
         if _is_key(x):
             value = jax.random.wrap_key_data(value, impl=s.key_impl)
         values.append(value)
@@ -350,6 +413,127 @@ def restore_data_iterator(directory: str, step: int, iterator) -> bool:
     with _manager(directory, data=True) as mngr:
         mngr.restore(step, args=ocp.args.Composite(**{_DATA: grain.checkpoint.CheckpointRestore(iterator)}))
     return True
+
+
+def _read_arrays(directory: str, step: int, targets: dict) -> list:
+    """The stored arrays of ``step`` read into ``targets`` (in leaf order); files that cannot be
+    read raise ``CheckpointCorruptError`` instead of orbax's / tensorstore's error."""
+    try:
+        with _manager(directory) as mngr:
+            restored = mngr.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(targets)}))
+        restored = restored[_ITEM]
+    except Exception as err:  # orbax / tensorstore errors of truncated or missing files
+        raise _unreadable(directory, step, "array data (state/)", err) from err
+    return [restored[f"{i:05d}"] for i in range(len(targets))]
+
+
+def _verify(directory: str, step: int, saved: tuple[LeafInfo, ...], values: list) -> None:
+    """Raise naming the first array whose checksum differs from the recorded one (collective)."""
+    got = array_checksums(values)
+    for info, value in zip(saved, got):
+        if info.checksum is not None and info.checksum != value:
+            raise CheckpointCorruptError(
+                f"{_where(directory, step)}: array {info.path} (shape {info.shape}, {info.dtype}) reads back with "
+                f"checksum {value}, but its metadata records {info.checksum}: the data files are corrupt")
+
+
+def restore_newest_valid(directory: str, like, *, config: Mapping[str, Any] | None = None):
+    """``(state, step, skipped)``: the newest checkpoint under ``directory`` that reads and verifies
+    (``restore_state``), after warning about each newer one skipped (``skipped``: ``[(step,
+    reason)]``, newest first). Collective. Other errors (a config or structure that does not
+    match) are raised at once: they are not a damaged checkpoint.
+
+    Raises:
+        FileNotFoundError: when there is no finalised checkpoint at all.
+        CheckpointCorruptError: when none verifies; it names each checkpoint and what is wrong.
+    """
+    steps = all_steps(directory)
+    if not steps:
+        raise FileNotFoundError(f"no finalised checkpoint under {directory!r}")
+    skipped = []
+    for step in reversed(steps):
+        try:
+            return restore_state(directory, like, step=step, config=config), step, skipped
+        except CheckpointCorruptError as err:
+            skipped.append((step, str(err)))
+            warnings.warn(f"skipping checkpoint step {step}: {err}", RuntimeWarning, stacklevel=2)
+    raise CheckpointCorruptError(
+        f"no checkpoint under {directory!r} reads back intact, so the run cannot resume (delete the directory, "
+        f"or pass resume=False, to start over): " + "; ".join(reason for _, reason in skipped))
+
+
+def set_aside(directory: str, step: int) -> str:
+    """Rename checkpoint ``step`` to ``<step>.corrupt`` (``.corrupt-1``, ... if taken) so that it is
+    no longer a step (a resumed run writes that step again); returns the new path. Call it on one
+    process."""
+    root = _path(directory)
+    target = root / f"{step}.corrupt"
+    n = 0
+    while target.exists():
+        n += 1
+        target = root / f"{step}.corrupt-{n}"
+    (root / str(step)).rename(target)
+    return str(target)
+
+
+# ----------------------------------------------------------------------------- verification without a target
+
+
+def verify(directory: str, step: int) -> str | None:
+    """None if checkpoint ``step`` under ``directory`` reads back and matches its recorded checksums,
+    else what is wrong. Reads every array whole on this host (numpy), with no target state: a
+    check of the files, for one process."""
+    try:
+        meta = read_metadata(directory, step)
+        targets = {}
+        for i, s in enumerate(meta.leaves):
+            shape, dtype = s.shape, s.dtype
+            if s.key_impl is not None:  # stored as key data
+                data = jax.eval_shape(lambda impl=s.key_impl: jax.random.key_data(jax.random.key(0, impl=impl)))
+                shape, dtype = s.shape + data.shape, data.dtype
+            targets[f"{i:05d}"] = np.zeros(shape, dtype)
+        _verify(directory, step, meta.leaves, _read_arrays(directory, step, targets))
+        if any(s.checksum is None for s in meta.leaves):
+            return "readable, but its metadata records no checksums (written before they were recorded)"
+    except CheckpointCorruptError as err:
+        return str(err)
+    return None
+
+
+def _checkpoint_root(path: str) -> str:
+    """A run directory's ``checkpoints/``, or ``path`` itself when it is a checkpoint root."""
+    sub = os.path.join(path, "checkpoints")
+    return sub if os.path.isdir(sub) else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ringsplash.checkpoints verify RUN_DIR``: check every checkpoint; exit status 1
+    when one fails (or there is none)."""
+    parser = argparse.ArgumentParser(prog="python -m ringsplash.checkpoints", allow_abbrev=False,
+                                     description="Check checkpoints without resuming a run.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("verify", allow_abbrev=False,
+                           help="read every checkpoint of a run and compare its arrays with their recorded checksums")
+    check.add_argument("run_dir", help="a run directory (its checkpoints/ subdirectory) or a checkpoint root")
+    args = parser.parse_args(argv)
+    root = _checkpoint_root(args.run_dir)
+    steps = all_steps(root)
+    if not steps:
+        print(f"no finalised checkpoint under {root}")
+        return 1
+    bad = 0
+    for step in steps:
+        problem = verify(root, step)
+        bad += problem is not None and "records no checksums" not in problem
+        print(f"step {step}: " + ("ok" if problem is None else problem))
+    newest = next((s for s in reversed(steps) if verify(root, s) is None), None) if bad else steps[-1]
+    print(f"{len(steps) - bad} of {len(steps)} checkpoints verify; a resumed run starts from "
+          + (f"step {newest}" if newest is not None else "nothing (no checkpoint verifies)"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 
 
 def _replace_array_leaves(tree, values: list):

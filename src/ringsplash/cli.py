@@ -142,3 +142,12 @@ def parse_config(config_cls, argv=None, *, description: str | None = None, prese
     """
     parser = config_parser(config_cls, argv, description=description, presets=presets)
     return config_cls(**vars(parser.parse_args(argv)))
+
+
+def check_choices(config, choices: Mapping[str, tuple]) -> None:
+    """Raise unless every field ``name`` of ``config`` is one of ``choices[name]``; the error names
+    the field (``--name`` on the command line), what was expected and what was given."""
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if isinstance(value, bool) or value not in tuple(allowed):
+            raise ValueError(f"{name} must be one of {tuple(allowed)}, got {name}={value!r}")

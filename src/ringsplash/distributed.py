@@ -14,6 +14,7 @@ Every process of a multi-host run calls :func:`initialize` before touching devic
 ``__main__``: both launchers start their workers through it.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,18 +27,47 @@ ENV_COORDINATOR = "RINGSPLASH_COORDINATOR"
 ENV_NUM_PROCESSES = "RINGSPLASH_NUM_PROCESSES"
 ENV_PROCESS_ID = "RINGSPLASH_PROCESS_ID"
 ENV_LOCAL_DEVICES = "RINGSPLASH_LOCAL_DEVICES"
+#: seconds without a heartbeat after which the coordination service declares a process lost and
+#: every other process aborts with a message naming it (jax.distributed's heartbeat_timeout_seconds)
+ENV_HEARTBEAT_TIMEOUT = "RINGSPLASH_HEARTBEAT_TIMEOUT"
+#: seconds a process waits for the others at start (initialization_timeout) and at the final
+#: shutdown barrier (shutdown_timeout_seconds)
+ENV_INIT_TIMEOUT = "RINGSPLASH_INIT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "RINGSPLASH_SHUTDOWN_TIMEOUT"
+#: defaults (seconds): a lost or stopped process is reported within about HEARTBEAT_TIMEOUT
+HEARTBEAT_TIMEOUT, INIT_TIMEOUT, SHUTDOWN_TIMEOUT = 30, 300, 60
 
 _initialized = False
 
 
-def local_launch_env(coordinator: str, num_processes: int, process_id: int, local_devices: int) -> dict[str, str]:
+def local_launch_env(coordinator: str, num_processes: int, process_id: int, local_devices: int, *,
+                     heartbeat_timeout: int = HEARTBEAT_TIMEOUT) -> dict[str, str]:
     """The environment variables ``scripts/launch_local.py`` gives process ``process_id``."""
     return {
         ENV_COORDINATOR: coordinator,
         ENV_NUM_PROCESSES: str(num_processes),
         ENV_PROCESS_ID: str(process_id),
         ENV_LOCAL_DEVICES: str(local_devices),
+        ENV_HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
     }
+
+
+def timeouts() -> dict[str, int]:
+    """``jax.distributed.initialize``'s timeout arguments, from ``RINGSPLASH_HEARTBEAT_TIMEOUT`` /
+    ``_INIT_TIMEOUT`` / ``_SHUTDOWN_TIMEOUT`` (seconds, positive ints) or the defaults."""
+    from ringsplash._checks import check_positive_int
+
+    def read(env: str, default: int) -> int:
+        raw = os.environ.get(env, "")
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"{env} must be a positive int (seconds), got {env}={raw!r}") from None
+        return check_positive_int(env, value)
+
+    return {"heartbeat_timeout_seconds": read(ENV_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT),
+            "initialization_timeout": read(ENV_INIT_TIMEOUT, INIT_TIMEOUT),
+            "shutdown_timeout_seconds": read(ENV_SHUTDOWN_TIMEOUT, SHUTDOWN_TIMEOUT)}
 
 
 def launched_locally() -> bool:
@@ -52,6 +82,9 @@ def initialize() -> None:
     ``jax_num_cpu_devices`` simulated CPU devices and gloo collectives, all set before JAX
     creates its backends. TPU slice (``TPU_WORKER_HOSTNAMES`` lists more than one worker, or
     ``RINGSPLASH_TPU_MULTIHOST=1``): ``jax.distributed.initialize()`` from the TPU metadata.
+    Both pass :func:`timeouts`: a process that dies or stops (no heartbeat for
+    ``RINGSPLASH_HEARTBEAT_TIMEOUT`` seconds) is reported by the coordination service, and the
+    others abort with a message naming its task (``/job:jax_worker/replica:0/task:<process id>``).
     """
     global _initialized
     if _initialized:
@@ -69,9 +102,10 @@ def initialize() -> None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", local_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(os.environ[ENV_COORDINATOR], num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(os.environ[ENV_COORDINATOR], num_processes=num_processes, process_id=process_id,
+                                   **timeouts())
     elif _tpu_multihost():
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts())
     _initialized = True
 
 
@@ -164,9 +198,61 @@ def main(argv: list[str] | None = None) -> None:
         if code:
             _exit_now(code)
         raise
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc()
+        if _initialized and _looks_like_a_lost_peer(e):
+            print(f"[ringsplash.distributed] {_lost_peer_report()}", file=sys.stderr, flush=True)
         _exit_now(1)
+
+
+#: what a collective reports when a peer process went away (gloo's TCP errors, the coordination service)
+_LOST_PEER_SIGNS = ("Gloo", "Connection reset", "Connection closed", "UNAVAILABLE", "DEADLINE_EXCEEDED", "heartbeat")
+
+
+def _looks_like_a_lost_peer(error: BaseException) -> bool:
+    import jax
+
+    return jax.process_count() > 1 and any(sign in str(error) for sign in _LOST_PEER_SIGNS)
+
+
+def lost_processes(timeout: float) -> list[int] | None:
+    """The processes the coordination service no longer sees alive, ascending (it answers once it
+    knows, i.e. within about the heartbeat timeout of a death or stop); None when it cannot tell
+    within ``timeout`` seconds (e.g. process 0, which hosts it, is the one lost)."""
+    import threading
+
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        return None
+    n, answer = jax.process_count(), {}
+
+    def ask():
+        with contextlib.suppress(Exception):  # the service is unreachable: no answer
+            answer["live"] = client.get_live_nodes(list(range(n)))
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "live" not in answer:
+        return None
+    return sorted(set(range(n)) - set(answer["live"]))
+
+
+def _lost_peer_report() -> str:
+    import jax
+
+    me, heartbeat = jax.process_index(), timeouts()["heartbeat_timeout_seconds"]
+    lost = lost_processes(heartbeat + 5.0)
+    if lost:
+        return (f"process {me}: lost process(es) {lost} of {jax.process_count()} (no heartbeat for "
+                f"{heartbeat} s: died or stopped); stopping")
+    if lost is None:
+        return (f"process {me}: lost the coordination service (process 0 died or stopped, or the network "
+                f"failed); stopping")
+    return f"process {me}: a collective failed while every process is alive; stopping"
 
 
 def _exit_now(code: int) -> None:

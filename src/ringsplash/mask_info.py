@@ -20,7 +20,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from ringsplash import masks as masks_lib
-from ringsplash._scalar_checks import check_choice, check_divides, check_positive_int, literal_choices
+from ringsplash._scalar_checks import check_bool, check_choice, check_divides, check_positive_int, literal_choices
 from ringsplash.mask_blocks import (
     MAX_STORED_PARTIAL_BLOCKS,
     assemble,
@@ -335,6 +335,7 @@ def build_mask_info(
         raise ValueError(f"block_shape must be a pair of positive ints, got {block_shape!r}")
     bq, bkv = (check_positive_int(f"block_shape[{i}]", b) for i, b in enumerate(block_shape))
     check_choice("partial_mode", partial_mode, PARTIAL_MODES)
+    transpose = check_bool("transpose", transpose)
     q_shards = _check_blocking(q_len, bq, q_shards, "q")
     kv_shards = _check_blocking(kv_len, bkv, kv_shards, "kv")
     q_pos = _check_positions(q_positions, q_len, "q_positions")

@@ -11,7 +11,15 @@ from typing import Literal
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_choice, check_float, check_int, check_positive_int, literal_choices
+from ringsplash._checks import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_name,
+    check_positive_int,
+    literal_choices,
+)
 from ringsplash.model.hf_features import SLIDING, LayerType, MlpActivation, check_hf_features
 from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel, Strategy
 from ringsplash.model.rope_scaling import RopeScaling, check_rope_dim
@@ -181,6 +189,12 @@ class TransformerConfig:
 
         check_choice("attention", self.attention, STRATEGIES)
         check_choice("remat", self.remat, REMAT_POLICIES)
+        check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
+        for name in ("ring_axis_name", "ulysses_axis_name"):
+            if getattr(self, name) not in (None, ""):  # none: no such axis (checked against the strategy below)
+                check_name(name, getattr(self, name))
+        for name in ("sinks", "tie_embeddings", "attention_bias", "qk_norm", "post_norms", "scale_embeddings"):
+            check_bool(name, getattr(self, name))
         self._check_mask()
         for name in ("param_dtype", "compute_dtype"):
             check_choice(name, getattr(self, name), DTYPES)

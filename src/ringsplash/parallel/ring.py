@@ -56,6 +56,7 @@ from ringsplash.parallel.ring_plan import (
     RingBlocks,
     RingPlan,
     RingSchedule,
+    ScheduleKey,
     check_schedule,
     fit_ring_blocks,
     ring_plan,
@@ -67,8 +68,8 @@ from ringsplash.splash.config import SplashConfig
 from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 
 # the host plan's public names, importable from here too
-__all__ = ["RingBlocks", "RingPlan", "RingSchedule", "fit_ring_blocks", "ring_attention", "ring_attention_sharded",
-           "ring_plan", "ring_schedule"]
+__all__ = ["RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "fit_ring_blocks", "ring_attention",
+           "ring_attention_sharded", "ring_plan", "ring_schedule"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -393,7 +394,7 @@ def ring_attention(
     if schedule is None:  # the whole schedule as a constant (device `me` reads row `me`)
         schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0])
     else:
-        check_schedule(schedule, plan, n)
+        check_schedule(schedule, plan, n, ScheduleKey.of(mask, n, layout, config, q.shape[0], k.shape[0]))
     return _ring(static, q, k, v, q_seg, kv_seg, sinks, schedule)
 
 

@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -31,15 +32,16 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
+from ringsplash._checks import check_divides, check_positive_int
 from ringsplash.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 from ringsplash.splash.work_pieces import Piece, SplitLists
 
-__all__ = ["RingBlocks", "RingPlan", "RingSchedule", "check_schedule", "critical_path", "fit_ring_blocks",
-           "process_rows", "ring_plan", "ring_schedule", "ring_work", "rows_schedule", "schedule_arrays",
-           "schedule_from_splits", "schedule_shapes"]
+__all__ = ["RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "check_schedule", "critical_path",
+           "fit_ring_blocks", "process_rows", "ring_plan", "ring_schedule", "ring_work", "rows_schedule",
+           "schedule_arrays", "schedule_from_splits", "schedule_shapes"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -176,18 +178,57 @@ def critical_path(work: np.ndarray) -> int:
 # the per-device schedule: a plan's work lists in SMEM-sized pieces, sharded over the ring axis
 
 
+class ScheduleKey(NamedTuple):
+    """What a :class:`RingSchedule` was built for (hashable; masks are values): a ring call with
+    any other mask, shard count, layout, fitted blocks, backend view or head counts refuses the
+    schedule (:func:`check_schedule`), as its work lists would silently run another mask."""
+
+    mask: masks_lib.AnyMask  # the global (S, S) mask on original positions (its shape is S)
+    num_shards: int
+    layout: str
+    block_shape: tuple[int, int]  # fitted forward / dq blocks
+    block_shape_dkv: tuple[int, int] | None  # fitted dK/dV blocks; None: the xla backend (no dK/dV view)
+    heads: int
+    kv_heads: int
+
+    @classmethod
+    def of(cls, mask, num_shards: int, layout: str, config: SplashConfig, heads: int, kv_heads: int) -> "ScheduleKey":
+        """The key of a ring over ``num_shards`` devices with these arguments."""
+        seq_len = masks_lib.head_masks(mask)[0].shape[0]
+        blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
+        dkv = None if config.backend == "xla" else tuple(blocks.block_shape_dkv)
+        return cls(mask, int(num_shards), str(layout), tuple(blocks.block_shape), dkv, int(heads), int(kv_heads))
+
+    def differences(self, other: "ScheduleKey") -> list[str]:
+        """``"field: built for X, this call has Y"`` for every field that differs."""
+        out = []
+        for name in self._fields:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                out.append(f"{name}: the schedule was built for {_short(mine)}, this call has {_short(theirs)}")
+        return out
+
+
+def _short(x, limit: int = 160) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @dataclasses.dataclass(frozen=True)
 class RingSchedule:
     """Work lists of a ring with their SMEM pieces: ``fwd`` / ``dkv`` are ``(q_block, kv_block,
     kind, partial_index, bounds)`` of the forward / dq view and of the transposed dK/dV view
     (None for the xla backend): the MaskInfo's arrays ``[lists, q_rows, N, steps]`` and the
     pieces' ``bounds`` ``[lists, q_rows, N, pieces, 2]`` (``work_pieces.SplitLists``); ``q_rows``
-    is N for the whole schedule and 1 for one device's slice inside ``shard_map``."""
+    is N for the whole schedule and 1 for one device's slice inside ``shard_map``. ``key``
+    (static) is what it was built for (:class:`ScheduleKey`); a call with other arguments
+    refuses it."""
 
     fwd: tuple
     dkv: tuple | None
     fwd_pieces: tuple[Piece, ...] = dataclasses.field(metadata={"static": True})
     dkv_pieces: tuple[Piece, ...] | None = dataclasses.field(metadata={"static": True})
+    key: ScheduleKey | None = dataclasses.field(default=None, metadata={"static": True})
 
     def pair(self, info: MaskInfo, info_dkv: MaskInfo | None, q_shard, kv_shard):
         """``(PieceSchedules, PieceSchedules | None)`` of q shard ``q_shard`` (ignored when this is
@@ -215,13 +256,14 @@ class RingSchedule:
 jax.tree_util.register_dataclass(RingSchedule)
 
 
-def schedule_from_splits(split: SplitLists, split_dkv: SplitLists | None, q_rows=None) -> RingSchedule:
-    """A numpy :class:`RingSchedule` of the q shards ``q_rows`` (None = all)."""
+def schedule_from_splits(split: SplitLists, split_dkv: SplitLists | None, q_rows=None, *,
+                         key: ScheduleKey) -> RingSchedule:
+    """A numpy :class:`RingSchedule` of the q shards ``q_rows`` (None = all), built for ``key``."""
     rows = slice(None) if q_rows is None else np.asarray(q_rows)
     take = lambda sp: tuple(np.asarray(a)[:, rows] for a in (*sp.arrays, sp.bounds))
     return RingSchedule(
         fwd=take(split), dkv=None if split_dkv is None else take(split_dkv),
-        fwd_pieces=split.pieces, dkv_pieces=None if split_dkv is None else split_dkv.pieces,
+        fwd_pieces=split.pieces, dkv_pieces=None if split_dkv is None else split_dkv.pieces, key=key,
     )
 
 
@@ -295,21 +337,25 @@ def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layo
         axis_name: the ring axis of ``mesh``.
         shapes_only: with ``mesh``: ``jax.ShapeDtypeStruct`` s (for AOT lowering), no arrays.
     """
+    num_shards, heads, kv_heads = (check_positive_int(n, x) for n, x in
+                                   (("num_shards", num_shards), ("heads", heads), ("kv_heads", kv_heads)))
+    check_divides("kv_heads", kv_heads, "heads", heads, hint="GQA groups")
     if device_kind is None and mesh is not None:
         device_kind = mesh.devices.flat[0].device_kind
     rows = None if mesh is None else process_rows(mesh, axis_name)
     if rows is not None and len(rows) < num_shards:  # a multi-host slice: this process's rows only
         return _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, mesh, axis_name,
                                  shapes_only, rows)
+    key = ScheduleKey.of(mask, num_shards, layout, config, heads, kv_heads)
     plan = ring_plan(mask, num_shards, layout, config)
     split, split_dkv = _ring_splits(plan, config, heads, kv_heads, device_kind)
-    whole = schedule_from_splits(split, split_dkv)
+    whole = schedule_from_splits(split, split_dkv, key=key)
     if mesh is None:
         return whole
     if shapes_only:
         return schedule_shapes(whole, mesh, axis_name)
-    return schedule_arrays(lambda rows: schedule_from_splits(split, split_dkv, rows),
-                                        whole, mesh, axis_name)
+    return schedule_arrays(lambda rows: schedule_from_splits(split, split_dkv, rows, key=key),
+                           whole, mesh, axis_name)
 
 
 def _process_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind, mesh, axis_name, shapes_only,
@@ -336,11 +382,12 @@ def rows_schedule(mask, num_shards, layout, config, heads, kv_heads, device_kind
     without lists, which ``ring_attention`` uses too) and the numpy schedule of the q shards
     ``rows`` (``[lists, len(rows), ...]``; None for ``()``). Every pair is classified once."""
     local = None
+    key = ScheduleKey.of(mask, num_shards, layout, config, heads, kv_heads)
     if rows:  # first: the list-less plan then comes from this one
         plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=rows)
-        local = schedule_from_splits(*_ring_splits(plan, config, heads, kv_heads, device_kind))
+        local = schedule_from_splits(*_ring_splits(plan, config, heads, kv_heads, device_kind), key=key)
     header = ring_plan(mask, num_shards, layout, config, q_shard_rows=())
-    empty = schedule_from_splits(*_ring_splits(header, config, heads, kv_heads, device_kind))
+    empty = schedule_from_splits(*_ring_splits(header, config, heads, kv_heads, device_kind), key=key)
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0], num_shards, *x.shape[2:]), x.dtype), empty)
     return whole, local
 
@@ -355,11 +402,21 @@ def _ring_splits(plan: RingPlan, config: SplashConfig, heads: int, kv_heads: int
     return split, split_dkv
 
 
-def check_schedule(schedule, plan: RingPlan, n: int) -> None:
-    """Raise unless ``schedule`` fits this call's plan (its own pieces are trusted: they come
-    from :func:`ring_schedule`, whose budget may name another chip than this trace's)."""
+def check_schedule(schedule, plan: RingPlan, n: int, key: ScheduleKey) -> None:
+    """Raise unless ``schedule`` was built for this call (``key``: mask, shards, layout, blocks,
+    heads) and fits its plan (its own pieces are trusted: they come from :func:`ring_schedule`,
+    whose budget may name another chip than this trace's)."""
     if not isinstance(schedule, RingSchedule):
         raise TypeError(f"schedule must be a RingSchedule (ring_schedule(...)), got {type(schedule).__name__}")
+    if schedule.key is None:
+        raise ValueError("schedule carries no key of the call it was built for: build it with ring_schedule(mask, "
+                         "num_shards, layout, config, heads=..., kv_heads=...)")
+    if schedule.key != key:
+        raise ValueError(
+            "schedule was built for another ring call (its work lists would run another mask): "
+            + "; ".join(schedule.key.differences(key))
+            + ". Build it with ring_schedule(...) for this call's mask, layout, shards, config and heads"
+        )
     views = [(schedule.fwd, schedule.fwd_pieces, plan.info)]
     if plan.info_dkv is not None:
         views.append((schedule.dkv, schedule.dkv_pieces, plan.info_dkv))

@@ -5,7 +5,7 @@ import dataclasses
 
 import optax
 
-from ringsplash._checks import check_divides, check_int, check_positive_int
+from ringsplash._checks import check_bool, check_divides, check_float, check_int, check_positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +20,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.98
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = 1.0  # clip the global gradient norm to this (> 0); None: no clipping
     data_parallel: int = 1
     context_parallel: int = 1
     seed: int = 0
@@ -39,12 +39,24 @@ class TrainConfig:
         if not 0 <= check_int("warmup_steps", self.warmup_steps) <= self.steps:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
         check_int("loss_chunk", self.loss_chunk, minimum=0)
+        check_int("checkpoint_every", self.checkpoint_every, minimum=0)
+        check_int("seed", self.seed)
+        check_float("learning_rate", self.learning_rate, positive=True)
+        check_float("min_lr_ratio", self.min_lr_ratio, minimum=0.0, maximum=1.0)
+        check_float("weight_decay", self.weight_decay, minimum=0.0)
+        for name in ("b1", "b2"):
+            if not 0.0 <= check_float(name, getattr(self, name)) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {name}={getattr(self, name)!r}")
+        if self.grad_clip is not None:
+            check_float("grad_clip", self.grad_clip, positive=True)  # None switches clipping off
+        for name in ("progress", "fsdp", "log_max_logits"):
+            check_bool(name, getattr(self, name))
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW on a linear-warmup + cosine-decay schedule (to ``min_lr_ratio * learning_rate``)."""
     return optax.chain(
-        optax.clip_by_global_norm(tc.grad_clip) if tc.grad_clip else optax.identity(),
+        optax.clip_by_global_norm(tc.grad_clip) if tc.grad_clip is not None else optax.identity(),
         optax.adamw(learning_rate_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay),
     )
 

@@ -5,6 +5,7 @@ and checkpoints; a resumed run is bit-identical to an uninterrupted one."""
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -23,7 +24,7 @@ from ringsplash.train.state import (
     TrainState,
     check_run_config,
     init_sharded_state,
-    restore_sharded_state,
+    resume_state,
     save_checkpoint,
     start_from,
 )
@@ -95,7 +96,8 @@ def fit(
     on_log: Callable[[TrainState, dict], dict | None] | None = None,
     init_model: Transformer | None = None,
 ) -> TrainState:
-    """Train for ``tc.steps`` steps (resuming from the latest checkpoint under ``run_dir/checkpoints``).
+    """Train for ``tc.steps`` steps (resuming from the newest checkpoint under ``run_dir/checkpoints``
+    that verifies).
 
     Resuming is exact: the checkpoint holds parameters, optimiser state and step; batches and
     dropout keys are pure functions of (seed, step).
@@ -107,7 +109,11 @@ def fit(
     packing are part of the run's config. ``run_dir/config.json`` must match the
     given configs (else a ``ValueError`` names the differing fields), and metrics records past
     the checkpoint's step (written before an interruption) are dropped, so no step appears twice.
-    A checkpoint is written every ``tc.checkpoint_every`` steps and at the end, atomically.
+    A checkpoint is written every ``tc.checkpoint_every`` steps and at the end, atomically, with a
+    checksum of every array; a resume skips (with a warning) every newer checkpoint whose files
+    cannot be read or whose arrays do not match, moves it aside to ``<step>.corrupt``, and
+    continues from the newest one that verifies; when none does it raises
+    ``checkpoints.CheckpointCorruptError`` naming what is wrong, rather than start over.
 
     A loss or gradient norm that becomes NaN/Inf stops training with a ``FloatingPointError``
     naming the step, at the next log step and before any checkpoint would hold it.
@@ -146,8 +152,14 @@ def fit(
     check_run_config(config_path, run_config, ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
     resumed = resume and checkpoints.latest_step(ckpt) is not None
     if resumed:
-        # straight into the plan's shardings: each device reads its shards, no host holds the whole state
-        state = restore_sharded_state(ckpt, model_config, tc, mesh, plan, stream.seed)
+        # straight into the plan's shardings: each device reads its shards, no host holds the whole state;
+        # the newest checkpoint that verifies (raises, naming each one, when none does: never a silent restart)
+        state, skipped = resume_state(ckpt, model_config, tc, mesh, plan, stream.seed)
+        if skipped and is_main_process():  # out of the way: the resumed run writes those steps again
+            for bad, _ in skipped:
+                warnings.warn(f"checkpoint step {bad} did not verify; moved to {checkpoints.set_aside(ckpt, bad)}",
+                              RuntimeWarning, stacklevel=2)
+        _sync_processes("damaged checkpoints set aside")
         if int(state.data_seed) != stream.seed:
             raise ValueError(f"checkpoint {ckpt} was written with data seed {int(state.data_seed)}, not {stream.seed}")
         model, opt_state = state.model, state.opt_state

@@ -129,13 +129,28 @@ def abstract_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.s
                       np.asarray(data_seed, np.int32))
 
 
+def resume_state(path: str, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                 plan: partitioning.ShardingPlan, data_seed: int = 0) -> tuple[TrainState, list[tuple[int, str]]]:
+    """``(state, skipped)``: the newest checkpoint under ``path`` that reads back intact
+    (``checkpoints.restore_newest_valid``: its arrays match their recorded checksums), restored
+    straight into the shardings of ``abstract_state`` (the saving mesh and process count may
+    differ; each device reads its own shards, no host holds the whole state), and the newer
+    checkpoints it skipped, ``[(step, reason)]`` (each also warned about). Collective.
+
+    Raises:
+        checkpoints.CheckpointCorruptError: when no checkpoint verifies, naming what is wrong
+            with each.
+    """
+    state, _, skipped = checkpoints.restore_newest_valid(path, abstract_state(model_config, tc, mesh, plan, data_seed))
+    state = state._replace(step=jnp.asarray(state.step, jnp.int32), data_seed=jnp.asarray(state.data_seed, jnp.int32))
+    return state, skipped
+
+
 def restore_sharded_state(path: str, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
                           plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
-    """The latest checkpoint under ``path`` restored straight into the shardings of
-    ``abstract_state`` (the saving mesh and process count may differ): orbax reads each
-    device's shard into place; no unsharded copy of the state is made on any host. Collective."""
-    state = checkpoints.restore_state(path, abstract_state(model_config, tc, mesh, plan, data_seed))
-    return state._replace(step=jnp.asarray(state.step, jnp.int32), data_seed=jnp.asarray(state.data_seed, jnp.int32))
+    """The newest checkpoint under ``path`` that verifies, restored into the shardings of
+    ``abstract_state`` (``resume_state`` without the list of skipped checkpoints). Collective."""
+    return resume_state(path, model_config, tc, mesh, plan, data_seed)[0]
 
 
 def save_checkpoint(path: str, state: TrainState, *, config: dict | None = None, keep: int | None = 3,
