@@ -1,14 +1,20 @@
-"""Byte-level language model on real text every machine has: the Python standard library.
+"""Language model over any tokenized corpus, with the loss reported by position in context.
 
-Documents are the standard library's own top-level ``.py`` files (``sysconfig``), one in ten
-held out (by file name). Training rows pack randomly chosen documents (each from a random
-offset) into ``seq_len`` bytes with segment ids, so attention never crosses files, and
-positions restart per document piece. After training, the held-out loss is reported by
-position in context (how many bytes of the same file precede the prediction) as a table and a
-plot: does more context help?
+Data: ``--data PATH``, a corpus directory written by ``scripts/tokenize_corpus.py`` (any
+tokenizer; the model's vocabulary is the corpus's), and optionally ``--heldout PATH``. By
+default, a byte-level corpus of text every machine has: the Python standard library's own
+top-level ``.py`` files (``sysconfig``), one in ten held out by file name, tokenized once under
+``--corpus-dir`` (re-running is a no-op).
+
+Training rows are packed by ``ringsplash.data.Loader`` (``--packing``) with segment ids, so
+attention never crosses documents, and positions restart per document piece. After training,
+the held-out loss is reported by position in context (how many tokens of the same document
+precede the prediction) as a table and a plot: does more context help?
 
     python experiments/byte_lm.py                      # ring over 4 simulated CPU devices
     python experiments/byte_lm.py --attention splash --context-parallel 1
+    python scripts/tokenize_corpus.py my_texts/ runs/corpora/mine --tokenizer tokenizer.json
+    python experiments/byte_lm.py --data runs/corpora/mine
 """
 
 import dataclasses
@@ -27,9 +33,13 @@ from ringsplash.cli import parse_config
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    seq_len: int = 1024  # bytes per training row (packed documents)
+    data: str = ""  # a tokenized corpus directory (scripts/tokenize_corpus.py); "" = the Python stdlib, bytes
+    heldout: str = ""  # the held-out corpus; "" = the stdlib's held-out tenth (with --data: --data, another seed)
+    corpus_dir: str = "runs/corpora"  # where the default stdlib corpora are tokenized (once)
+    packing: str = "best_fit"  # training rows: concat_split | first_fit | best_fit (ringsplash.data.packing)
+    seq_len: int = 1024  # tokens per training row (packed documents)
     # model: --preset NAME (ringsplash.model.presets) takes a preset's shape, any field still
-    # overridable by its own flag; the vocabulary is always the 256 byte values
+    # overridable by its own flag; the vocabulary is the corpus's
     preset: str = ""  # a ringsplash.model.presets name; "" = the model fields below
     d_model: int = 128  # model width
     num_layers: int = 3  # transformer layers
@@ -62,15 +72,15 @@ def parse_args(argv=None) -> Config:
     return parse_config(Config, argv, description=__doc__, presets=PRESETS)
 
 
-def model_config(config: Config):
-    """The ``TransformerConfig`` of ``config`` (byte vocabulary)."""
+def model_config(config: Config, vocab_size: int = 256):
+    """The ``TransformerConfig`` of ``config`` (``vocab_size``: the corpus's; 256 for bytes)."""
     from ringsplash.model import TransformerConfig
     from ringsplash.splash import SplashConfig
 
     ring = config.attention == "ring"
     b = config.block
     return TransformerConfig(
-        vocab_size=256, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
+        vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads or None, head_dim=config.head_dim or None, mlp_ratio=config.mlp_ratio,
         mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta, remat=config.remat,
         max_seq_len=config.seq_len, attention=config.attention, ring_axis_name="context" if ring else None,
@@ -79,19 +89,28 @@ def model_config(config: Config):
     )
 
 
-def stdlib_documents():
-    """(train, held-out) lists of uint8 arrays: the stdlib's top-level .py files."""
-    import numpy as np
-
+def stdlib_files() -> tuple[list[str], list[str]]:
+    """(train, held-out) paths: the stdlib's top-level .py files, one in ten held out by name."""
     paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    train, heldout = [], []
-    for p in paths:
-        with open(p, "rb") as f:
-            doc = np.frombuffer(f.read(), np.uint8).astype(np.int32)
-        if doc.size < 2:
-            continue
-        (heldout if zlib.crc32(os.path.basename(p).encode()) % 10 == 0 else train).append(doc)
+    train = [p for p in paths if zlib.crc32(os.path.basename(p).encode()) % 10]
+    heldout = [p for p in paths if not zlib.crc32(os.path.basename(p).encode()) % 10]
     return train, heldout
+
+
+def corpora(config: Config) -> tuple[str, str]:
+    """(training corpus, held-out corpus) directories; the default stdlib ones are tokenized here
+    (a no-op when already done)."""
+    from ringsplash import data
+
+    if config.data:
+        return config.data, config.heldout or config.data
+    options = data.TokenizeOptions(errors="replace")
+    out = []
+    for name, files in zip(("stdlib-train", "stdlib-heldout"), stdlib_files(), strict=True):
+        path = os.path.join(config.corpus_dir, name)
+        data.tokenize_corpus(files, path, options, progress=config.progress)
+        out.append(path)
+    return out[0], config.heldout or out[1]
 
 
 BUCKETS = (0, 8, 32, 128, 256, 512, 1024, 2048, 4096)
@@ -110,38 +129,27 @@ def main(config: Config) -> dict:
 
     t0 = time.perf_counter()
     run_dir = config.run_dir or os.path.join("runs", "byte_lm", time.strftime("%Y%m%d-%H%M%S"))
-    train_docs, heldout_docs = stdlib_documents()
+    train_path, heldout_path = corpora(config)
     ring = config.attention == "ring"
-    model_cfg = model_config(config)
+    loader = data.Loader(train_path, data.LoaderConfig(seq_len=config.seq_len, batch_size=config.batch_size,
+                                                       seed=config.seed, packing=config.packing))
+    model_cfg = model_config(config, loader.vocab_size)
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), data_parallel=config.data_parallel,
         context_parallel=config.context_parallel if ring else 1, seed=config.seed, progress=config.progress,
     )
-
-    def sample(docs):
-        def make(rng, n, step):
-            picked, total = [], 0
-            while total < n * config.seq_len:
-                doc = docs[rng.integers(len(docs))]
-                start = int(rng.integers(0, max(1, doc.size - 64)))
-                picked.append(doc[start:])
-                total += doc.size - start
-            return data.pack_documents(picked, config.seq_len, n)
-
-        return make
-
-    stream = data.DataStream(sample(train_docs), config.batch_size, config.seed, per_row=True)  # rows drawn alone
-    # held out: whole files from their start, so "position" is the true offset into the file
-    heldout = data.DataStream(
-        lambda rng, n, step: data.pack_documents(
-            [heldout_docs[i] for i in rng.permutation(len(heldout_docs))], config.seq_len, n),
-        config.batch_size, config.seed + 1_000_003)
+    # held out: documents cut at row ends (concat_split), so each piece starts its document's context
+    heldout = data.Loader(heldout_path, data.LoaderConfig(seq_len=config.seq_len, batch_size=config.batch_size,
+                                                          seed=config.seed + 1, packing="concat_split"))
     mesh = train.make_mesh(tc.data_parallel, tc.context_parallel)
+    unit = "byte" if loader.corpora[0].manifest["tokenizer"]["kind"] == "bytes" else "token"
     print(f"run directory: {run_dir}")
-    print(f"{len(train_docs)} training files, {len(heldout_docs)} held out; {config.attention} over "
-          f"{tc.context_parallel} device(s), seq_len={config.seq_len}", flush=True)
-    state = train.fit(model_cfg, tc, stream, run_dir, mesh=mesh)
+    print(f"corpus {train_path}: {len(loader.corpora[0])} documents, {int(loader.corpora[0].lengths.sum())} "
+          f"{unit}s, {loader.sources[0].plan.num_rows} packed rows ({config.packing}); held out: {heldout_path}"
+          + (" (the training corpus: not held out)" if heldout_path == train_path else ""))
+    print(f"{config.attention} over {tc.context_parallel} device(s), seq_len={config.seq_len}", flush=True)
+    state = train.fit(model_cfg, tc, loader, run_dir, mesh=mesh)
 
     logits_fn = train.make_logits_fn(model_cfg, mesh, plan=train.sharding_plan(model_cfg, mesh, tc.fsdp))
     sums = np.zeros(len(BUCKETS)), np.zeros(len(BUCKETS))
@@ -157,11 +165,11 @@ def main(config: Config) -> dict:
             sums[1][k] += float(w.sum())
     rows = [(BUCKETS[k], BUCKETS[k + 1] if k + 1 < len(BUCKETS) else None, sums[0][k] / sums[1][k], int(sums[1][k]))
             for k in range(len(BUCKETS)) if sums[1][k] > 0]
-    print("held-out loss by position in context (bytes of the same file before the prediction):")
-    print(f"{'position':>14}  {'loss (nats)':>11}  {'bits/byte':>9}  {'tokens':>7}")
+    print(f"held-out loss by position in context ({unit}s of the same document before the prediction):")
+    print(f"{'position':>14}  {'loss (nats)':>11}  {'bits/' + unit:>10}  {'tokens':>7}")
     for lo, hi, loss, count in rows:
         span = f"[{lo}, {hi})" if hi else f"[{lo}, ...)"
-        print(f"{span:>14}  {loss:>11.3f}  {loss / np.log(2):>9.3f}  {count:>7}")
+        print(f"{span:>14}  {loss:>11.3f}  {loss / np.log(2):>10.3f}  {count:>7}")
 
     import matplotlib
 
@@ -171,14 +179,14 @@ def main(config: Config) -> dict:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([max(lo, 1) for lo, *_ in rows], [r[2] / np.log(2) for r in rows], "o-")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("position in context (bytes, bucket start)")
-    ax.set_ylabel("held-out bits / byte")
-    ax.set_title("byte LM on the Python stdlib: does more context help?")
+    ax.set_xlabel(f"position in context ({unit}s, bucket start)")
+    ax.set_ylabel(f"held-out bits / {unit}")
+    ax.set_title(f"LM on {os.path.basename(os.path.normpath(train_path))}: does more context help?")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     plot = os.path.join(run_dir, "loss_by_position.png")
     fig.savefig(plot, dpi=100)
-    train_plot = train.MetricsLog(run_dir).plot(title="byte LM (stdlib)")
+    train_plot = train.MetricsLog(run_dir).plot(title=f"LM ({os.path.basename(os.path.normpath(train_path))})")
     print(f"plots: {plot}, {train_plot}")
     print(f"wall time: {time.perf_counter() - t0:.0f} s")
     return {"rows": rows, "run_dir": run_dir, "plot": plot}

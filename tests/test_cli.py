@@ -116,12 +116,13 @@ def test_config_entry_point_help_and_abbreviations(path, capsys):
     assert f"unrecognized arguments: {flag[:-1]} 1" in capsys.readouterr().err
 
 
-def test_byte_lm_refuses_data_as_an_abbreviation(capsys):
+def test_byte_lm_refuses_a_prefix_of_data_parallel_as_an_abbreviation(capsys):
     module = _load("experiments/byte_lm.py")
     with pytest.raises(SystemExit):
-        module.parse_args(["--data", "my.txt"])
+        module.parse_args(["--data-par", "2"])
     err = capsys.readouterr().err
-    assert "unrecognized arguments: --data my.txt" in err and "invalid int value" not in err
+    assert "unrecognized arguments: --data-par 2" in err
+    assert module.parse_args(["--data", "my_corpus"]).data == "my_corpus"  # --data is the corpus flag itself
     # the preset pre-parser does not take a prefix of --preset either
     with pytest.raises(SystemExit):
         module.parse_args(["--pre", "tiny"])

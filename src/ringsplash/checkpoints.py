@@ -18,6 +18,10 @@ Contract:
 - **Any target sharding**: ``restore_state`` reads into the shardings of ``like`` (real arrays
   or ``jax.ShapeDtypeStruct``s with ``sharding=``), each device reading only its slice, so a
   checkpoint saved on a data 2 × context 4 mesh restores onto 1 × 8, replicated, or sharded.
+- **Data iterator** (optional): ``save_state(..., data_iterator=it)`` also stores a Grain
+  iterator's state (``it.get_state()``) under ``<step>/data/process_<i>-of-<n>.json``, one file per
+  process, through Grain's orbax handler, inside the same atomic save; ``restore_data_iterator``
+  sets it back (``it.set_state``).
 - Only array leaves are stored; every other leaf (equinox static fields, activation functions,
   python scalars) is taken from ``like``. Typed PRNG keys are stored as their key data.
 """
@@ -41,6 +45,7 @@ from ringsplash.distributed import config_digest
 
 FORMAT = "ringsplash.checkpoints/1"
 _ITEM = "state"
+_DATA = "data"
 _META_KEY = "ringsplash"
 
 
@@ -165,14 +170,18 @@ def _path(directory: str) -> epath.Path:
     return epath.Path(directory if "://" in str(directory) else os.path.abspath(directory))
 
 
-def _manager(directory: str, *, keep: int | None = None, create: bool = False) -> ocp.CheckpointManager:
+def _manager(directory: str, *, keep: int | None = None, create: bool = False,
+             data: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=create, enable_async_checkpointing=False,
     )
-    return ocp.CheckpointManager(
-        _path(directory), options=options, item_names=(_ITEM,),
-        item_handlers={_ITEM: ocp.StandardCheckpointHandler()},
-    )
+    handlers = {_ITEM: ocp.StandardCheckpointHandler()}
+    if data:  # Grain's orbax handler: one JSON file of iterator state per process
+        import grain.checkpoint
+
+        handlers[_DATA] = grain.checkpoint.CheckpointHandler()
+    return ocp.CheckpointManager(_path(directory), options=options, item_names=tuple(handlers),
+                                 item_handlers=handlers)
 
 
 def all_steps(directory: str) -> list[int]:
@@ -222,6 +231,7 @@ def save_state(
     step: int | None = None,
     config: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    data_iterator=None,
 ) -> int:
     """Save the array leaves of ``state`` as checkpoint ``step`` under ``directory``. Collective.
 
@@ -233,6 +243,8 @@ def save_state(
         config: JSON-able run configuration stored in the metadata with its ``config_hash``.
         keep: keep only the newest ``keep`` checkpoints (older ones are deleted after this save
             is finalised); ``None`` keeps all.
+        data_iterator: a Grain ``DatasetIterator`` (anything with ``get_state()`` giving a JSON-able
+            dict) whose state is stored too, one file per process (``restore_data_iterator``).
 
     Returns:
         The step saved. Raises ``FileExistsError`` if that step is already saved.
@@ -252,11 +264,16 @@ def save_state(
         leaves=tuple(_leaf_info(p, x) for p, x in leaves), process_count=process_count,
     )
     items = {f"{i:05d}": _savable(x, process_count) for i, (_, x) in enumerate(leaves)}
-    with _manager(directory, keep=keep, create=True) as mngr:
+    args = {_ITEM: ocp.args.StandardSave(items)}
+    if data_iterator is not None:
+        import grain.checkpoint
+
+        args[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
+    with _manager(directory, keep=keep, create=True, data=data_iterator is not None) as mngr:
         if step in mngr.all_steps():
             raise FileExistsError(f"checkpoint step={step} already exists under {directory!r}")
         # force: the steps are ours to choose (orbax would skip a step below its latest one)
-        mngr.save(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardSave(items)}),
+        mngr.save(step, args=ocp.args.Composite(**args),
                   custom_metadata={_META_KEY: dataclasses.asdict(meta)}, force=True)
         mngr.wait_until_finished()
     return step
@@ -309,6 +326,30 @@ def restore_state(directory: str, like, *, step: int | None = None, config: Mapp
             value = jax.random.wrap_key_data(value, impl=s.key_impl)
         values.append(value)
     return _replace_array_leaves(like, values)
+
+
+def data_state_file(directory: str, step: int) -> epath.Path:
+    """This process's data-iterator state file in checkpoint ``step`` (it may not exist)."""
+    return _path(directory) / str(step) / _DATA / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
+def restore_data_iterator(directory: str, step: int, iterator) -> bool:
+    """Set ``iterator`` (``set_state``) to the data-iterator state this process saved with checkpoint
+    ``step``; ``False`` (iterator untouched) when the checkpoint holds none for this process (saved
+    without one, or by another number of processes). Collective."""
+    step = _resolve_step(directory, step)
+    has = data_state_file(directory, step).exists()
+    if jax.process_count() > 1:  # every process takes the same branch (the restore is collective)
+        from jax.experimental import multihost_utils
+
+        has = bool(np.all(multihost_utils.process_allgather(np.asarray(has))))
+    if not has:
+        return False
+    import grain.checkpoint
+
+    with _manager(directory, data=True) as mngr:
+        mngr.restore(step, args=ocp.args.Composite(**{_DATA: grain.checkpoint.CheckpointRestore(iterator)}))
+    return True
 
 
 def _replace_array_leaves(tree, values: list):

@@ -57,13 +57,21 @@ def stream_batch(stream: DataStream, step: int, mesh: jax.sharding.Mesh, model_c
     ``per_row`` stream no process touches another's rows; the global batch is the same whatever
     the number of processes."""
     rows = process_rows(mesh, stream.batch_size)
-    local = layout_batch(stream.batch(step, rows=rows), model_config)
-    where = np.full(stream.batch_size, -1)
+    return place_rows(stream.batch(step, rows=rows), rows, stream.batch_size, mesh, model_config)
+
+
+def place_rows(local: Batch, rows: np.ndarray, batch_size: int, mesh: jax.sharding.Mesh,
+               model_config: TransformerConfig) -> Batch:
+    """The global ``batch_size``-row batch on the mesh from this process's rows ``rows``
+    (``process_rows``; ``local`` holds them in that order): laid out and placed as
+    ``shard_batch`` would place the whole batch, each process filling only its shards."""
+    local = layout_batch(local, model_config)
+    where = np.full(batch_size, -1)
     where[rows] = np.arange(len(rows))  # global row -> row of ``local``
     sharding = NamedSharding(mesh, batch_spec(model_config))
 
     def place(x: np.ndarray) -> jax.Array:
-        shape = (stream.batch_size, *x.shape[1:])
+        shape = (batch_size, *x.shape[1:])
         return jax.make_array_from_callback(shape, sharding, lambda index: x[(where[index[0]], *index[1:])])
 
     return Batch(*(place(np.asarray(x)) for x in local))

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringsplash import checkpoints
-from ringsplash.data import DataStream
+from ringsplash.data import DataStream, Loader
 from ringsplash.distributed import is_main_process
 from ringsplash.model import Transformer, TransformerConfig
-from ringsplash.train.batches import stream_batch
+from ringsplash.train.batches import place_rows, process_rows, stream_batch
 from ringsplash.train.config import TrainConfig, learning_rate_schedule, make_optimizer
 from ringsplash.train.mesh import make_mesh
 from ringsplash.train.metrics import MetricsLog, max_logit_metrics
@@ -53,10 +53,40 @@ def _stop_if_nonfinite(pending: list, ckpt: str) -> None:
         )
 
 
+def _check_loader(loader: Loader, model_config: TransformerConfig, tc: TrainConfig) -> None:
+    """A loader that fits the model and the run (before any work)."""
+    if loader.seq_len != model_config.max_seq_len:
+        raise ValueError(f"the loader's seq_len={loader.seq_len} must equal the model's "
+                         f"max_seq_len={model_config.max_seq_len}")
+    if loader.batch_size != tc.batch_size:
+        raise ValueError(f"the loader's batch_size={loader.batch_size} must equal the train config's "
+                         f"batch_size={tc.batch_size}")
+    if loader.vocab_size > model_config.vocab_size:
+        raise ValueError(f"the corpus {loader.paths} was tokenized with a vocabulary of {loader.vocab_size} tokens; "
+                         f"the model's vocab_size={model_config.vocab_size} is smaller (another tokenizer?)")
+
+
+class _LoaderBatches:
+    """This process's batches from a ``Loader``'s Grain iterator (its rows only), placed on the mesh."""
+
+    def __init__(self, loader: Loader, start: int, mesh, model_config: TransformerConfig, ckpt: str, resumed: bool):
+        self.rows = process_rows(mesh, loader.batch_size)
+        self.loader, self.mesh, self.model_config = loader, mesh, model_config
+        self.iterator = loader.iterator(self.rows, start)
+        if resumed:  # the state saved with the checkpoint (absent when the process count changed)
+            checkpoints.restore_data_iterator(ckpt, start, self.iterator)
+
+    def __call__(self, step: int):
+        at = self.iterator.get_state().get("next_index")
+        if at != step:  # a restored state that is not this step's (another loader, another Grain format)
+            raise RuntimeError(f"the data iterator stands at batch {at}, the run at step {step}")
+        return place_rows(next(self.iterator), self.rows, self.loader.batch_size, self.mesh, self.model_config)
+
+
 def fit(
     model_config: TransformerConfig,
     tc: TrainConfig,
-    stream: DataStream,
+    stream: DataStream | Loader,
     run_dir: str,
     *,
     mesh=None,
@@ -68,7 +98,13 @@ def fit(
     """Train for ``tc.steps`` steps (resuming from the latest checkpoint under ``run_dir/checkpoints``).
 
     Resuming is exact: the checkpoint holds parameters, optimiser state and step; batches and
-    dropout keys are pure functions of (seed, step). ``run_dir/config.json`` must match the
+    dropout keys are pure functions of (seed, step).
+
+    ``stream`` is a ``DataStream`` (batches drawn by step) or a ``data.Loader`` (tokenized
+    corpora): then each process reads its rows through the loader's Grain iterator (background
+    prefetch), whose state goes into every checkpoint and is restored with it; the loader's
+    ``seq_len``, ``batch_size`` and vocabulary must fit the model and ``tc``, and its sources and
+    packing are part of the run's config. ``run_dir/config.json`` must match the
     given configs (else a ``ValueError`` names the differing fields), and metrics records past
     the checkpoint's step (written before an interruption) are dropped, so no step appears twice.
     A checkpoint is written every ``tc.checkpoint_every`` steps and at the end, atomically.
@@ -87,6 +123,9 @@ def fit(
     """
     from tqdm.auto import tqdm
 
+    loader = isinstance(stream, Loader)
+    if loader:
+        _check_loader(stream, model_config, tc)
     usp = model_config.attention == "usp" or tc.ulysses_parallel > 1
     mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel, ulysses=tc.ulysses_parallel if usp else None)
     optimizer = make_optimizer(tc)
@@ -101,10 +140,12 @@ def fit(
     if not resume and os.path.exists(config_path) and is_main_process():
         os.remove(config_path)  # a fresh start may change the config
     _sync_processes("fresh run directory")
-    check_run_config(config_path,
-                     {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed},
-                     ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
-    if resume and checkpoints.latest_step(ckpt) is not None:
+    run_config = {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed}
+    if loader:
+        run_config["data"] = stream.describe()
+    check_run_config(config_path, run_config, ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
+    resumed = resume and checkpoints.latest_step(ckpt) is not None
+    if resumed:
         # straight into the plan's shardings: each device reads its shards, no host holds the whole state
         state = restore_sharded_state(ckpt, model_config, tc, mesh, plan, stream.seed)
         if int(state.data_seed) != stream.seed:
@@ -128,16 +169,23 @@ def fit(
     bar = tqdm(total=end, initial=start, desc="train", disable=not tc.progress or not is_main_process(),
                dynamic_ncols=True)
     window_start, window_steps = time.perf_counter(), 0
-    next_batch = stream_batch(stream, start, mesh, model_config) if start < end else None
+    if loader:
+        draw = _LoaderBatches(stream, start, mesh, model_config, ckpt, resumed)
+        data_iterator = draw.iterator
+    else:
+        draw = lambda step: stream_batch(stream, step, mesh, model_config)
+        data_iterator = None
+    next_batch = draw(start) if start < end else None
     pending = []  # (step, loss, grad_norm) of the steps not yet checked for NaN/Inf
     for i in range(start, end):
         batch = next_batch
         model, opt_state, metrics = step_fn(model, opt_state, batch, jax.random.fold_in(base_key, i))
         pending.append((i + 1, metrics["loss"], metrics["grad_norm"]))
-        if i + 1 < end:  # build the next batch on the host while the device works
-            next_batch = stream_batch(stream, i + 1, mesh, model_config)
-        window_steps += 1
         last = i + 1 == end
+        save_now = tc.checkpoint_every and (i + 1) % tc.checkpoint_every == 0 and not last
+        if i + 1 < end and not save_now:  # build the next batch on the host while the device works
+            next_batch = draw(i + 1)
+        window_steps += 1
         if (i + 1) % tc.log_every == 0 or last or i == start:
             _stop_if_nonfinite(pending, ckpt)
             pending = []
@@ -157,11 +205,13 @@ def fit(
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.3f}",
                             tok_s=f"{record.get('tokens_per_s', 0):.0f}")
         bar.update(1)
-        if tc.checkpoint_every and (i + 1) % tc.checkpoint_every == 0 and not last:
+        if save_now:  # the data iterator stands at batch i + 1, the step saved
             _stop_if_nonfinite(pending, ckpt)
             pending = []
-            save_checkpoint(ckpt, TrainState(model, opt_state, jnp.asarray(i + 1, jnp.int32), state.data_seed))
+            save_checkpoint(ckpt, TrainState(model, opt_state, jnp.asarray(i + 1, jnp.int32), state.data_seed),
+                            data_iterator=data_iterator)
+            next_batch = draw(i + 1)
     bar.close()
     state = TrainState(model, opt_state, jnp.asarray(max(end, start), jnp.int32), state.data_seed)
-    save_checkpoint(ckpt, state)
+    save_checkpoint(ckpt, state, data_iterator=data_iterator)
     return state

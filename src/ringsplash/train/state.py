@@ -138,14 +138,16 @@ def restore_sharded_state(path: str, model_config: TransformerConfig, tc: TrainC
     return state._replace(step=jnp.asarray(state.step, jnp.int32), data_seed=jnp.asarray(state.data_seed, jnp.int32))
 
 
-def save_checkpoint(path: str, state: TrainState, *, config: dict | None = None, keep: int | None = 3) -> None:
+def save_checkpoint(path: str, state: TrainState, *, config: dict | None = None, keep: int | None = 3,
+                    data_iterator=None) -> None:
     """Save ``state`` as checkpoint ``state.step`` under the directory ``path`` (sharded, atomic,
-    orbax; see ``ringsplash.checkpoints``). Collective: every process calls it. A step already
+    orbax; see ``ringsplash.checkpoints``), with ``data_iterator``'s state (each process its own,
+    positioned at batch ``state.step``) if given. Collective: every process calls it. A step already
     saved is not written again (batches are a pure function of (seed, step), so it is the same
     state); only the newest ``keep`` checkpoints are kept."""
     if int(state.step) in checkpoints.all_steps(path):
         return
-    checkpoints.save_state(path, state, config=config, keep=keep)
+    checkpoints.save_state(path, state, config=config, keep=keep, data_iterator=data_iterator)
 
 
 def load_checkpoint(path: str, like: TrainState) -> TrainState:

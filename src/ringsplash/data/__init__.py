@@ -1,0 +1,40 @@
+"""Data: the ``Batch`` record, tokenized corpora on disk, the Grain loader that packs documents
+(segment ids, mixtures, process-local rows, resumable state), and the synthetic tasks.
+
+* ``batch.py`` — ``Batch`` (tokens, labels, loss mask, positions, segment ids; ``[batch, seq]``).
+* ``stream.py`` — ``DataStream``: batches as a pure function of ``(seed, step)``.
+* ``synthetic.py`` — the recall task, ``pack_documents`` of in-memory documents.
+* ``tokenize.py`` / ``corpus.py`` — ``tokenize_corpus`` writes, ``TokenizedCorpus`` reads (memory-mapped).
+* ``packing.py`` — packing plans (concat-and-split, first fit, best fit) and packed rows.
+* ``loader.py`` — ``Loader``: packed, shuffled, mixed batches of tokenized corpora through Grain.
+
+``tokenize_corpus`` needs ``tokenizers`` for Hugging Face tokenizers and ``Loader`` needs
+``grain`` (the ``data`` extra); both are imported only when used.
+"""
+
+from ringsplash.data.batch import Batch
+from ringsplash.data.corpus import TokenizedCorpus, read_manifest
+from ringsplash.data.loader import Loader, LoaderConfig
+from ringsplash.data.packing import PackPlan, pack_row, plan_packing
+from ringsplash.data.stream import DataStream, heldout_stream
+from ringsplash.data.synthetic import RecallTask, pack_documents, recall_batch
+from ringsplash.data.tokenize import TokenizeOptions, input_files, tokenize_corpus
+
+__all__ = [
+    "Batch",
+    "DataStream",
+    "Loader",
+    "LoaderConfig",
+    "PackPlan",
+    "RecallTask",
+    "TokenizeOptions",
+    "TokenizedCorpus",
+    "heldout_stream",
+    "input_files",
+    "pack_documents",
+    "pack_row",
+    "plan_packing",
+    "read_manifest",
+    "recall_batch",
+    "tokenize_corpus",
+]

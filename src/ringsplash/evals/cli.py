@@ -1,0 +1,106 @@
+"""``python -m ringsplash.evals TASK --model DIR ...``: run one evaluation, write its results under
+``--out`` and print its table. TASK: ``loss`` (loss / perplexity by position), ``passkey``,
+``niah`` (depth × length grids, teacher-forced and generative), ``ruler`` (RULER-style tasks,
+generative). ``--model``: a Hugging Face checkpoint directory or a ringsplash run directory."""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _ints(s: str) -> list[int]:
+    out = []
+    for x in filter(None, s.split(",")):
+        x = x.strip().upper()
+        out.append(int(float(x[:-1]) * 1024) if x.endswith("K") else int(x))
+    return out
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in filter(None, s.split(","))]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ringsplash.evals", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("task", choices=("loss", "passkey", "niah", "ruler"))
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint dir or ringsplash run dir")
+    p.add_argument("--tokenizer", default=None,
+                   help="'bytes', a tokenizer.json or a dir holding one (default: the model dir's, else bytes)")
+    p.add_argument("--haystack", default=None, help="a local text file (default: text shipped with Python)")
+    p.add_argument("--out", default=None, help="output dir (default: evals/<task>-<time>)")
+    p.add_argument("--lengths", default="1K,2K,4K", help="comma-separated lengths in tokens (K = 1024)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
+    p.add_argument("--samples", type=int, default=4, help="prompts per cell (passkey / niah) or per length (ruler)")
+    p.add_argument("--digits", type=int, default=None, help="key digits (default: passkey 5, niah 7)")
+    p.add_argument("--ruler-tasks", default="niah_single,niah_multikey,niah_multivalue,variable_tracking,common_words")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="ruler: new tokens (default: RULER's per task)")
+    p.add_argument("--seq-len", type=int, default=None, help="loss: tokens per document (default: max of --lengths)")
+    p.add_argument("--documents", type=int, default=4, help="loss: documents")
+    p.add_argument("--bucket-size", type=int, default=None, help="loss: positions per bucket (default: 16 buckets)")
+    p.add_argument("--log-buckets", action="store_true", help="loss: buckets at 0, 1, 2, 4, 8, ... instead")
+    p.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
+                   help="also score generations (rs.inference.generate, greedy); --no-generate: teacher-forced only")
+    p.add_argument("--attention", default="splash", choices=("splash", "reference"))
+    p.add_argument("--dtype", default="float32", help="parameter dtype (compute dtype: --compute-dtype)")
+    p.add_argument("--compute-dtype", default=None)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    from ringsplash import evals
+
+    out = args.out or os.path.join("evals", f"{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out, exist_ok=True)
+    tok_spec = args.tokenizer or (args.model if os.path.isfile(os.path.join(args.model, "tokenizer.json"))
+                                  else "bytes")
+    tokenizer = evals.load_tokenizer(tok_spec)
+    text = evals.read_text(args.haystack)
+    lengths = _ints(args.lengths)
+    model = evals.load_model(args.model, attention=args.attention, param_dtype=args.dtype,
+                             compute_dtype=args.compute_dtype)
+    generate_fn = evals.inference_generate_fn(model) if (args.generate or args.task == "ruler") else None
+    print(f"model {args.model}: {model.config.num_layers} layers, d_model {model.config.d_model}, max_seq_len "
+          f"{model.config.max_seq_len}; tokenizer {tok_spec}; results -> {out}", flush=True)
+    result: dict = {"task": args.task, "model": args.model, "out": out}
+    if args.task == "loss":
+        seq_len = args.seq_len or max(lengths)
+        tokens = tokenizer.encode(text)
+        rows = evals.document_rows(tokens, seq_len, args.documents)
+        lbp = evals.loss_by_position(evals.Scorer(model), rows, bucket_size=args.bucket_size,
+                                     log_buckets=args.log_buckets, batch_size=args.batch_size)
+        result["files"] = evals.write_loss_by_position(lbp, out)
+        table = lbp.table()
+    elif args.task in ("passkey", "niah"):
+        make = evals.passkey_task if args.task == "passkey" else evals.niah_task
+        task = make(tokenizer) if args.digits is None else make(tokenizer, args.digits)
+        records = evals.run_grid(evals.Scorer(model), task, evals.Haystack.from_text(text, tokenizer), lengths,
+                                 _floats(args.depths), args.samples, generate_fn=generate_fn,
+                                 batch_size=args.batch_size, seed=args.seed, progress=True)
+        written = evals.write_grid(records, out, title=args.task)
+        result.update(summary=written["summary"], files=written["files"])
+        table = written["table"]
+    else:
+        rows = []
+        for name in filter(None, args.ruler_tasks.split(",")):
+            rows += evals.run_ruler(generate_fn, tokenizer, name, lengths, args.samples, text, out, seed=args.seed,
+                                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+        result["summary"] = rows
+        table = "\n".join(["| task | length | score (%) | nulls |", "|---|---|---|---|"]
+                          + [f"| {r['task']} | {r['length']} | {r['score']:.2f} | {r['nulls']} |" for r in rows])
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump({k: v for k, v in result.items() if k != "summary"} | {"summary": result.get("summary")}, f,
+                  indent=1)
+    print(table)
+    print(f"results: {out}", file=sys.stderr)
+    return result
+
+
+__all__ = ["main", "parser"]
