@@ -1,5 +1,6 @@
 """2 processes x 2 devices: each process reads only its rows of the ``Loader``, and the rows of all
-processes together are the batch one process reads whole."""
+processes together are the batch one process reads whole; each process's iterator state goes
+into a checkpoint (one file per process) and comes back."""
 
 import os
 import subprocess
@@ -37,3 +38,9 @@ def test_two_processes_read_disjoint_rows_whose_union_is_the_batch(tmp_path):
         for p in parts:
             for field in data.Batch._fields:
                 np.testing.assert_array_equal(p[field][step], getattr(whole, field)[p["rows"]])
+    whole = loader.batch(worker.STEPS)  # after the restore, each process reads on from its saved position
+    for i, p in enumerate(parts):
+        assert (tmp_path / "checkpoints" / str(worker.STEPS) / "data" / f"process_{i}-of-2.json").exists()
+        restored = np.load(tmp_path / f"next_{i}.npz")
+        for field in data.Batch._fields:
+            np.testing.assert_array_equal(restored[field], getattr(whole, field)[p["rows"]])

@@ -155,3 +155,23 @@ def test_tokenize_script_writes_a_corpus_and_reports_bad_input(inputs, capsys):
         script.main([str(tmp / "bad.jsonl"), str(tmp / "c2"), "--no-progress"])
     assert exit_.value.code == 2
     assert "bad.jsonl:1: no text field 'text'" in capsys.readouterr().err
+
+
+def test_byte_lm_builds_its_default_stdlib_corpora_once(tmp_path):
+    """experiments/byte_lm.py without --data: the stdlib's .py files, tokenized as bytes into a
+    training and a held-out corpus with no file in both; a second call rewrites nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "byte_lm_corpora", os.path.join(os.path.dirname(__file__), "..", "experiments", "byte_lm.py"))
+    byte_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(byte_lm)
+    config = byte_lm.Config(corpus_dir=str(tmp_path), progress=False)
+    train_path, heldout_path = byte_lm.corpora(config)
+    manifests = [data.read_manifest(p) for p in (train_path, heldout_path)]
+    files = [{i["path"] for i in m["inputs"]} for m in manifests]
+    assert files[0] and files[1] and not files[0] & files[1] and all(m["vocab_size"] == 256 for m in manifests)
+    stamp = os.stat(os.path.join(train_path, "manifest.json")).st_mtime_ns
+    assert byte_lm.corpora(config) == (train_path, heldout_path)
+    assert os.stat(os.path.join(train_path, "manifest.json")).st_mtime_ns == stamp
+    assert byte_lm.corpora(byte_lm.Config(data="mine")) == ("mine", "mine")

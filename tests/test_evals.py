@@ -251,8 +251,27 @@ def test_cli_passkey_and_loss_write_results(hf_dir, tmp_path, capsys):
     assert "| positions | loss (nats)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_inference_generate_fn_equals_the_reference_greedy_decoder_and_drives_the_cli(model, hf_dir, tmp_path):
+    pytest.importorskip("ringsplash.inference")  # rs.inference.generate: the KV-cache decoder
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 256, size=(3, 40)).astype(np.int32)
+    lengths = np.array([40, 25, 33], np.int32)  # right-padded rows of different prompt lengths
+    np.testing.assert_array_equal(evals.inference_generate_fn(model)(prompts, lengths, 6),
+                                  greedy_generate_fn(model)(prompts, lengths, 6))
+    from ringsplash.evals.cli import main
+
+    result = main(["passkey", "--model", hf_dir, "--lengths", "300", "--depths", "0.5", "--samples", "2",
+                   "--attention", "reference", "--out", str(tmp_path)])
+    assert "generated_match" in result["summary"][0]
+    assert all("generated" in json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
+
+
 def test_generation_without_inference_module_is_a_clear_error(model, monkeypatch):
+    import ringsplash
+
     monkeypatch.setitem(sys.modules, "ringsplash.inference", None)  # import fails as if absent
+    monkeypatch.delattr(ringsplash, "inference", raising=False)
     with pytest.raises(ImportError, match="--no-generate"):
         evals.inference_generate_fn(model)
 
@@ -288,6 +307,8 @@ def test_bad_input_errors(scorer, tmp_path):
         evals.Haystack(np.zeros(0, np.int32))
     with pytest.raises(ValueError, match="length=100 does not fit"):
         evals.ruler_samples("niah_single", tok, 100, 1, evals.read_text())
+    with pytest.raises(ValueError, match=r"niah_multikey at length=512 .* even without filler it takes \d+ tokens"):
+        evals.ruler_samples("niah_multikey", tok, 512, 1, evals.read_text())
     with pytest.raises(ValueError, match="task='qa'"):
         evals.ruler_samples("qa", tok, 1000, 1, evals.read_text())
     with pytest.raises(ValueError, match="fewer than num_docs"):
@@ -378,3 +399,15 @@ def test_tokenizer_json_loads_and_builds_passkey_prompts(tmp_path):
     prompt = task.prompt(evals.Haystack.from_text(evals.read_text()[:3000], loaded), 300, 0.5, key)
     assert prompt.shape == (300,) and "The pass key is 40213." in loaded.decode(prompt.tolist())
     assert loaded.decode(task.key_tokens(key).tolist()) == "40213"
+
+
+def test_single_device_keeps_the_parameters_of_a_ring_model(model):
+    ring = model.with_config(TransformerConfig(**{**CONFIG.__dict__, "attention": "ring", "ring_axis_name": "context",
+                                                  "ring_size": 2}))
+    one = evals.single_device(ring, "reference")
+    assert one.config.attention == "reference" and one.config.ring_size == 1 and one.config.ring_axis_name is None
+    for x, y in zip(jax.tree.leaves(eqx.filter(one, eqx.is_array)), jax.tree.leaves(eqx.filter(ring, eqx.is_array)),
+                    strict=True):
+        assert x is y
+    with pytest.raises(ValueError, match="attention='ring' must be one of"):
+        evals.single_device(model, "ring")

@@ -4,7 +4,9 @@
 
 On a data 2 x context 2 mesh whose data axis spans the processes, each process takes its rows
 (``train.process_rows``), reads ``STEPS`` batches of only those rows through the loader's Grain
-iterator, and writes them with the row indices to ``OUT_DIR/process_<i>.npz``. No model runs.
+iterator, and writes them with the row indices to ``OUT_DIR/process_<i>.npz``. Then it saves a
+checkpoint with the iterator (each process its own state file), restores it into a fresh
+iterator and writes that one's next batch (``next_<i>.npz``): batch ``STEPS``. No model runs.
 """
 
 import os
@@ -13,7 +15,7 @@ import sys
 import jax
 import numpy as np
 
-from ringsplash import data, train
+from ringsplash import checkpoints, data, train
 
 SEQ, ROWS, STEPS = 64, 8, 3
 CONFIG = data.LoaderConfig(seq_len=SEQ, batch_size=ROWS, seed=11, packing="concat_split")
@@ -27,6 +29,12 @@ def main(corpus: str, out: str) -> None:
     fields = {f: np.stack([getattr(b, f) for b in batches]) for f in data.Batch._fields}
     np.savez(os.path.join(out, f"process_{jax.process_index()}.npz"), rows=rows, **fields)
     print(f"ROWS process {jax.process_index()} {rows.tolist()}", flush=True)
+    ckpt = os.path.join(out, "checkpoints")
+    checkpoints.save_state(ckpt, {"w": np.arange(3.0)}, step=STEPS, data_iterator=it)
+    fresh = data.Loader(corpus, CONFIG).iterator(rows)
+    assert checkpoints.restore_data_iterator(ckpt, STEPS, fresh)
+    nxt = next(fresh)
+    np.savez(os.path.join(out, f"next_{jax.process_index()}.npz"), **{f: getattr(nxt, f) for f in data.Batch._fields})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def _floats(s: str) -> list[float]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ringsplash.evals", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ringsplash.evals", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", choices=("loss", "passkey", "niah", "ruler"))
     p.add_argument("--model", required=True, help="Hugging Face checkpoint dir or ringsplash run dir")
@@ -87,7 +87,11 @@ def main(argv=None) -> dict:
         table = written["table"]
     else:
         rows = []
-        for name in filter(None, args.ruler_tasks.split(",")):
+        names = list(filter(None, args.ruler_tasks.split(",")))
+        for name in names:  # every task and length fits (else an error) before anything is generated
+            for length in lengths:
+                evals.ruler_samples(name, tokenizer, length, 1, text, max_new_tokens=args.max_new_tokens)
+        for name in names:
             rows += evals.run_ruler(generate_fn, tokenizer, name, lengths, args.samples, text, out, seed=args.seed,
                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         result["summary"] = rows

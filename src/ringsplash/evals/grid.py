@@ -123,8 +123,9 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def write_grid(records: list[dict], out_dir: str, title: str = "") -> dict:
-    """``results.jsonl`` (every prompt), ``summary.json`` (per cell), a heatmap PNG per metric and a
-    table on stdout's behalf (returned). Returns ``{"summary": ..., "table": str, "files": [...]}``."""
+    """Write ``results.jsonl`` (every prompt), ``summary.json`` (per cell) and a heatmap PNG per metric
+    (``heatmap_<metric>.png``, depth × length). Returns ``{"summary": per-cell rows, "table": markdown
+    table of them, "files": paths written}``."""
     from ringsplash.evals.plots import heatmap
 
     os.makedirs(out_dir, exist_ok=True)

@@ -96,21 +96,39 @@ class RingsplashLM(LM):
     # ----------------------------------------------------------------------------- generation
 
     def generate_until(self, requests) -> list[str]:
+        """Greedy continuations, ``batch_size`` requests with the same ``max_gen_toks`` per
+        ``generate_fn`` call (right-padded prompts with their lengths), each cut at its first stop string."""
         if self._generate_fn is None:
             self._generate_fn = inference_generate_fn(self.model)
-        out = []
-        for ctx, kwargs in (r.args for r in requests):
+        jobs = []  # (index, prompt ids, new tokens, stop strings)
+        for i, (ctx, kwargs) in enumerate(r.args for r in requests):
             kwargs = dict(kwargs or {})
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             n = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            if not 0 < n < self.max_length:
+                raise ValueError(f"max_gen_toks={n} must be in [1, max_length={self.max_length})")
             ids = self.tokenizer.encode(ctx)[-(self.max_length - n):] if ctx else [self.prefix_token_id]
-            new = np.asarray(self._generate_fn(np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32), n))[0]
-            text = self.tokenizer.decode([int(t) for t in new])
-            for stop in until:
-                if stop and stop in text:
-                    text = text[:text.index(stop)]
-            out.append(text)
+            jobs.append((i, ids, n, until))
+        out: list[str] = [""] * len(jobs)
+        jobs.sort(key=lambda j: (j[2], len(j[1])))
+        groups: dict[int, list] = {}
+        for job in jobs:
+            groups.setdefault(job[2], []).append(job)
+        for n, group in groups.items():
+            for b in range(0, len(group), self.batch_size):
+                part = group[b:b + self.batch_size]
+                lengths = np.array([len(j[1]) for j in part], np.int32)
+                prompts = np.zeros((len(part), lengths.max()), np.int32)
+                for row, job in enumerate(part):
+                    prompts[row, :len(job[1])] = job[1]
+                new = np.asarray(self._generate_fn(prompts, lengths, n))
+                for (i, _, _, until), toks in zip(part, new):
+                    text = self.tokenizer.decode([int(t) for t in toks])
+                    for stop in until:
+                        if stop and stop in text:
+                            text = text[:text.index(stop)]
+                    out[i] = text
         return out
 
 

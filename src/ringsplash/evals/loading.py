@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 
+import jax.numpy as jnp
 import numpy as np
 
 from ringsplash.evals.scoring import GenerateFn
@@ -82,8 +83,8 @@ def inference_generate_fn(model: Transformer, **kwargs) -> GenerateFn:
                           "or pass your own generate_fn") from e
 
     def generate(prompts: np.ndarray, prompt_lengths: np.ndarray, max_new_tokens: int) -> np.ndarray:
-        out = inference.generate(model, np.asarray(prompts, np.int32), int(max_new_tokens),
-                                 prompt_lengths=np.asarray(prompt_lengths, np.int32), **kwargs)
+        out = inference.generate(model, jnp.asarray(prompts, jnp.int32), int(max_new_tokens),
+                                 prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32), **kwargs)
         return np.asarray(out)
 
     return generate

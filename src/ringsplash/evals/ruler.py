@@ -217,20 +217,25 @@ def ruler_samples(task: str, tokenizer: Tokenizer, length: int, num_samples: int
     if budget < 1:
         raise ValueError(f"length={length} does not fit: it must exceed max_new_tokens={new}")
     rng = np.random.default_rng([seed, int(length), RULER_TASKS.index(task)])
-    hay_words, words = _tokens_of_text(text), None
+    hay_words = _tokens_of_text(text)
+    words = None if task == "variable_tracking" else _words(text)
     out = []
     for i in range(num_samples):
-        if task.startswith("niah"):
-            words = words or _words(text)
-            k, v = {"niah_single": (1, 1), "niah_multikey": (4, 1), "niah_multivalue": (1, 4)}[task]
-            prompt, refs = _niah(rng, hay_words, words, k, v, tokenizer, budget)
-        elif task == "variable_tracking":
-            prompt, refs = _variable_tracking(rng, tokenizer, budget)
-        else:
-            words = words or _words(text)
-            prompt, refs = _common_words(rng, words, tokenizer, budget, length)
+        try:
+            prompt, refs = _sample(task, rng, hay_words, words, tokenizer, budget, length)
+        except ValueError as e:
+            raise ValueError(f"{task} at length={length} (max_new_tokens={new}): {e}") from e
         out.append(RulerSample(i, task, prompt, tuple(refs), int(length), len(tokenizer.encode(prompt))))
     return out
+
+
+def _sample(task, rng, hay_words, words, tokenizer, budget, length):
+    if task.startswith("niah"):
+        k, v = {"niah_single": (1, 1), "niah_multikey": (4, 1), "niah_multivalue": (1, 4)}[task]
+        return _niah(rng, hay_words, words, k, v, tokenizer, budget)
+    if task == "variable_tracking":
+        return _variable_tracking(rng, tokenizer, budget)
+    return _common_words(rng, words, tokenizer, budget, length)
 
 
 # ----------------------------------------------------------------------------- running
