@@ -33,7 +33,7 @@ if os.environ.get("RINGSPLASH_TEST_JAX_CACHE", "1") != "0" and "JAX_COMPILATION_
     _OWN_JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ringsplash-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-import jax
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
