@@ -331,10 +331,10 @@ def main(config: Config) -> dict:
         zero = base_model.with_config(ext)
         for phase, model in (("zero_shot", zero), ("finetuned", None)):
             if model is None:
-                tc = train.TrainConfig(steps=config.finetune_steps, batch_size=config.finetune_batch,
-                                       learning_rate=config.finetune_lr, warmup_steps=max(1, config.finetune_steps // 10),
-                                       context_parallel=config.context_parallel, seed=config.seed,
-                                       log_every=max(1, config.finetune_steps // 10), progress=config.progress)
+                steps = config.finetune_steps
+                tc = train.TrainConfig(steps=steps, batch_size=config.finetune_batch, learning_rate=config.finetune_lr,
+                                       warmup_steps=max(1, steps // 10), context_parallel=config.context_parallel,
+                                       seed=config.seed, log_every=max(1, steps // 10), progress=config.progress)
                 print(f"[{method}] finetune: {config.finetune_steps} steps x {config.finetune_batch} rows x "
                       f"{long_len} tokens, ring over {config.context_parallel} devices", flush=True)
                 model = train.fit(on_ring(ext, config), tc, long_loader, os.path.join(run_dir, method, "finetune"),
@@ -357,20 +357,21 @@ def main(config: Config) -> dict:
     ys = {f"{m} ({phase})": np.array([r["perplexity"] for r in results if (r["method"], r["phase"]) == (m, phase)])
           for m in methods for phase in ("zero_shot", "finetuned")}
     plot = os.path.join(run_dir, "perplexity.png")
-    line_plot(np.asarray(lengths, np.float64), ys, plot, xlabel="evaluation length (tokens)", ylabel="held-out perplexity",
-                          title=f"extending {config.base_len} -> {long_len}", logx=True)
+    line_plot(np.asarray(lengths, np.float64), ys, plot, xlabel="evaluation length (tokens)",
+              ylabel="held-out perplexity", title=f"extending {config.base_len} -> {long_len}", logx=True)
     wall = time.perf_counter() - t0
     print(f"results: {run_dir}/results.md, {plot}; wall time {wall:.0f} s")
-    return {"results": results, "run_dir": run_dir, "table": table, "plot": plot, "wall_s": wall,
-            "returncode": 0, "lengths": lengths, "all_finite": bool(np.all([np.isfinite(r["perplexity"])
-                                                                           for r in results]))}
+    finite = bool(np.all([np.isfinite(r["perplexity"]) for r in results]))
+    return {"results": results, "run_dir": run_dir, "table": table, "plot": plot, "wall_s": wall, "returncode": 0,
+            "lengths": lengths, "all_finite": finite}
 
 
 def results_table(results: list[dict], lengths) -> str:
     """Markdown: one row per method and phase, a ``perplexity / passkey`` cell per length."""
     head = "| method | phase | " + " | ".join(f"{n} ppl / passkey" for n in lengths) + " |"
     lines = [head, "|" + "---|" * (2 + len(lengths))]
-    keys = sorted({(r["method"], r["phase"]) for r in results}, key=lambda k: (METHODS.index(k[0]), k[1] != "zero_shot"))
+    order = lambda k: (METHODS.index(k[0]), k[1] != "zero_shot")
+    keys = sorted({(r["method"], r["phase"]) for r in results}, key=order)
     for method, phase in keys:
         cells = {r["length"]: r for r in results if (r["method"], r["phase"]) == (method, phase)}
         lines.append(f"| {method} | {phase} | " + " | ".join(

@@ -23,6 +23,11 @@ def _job():
     return job
 
 
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     job = _job()
@@ -39,13 +44,14 @@ def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
     job, first, _ = runs
     run_dir = first["run_dir"]
     assert first["lengths"] == [512, 1024]
-    records = [json.loads(line) for line in open(os.path.join(run_dir, "results.jsonl"))]
+    records = _jsonl(os.path.join(run_dir, "results.jsonl"))
     keys = {(r["method"], r["phase"], r["length"]) for r in records}
     assert keys == {(m, p, n) for m in job.METHODS for p in ("zero_shot", "finetuned") for n in (512, 1024)}
     for r in records:
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1, r
         assert 0.0 <= r["passkey"] <= 1.0, r
-    table = open(os.path.join(run_dir, "results.md")).read()
+    with open(os.path.join(run_dir, "results.md")) as f:
+        table = f.read()
     assert table.startswith("| method | phase | 512 ppl / passkey | 1024 ppl / passkey |")
     assert len(table.strip().splitlines()) == 2 + 2 * len(job.METHODS)
     assert os.path.getsize(os.path.join(run_dir, "perplexity.png")) > 0
@@ -53,10 +59,11 @@ def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
         for phase in ("zero_shot", "finetuned"):
             d = os.path.join(run_dir, method, phase)
             assert os.path.getsize(os.path.join(d, "heatmap_exact.png")) > 0, d
-            assert sum(1 for _ in open(os.path.join(d, "results.jsonl"))) == 2  # one prompt per length
+            assert len(_jsonl(os.path.join(d, "results.jsonl"))) == 2  # one prompt per length
         # the finetune ran on the ring and checkpointed its one step
         ft = os.path.join(run_dir, method, "finetune")
-        assert json.load(open(os.path.join(ft, "config.json")))["model"]["attention"] == "ring"
+        with open(os.path.join(ft, "config.json")) as f:
+            assert json.load(f)["model"]["attention"] == "ring"
         assert os.path.isdir(os.path.join(ft, "checkpoints", "1"))
 
 
