@@ -199,11 +199,12 @@ def test_a_non_finite_loss_stops_training_naming_the_step(tmp_path):
 
 @pytest.mark.slow
 def test_fit_starts_from_given_parameters(tmp_path):
-    """``fit(init_model=...)`` trains those parameters: with a zero learning rate AdamW leaves them
-    unchanged bit for bit, and the optimiser state is fresh (one step counted)."""
+    """``fit(init_model=...)`` trains those parameters, wherever they are: with a zero learning rate
+    AdamW leaves them unchanged bit for bit, and the optimiser state is fresh (one step counted)."""
     config, tc, stream = _setup(steps=2)
     tc = tc.__class__(**{**tc.__dict__, "steps": 1, "learning_rate": 0.0, "warmup_steps": 0, "data_parallel": 2})
-    start = Transformer(config, key=jax.random.key(42))
+    # committed to a device outside the run's mesh (as a model trained in another run is)
+    start = jax.device_put(Transformer(config, key=jax.random.key(42)), jax.devices()[7])
     state = train.fit(config, tc, stream, str(tmp_path), init_model=start)
     for got, want in zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_array)),
                          jax.tree.leaves(eqx.filter(start, eqx.is_array)), strict=True):

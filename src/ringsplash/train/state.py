@@ -81,8 +81,9 @@ def init_sharded_state(model_config: TransformerConfig, tc: TrainConfig, mesh: j
 def start_from(model: Transformer, model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
                plan: partitioning.ShardingPlan, data_seed: int = 0) -> TrainState:
     """A fresh state from given parameters (e.g. a pretrained model) under ``model_config``: the
-    parameters moved into the plan's shardings and a fresh AdamW state created there, by jitted
-    programs (no host copy: multi-host safe when ``model``'s arrays live on ``mesh``)."""
+    parameters moved into the plan's shardings (in one process from whichever devices hold them, e.g.
+    a model trained on one device; across processes by a jitted program, no host copy: ``model``'s
+    arrays must live on ``mesh``) and a fresh AdamW state created there."""
     if not isinstance(model, Transformer):
         raise TypeError(f"init_model must be a ringsplash Transformer, got {type(model).__name__}")
     try:
@@ -93,7 +94,11 @@ def start_from(model: Transformer, model_config: TransformerConfig, tc: TrainCon
                          f"param_dtype {model.config.param_dtype}; model_config: {model_config.num_layers} layers, "
                          f"d_model {model_config.d_model}, param_dtype {model_config.param_dtype})") from None
     param_sh, opt_sh = _state_shardings(model_config, tc, mesh, plan)
-    params = jax.jit(lambda p: p, out_shardings=param_sh)(eqx.filter(model, eqx.is_array))
+    params = eqx.filter(model, eqx.is_array)
+    if all(x.is_fully_addressable for x in jax.tree.leaves(params)):  # one process: from any devices
+        params = jax.device_put(params, param_sh)
+    else:  # arrays spanning processes: resharded on their mesh by a jitted program
+        params = jax.jit(lambda p: p, out_shardings=param_sh)(params)
     opt_state = jax.jit(make_optimizer(tc).init, out_shardings=opt_sh)(params)
     return _start(model_config, tc, params, opt_state, data_seed)
 

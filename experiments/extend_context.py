@@ -1,0 +1,384 @@
+"""Context extension: train short, extend with each RoPE scaling, finetune long over the ring, measure.
+
+1. Base: a model trained here at ``--base-len`` tokens on a tokenized corpus (``--data``; default:
+   the Python standard library as bytes, as ``byte_lm.py``), or ``--init-from`` a Hugging Face
+   checkpoint or a ringsplash run directory (its length is the base length). A small model learns
+   retrieval slowly from text alone, so the training mixture interleaves synthetic passkey
+   documents (``--passkey-mix`` of the rows): the evaluation's own template, with fresh keys,
+   depths and haystack offsets (``ringsplash.evals.passkey_task``); 0 turns it off.
+2. For each ``--methods`` entry, the base parameters at ``--factor`` x the base length with
+   - ``none``: RoPE unchanged;  ``base``: the RoPE base raised NTK-style, theta * factor^(d/(d-2));
+   - ``linear`` (position interpolation), ``dynamic`` (dynamic NTK), ``yarn``, ``llama3``: the
+     ``RopeScaling`` of that type (Hugging Face's numerics, ``ringsplash.model.rope_scaling``),
+   evaluated zero-shot, then finetuned for ``--finetune-steps`` at the long length with the ring
+   over ``--context-parallel`` devices (simulated CPU devices here) on packed long documents, and
+   evaluated again.
+3. Evaluation at lengths base, 2 x base, ..., factor x base, on one device: held-out perplexity
+   (``--eval-docs`` windows of the held-out corpus per length) and passkey accuracy over a depth x
+   length grid (teacher-forced: every digit of the key is the model's argmax; ``--generate``:
+   also greedy generation through ``rs.inference.generate``), with a heatmap per method and phase.
+
+Outputs under the run directory: ``results.jsonl`` (method x phase x length -> perplexity, passkey
+accuracy), ``results.md`` (the table), ``perplexity.png`` (perplexity vs length per method),
+``<method>/<phase>/heatmap_*.png`` + the grid's records, and each finetune's run directory.
+
+    python experiments/extend_context.py                                   # the default, on CPU
+    python experiments/extend_context.py --methods none,yarn --finetune-steps 20
+    python experiments/extend_context.py --preflight v5p:4x4x4 --preset 1b --base-len 8192 --factor 16
+
+``--preflight TOPOLOGY`` compiles each method's long finetune step for that TPU slice
+(``scripts/aot_preflight.py``: per-device memory, Mosaic kernels) and exits; on the slice itself
+the same command without it runs the experiment (``--backend mosaic_tpu``, ``--context-parallel``
+the slice's devices).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+import contextlib
+
+from ringsplash.cli import parse_config
+
+METHODS = ("none", "base", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    data: str = ""  # a tokenized corpus directory (scripts/tokenize_corpus.py); "" = the Python stdlib, bytes
+    heldout: str = ""  # the held-out corpus; "" = the stdlib's held-out tenth (with --data: --data itself)
+    corpus_dir: str = "runs/corpora"  # where the default stdlib corpora and the passkey documents are written
+    tokenizer: str = "bytes"  # the corpus's tokenizer for the passkey text: bytes or a tokenizer.json path
+    init_from: str = ""  # a Hugging Face checkpoint or a ringsplash run directory; "" = train the base model here
+    base_len: int = 1024  # the base model's training length (with --init-from: 0 = the model's max_seq_len)
+    factor: int = 8  # the extension: evaluate and finetune at factor x base_len
+    methods: str = ",".join(METHODS)  # comma-separated subset of none,base,linear,dynamic,yarn,llama3
+    passkey_mix: float = 0.25  # share of training rows that are synthetic passkey documents (0 = text only)
+    passkey_docs: int = 512  # synthetic passkey documents written per length (base and long)
+    # model (trained here): --preset NAME (ringsplash.model.presets) sets the shape, flags override it
+    preset: str = ""  # a ringsplash.model.presets name; "" = the model fields below
+    d_model: int = 128  # model width
+    num_layers: int = 4  # transformer layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 0  # key/value heads (GQA); 0 = auto: num_heads
+    rope_theta: float = 10_000.0  # RoPE base of the base model
+    base_steps: int = 400  # base training steps
+    base_batch: int = 8  # rows per base step
+    base_lr: float = 2e-3  # base peak learning rate
+    finetune_steps: int = 40  # long finetune steps per method
+    finetune_batch: int = 2  # rows per finetune step (each factor x base_len tokens)
+    finetune_lr: float = 5e-4  # finetune peak learning rate
+    context_parallel: int = 8  # devices of the finetune's ring
+    layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
+    backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
+    block: int = 128  # Splash block size (tokens)
+    eval_docs: int = 4  # held-out windows per evaluation length (perplexity)
+    passkey_samples: int = 4  # passkey prompts per (length, depth) cell
+    depths: str = "0,0.25,0.5,0.75,1"  # passkey depths (fraction of the haystack before the key)
+    generate: bool = False  # also score the passkey by greedy generation (rs.inference.generate)
+    preflight: str = ""  # a TPU topology: compile each method's finetune step for it (AOT) and exit
+    seed: int = 0  # parameters, data order, passkey keys
+    run_dir: str = ""  # "" = auto: runs/extend_context/<time>
+    progress: bool = True  # progress bars
+
+    def __post_init__(self):
+        bad = [m for m in self.method_list if m not in METHODS]
+        if bad or not self.method_list:
+            raise ValueError(f"methods={self.methods!r} must be a comma-separated subset of {METHODS}")
+        if not isinstance(self.factor, int) or self.factor < 2:
+            raise ValueError(f"factor={self.factor!r} must be an int >= 2")
+        if not 0.0 <= self.passkey_mix < 1.0:
+            raise ValueError(f"passkey_mix={self.passkey_mix} must be in [0, 1)")
+        if not self.init_from and self.base_len < 128:
+            raise ValueError(f"base_len={self.base_len} must be >= 128")
+        for name in ("base_steps", "finetune_steps", "base_batch", "finetune_batch", "context_parallel", "eval_docs",
+                     "passkey_samples", "passkey_docs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def method_list(self) -> list[str]:
+        return [m.strip() for m in self.methods.split(",") if m.strip()]
+
+
+def parse_args(argv=None) -> Config:
+    from ringsplash.model.presets import PRESETS
+
+    return parse_config(Config, argv, description=__doc__, presets=PRESETS)
+
+
+# ------------------------------------------------------------------------------------ configs
+
+
+def base_model_config(config: Config, vocab_size: int):
+    """The base model: one device (Splash), ``base_len`` tokens."""
+    from ringsplash.model import TransformerConfig
+    from ringsplash.splash import SplashConfig
+
+    b = config.block
+    return TransformerConfig(
+        vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads or None, rope_theta=config.rope_theta, max_seq_len=config.base_len,
+        attention="splash", splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b,
+                                                backend=config.backend))
+
+
+def extended(base, method: str, factor: int, base_len: int):
+    """``base`` at ``factor * base_len`` tokens with ``method``'s RoPE (a one-device config)."""
+    from ringsplash.model import RopeScaling
+
+    theta, scaling = base.rope_theta, None
+    if method == "base":  # NTK-aware base change: the lowest frequency's wavelength grows by ~factor
+        theta = base.rope_theta * factor ** (base.head_dim / (base.head_dim - 2))
+    elif method == "linear":
+        scaling = RopeScaling(type="linear", factor=float(factor))
+    elif method in ("dynamic", "yarn"):
+        scaling = RopeScaling(type=method, factor=float(factor), original_max_position_embeddings=base_len)
+    elif method == "llama3":  # Llama 3.1's defaults for the smooth band
+        scaling = RopeScaling(type="llama3", factor=float(factor), original_max_position_embeddings=base_len,
+                              low_freq_factor=1.0, high_freq_factor=4.0)
+    return dataclasses.replace(base, max_seq_len=factor * base_len, rope_theta=theta, rope_scaling=scaling)
+
+
+def on_ring(c, config: Config):
+    """``c`` with its attention as the finetune's ring over ``config.context_parallel`` devices."""
+    from ringsplash.splash import SplashConfig
+
+    b = config.block
+    return dataclasses.replace(
+        c, attention="ring", ring_axis_name="context", ring_size=config.context_parallel, ring_layout=config.layout,
+        splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend))
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def passkey_corpus(config: Config, tokenizer, haystack, length: int, name: str) -> str:
+    """``config.passkey_docs`` passkey documents of up to ``length`` tokens (prompt + key, the
+    evaluation's template with fresh keys, depths and offsets), tokenized as a corpus (a no-op
+    when already written with these settings)."""
+    import numpy as np
+
+    from ringsplash import data, evals
+
+    task = evals.passkey_task(tokenizer)
+    rng = np.random.default_rng([config.seed, length, 17])
+    src = os.path.join(config.corpus_dir, f"{name}.jsonl")
+    os.makedirs(config.corpus_dir, exist_ok=True)
+    with open(src, "w") as f:
+        for _ in range(config.passkey_docs):
+            # a prompt of a random length (at least the template's), 5% below the row for re-tokenization
+            hi = int(0.95 * length) - task.key_len
+            if hi < task.overhead:
+                raise ValueError(f"passkey documents of {length} tokens cannot hold the passkey template "
+                                 f"({task.overhead} tokens + the key): raise --base-len or pass --passkey-mix 0")
+            n = int(rng.integers(min(task.overhead + 16, hi), hi + 1))
+            key = task.draw_key(rng)
+            prompt = task.prompt(haystack, n, float(rng.random()), key, int(rng.integers(0, haystack.tokens.size)))
+            text = tokenizer.decode([int(t) for t in prompt]) + task.key_text(key) + "."
+            f.write(json.dumps({"text": text}) + "\n")
+    out = os.path.join(config.corpus_dir, name)
+    data.tokenize_corpus(src, out, data.TokenizeOptions(tokenizer=config.tokenizer), overwrite=True, progress=False)
+    return out
+
+
+def text_corpora(config: Config) -> tuple[str, str]:
+    """(training corpus, held-out corpus): ``--data`` / ``--heldout``, or the stdlib as bytes."""
+    if config.data:
+        return config.data, config.heldout or config.data
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import byte_lm
+
+    return byte_lm.corpora(byte_lm.Config(corpus_dir=config.corpus_dir, progress=config.progress))
+
+
+def heldout_stream(path: str, tokens: int):
+    """The first ``tokens`` tokens of the held-out corpus's documents, concatenated."""
+    import numpy as np
+
+    from ringsplash import data
+
+    corpus, parts, n = data.TokenizedCorpus(path), [], 0
+    for i in range(len(corpus)):
+        parts.append(np.asarray(corpus[i]))
+        n += parts[-1].size
+        if n >= tokens:
+            break
+    if n < tokens:
+        raise ValueError(f"the held-out corpus {path} has {n} tokens, fewer than the {tokens} the evaluation needs "
+                         f"(eval_docs x the longest length): pass a larger --heldout or fewer --eval-docs")
+    return np.concatenate(parts)[:tokens]
+
+
+# ------------------------------------------------------------------------------------ evaluation
+
+
+def evaluate(model, config: Config, lengths, heldout, tokenizer, haystack, out_dir: str, title: str) -> list[dict]:
+    """Perplexity and passkey accuracy of ``model`` (one device) at each length; the grid's files."""
+    import numpy as np
+
+    from ringsplash import evals
+
+    model = evals.single_device(model, "splash")
+    scorer = evals.Scorer(model)
+    depths = [float(d) for d in config.depths.split(",")]
+    generate_fn = evals.inference_generate_fn(model) if config.generate else None
+    records = evals.run_grid(scorer, evals.passkey_task(tokenizer), haystack, lengths, depths, config.passkey_samples,
+                             generate_fn=generate_fn, seed=config.seed, progress=config.progress)
+    grid = evals.write_grid(records, out_dir, title)
+    rows = []
+    for length in lengths:
+        windows = evals.document_rows(heldout, length, config.eval_docs)
+        nll = np.concatenate([-scorer.token_scores(windows[i:i + 1]).logprob.ravel() for i in range(len(windows))])
+        cells = [r for r in records if r["length"] == length]
+        row = {"length": int(length), "perplexity": float(np.exp(nll.mean())),
+               "passkey": float(np.mean([r["exact"] for r in cells]))}
+        if config.generate:
+            row["passkey_generated"] = float(np.mean([r["generated_match"] for r in cells]))
+        rows.append(row)
+    return rows + [{"files": grid["files"]}]
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+def preflight(config: Config, base, methods) -> int:
+    """Compile each method's long finetune step for ``config.preflight`` (scripts/aot_preflight.py)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "aot_preflight.py")
+    worst = 0
+    for method in methods:
+        c = extended(base, method, config.factor, config.base_len)
+        args = ["--topology", config.preflight, "--seq-len", str(c.max_seq_len), "--block", str(config.block),
+                "--layout", config.layout, "--vocab-size", str(c.vocab_size), "--d-model", str(c.d_model),
+                "--num-layers", str(c.num_layers), "--num-heads", str(c.num_heads), "--num-kv-heads",
+                str(c.num_kv_heads), "--head-dim", str(c.head_dim), "--rope-theta", repr(c.rope_theta),
+                "--batch-size", str(config.finetune_batch)]
+        s = c.rope_scaling
+        if s is not None:
+            args += ["--rope-scaling", s.type, "--rope-factor", repr(s.factor)]
+            if s.original_max_position_embeddings:
+                args += ["--rope-original-max-len", str(s.original_max_position_embeddings)]
+        print(f"[{method}] python scripts/aot_preflight.py {' '.join(args)}", flush=True)
+        r = subprocess.run([sys.executable, script, *args], check=False)
+        worst = max(worst, r.returncode)
+    return worst
+
+
+def main(config: Config) -> dict:
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        with contextlib.suppress(RuntimeError):  # the simulated devices of the ring (before JAX starts)
+            jax.config.update("jax_num_cpu_devices", config.context_parallel)
+    import numpy as np
+
+    from ringsplash import data, evals, train
+    from ringsplash.evals.plots import line_plot
+
+    t0 = time.perf_counter()
+    run_dir = config.run_dir or os.path.join("runs", "extend_context", time.strftime("%Y%m%d-%H%M%S"))
+    methods = config.method_list
+    tokenizer = evals.load_tokenizer(config.tokenizer)
+
+    base_model = None
+    if config.init_from:
+        base_model = evals.load_model(config.init_from)
+        config = dataclasses.replace(config, base_len=config.base_len or base_model.config.max_seq_len)
+    if config.preflight:
+        base = base_model.config if base_model is not None else base_model_config(config, tokenizer.vocab_size)
+        return {"returncode": preflight(config, base, methods)}
+
+    os.makedirs(run_dir, exist_ok=True)
+    print(f"run directory: {run_dir}", flush=True)
+    long_len = config.factor * config.base_len
+    lengths = [config.base_len * 2**i for i in range(int(math.log2(config.factor)) + 1)]
+    if lengths[-1] != long_len:
+        lengths.append(long_len)
+    train_path, heldout_path = text_corpora(config)
+    haystack = evals.Haystack.from_text(evals.default_text(), tokenizer)
+    heldout = heldout_stream(heldout_path, config.eval_docs * long_len)
+    vocab = data.TokenizedCorpus(train_path).vocab_size
+
+    def loader(length: int, batch: int, name: str):
+        paths, weights = [train_path], None
+        if config.passkey_mix > 0:
+            paths.append(passkey_corpus(config, tokenizer, haystack, length, f"passkey-{name}-{length}"))
+            weights = (1.0 - config.passkey_mix, config.passkey_mix)
+        return data.Loader(paths, data.LoaderConfig(seq_len=length, batch_size=batch, seed=config.seed,
+                                                    weights=weights))
+
+    if base_model is None:  # 1. the base model
+        base_cfg = base_model_config(config, vocab)
+        tc = train.TrainConfig(steps=config.base_steps, batch_size=config.base_batch, learning_rate=config.base_lr,
+                               warmup_steps=max(1, config.base_steps // 10), seed=config.seed,
+                               log_every=max(1, config.base_steps // 20), progress=config.progress)
+        print(f"base: {config.base_steps} steps x {config.base_batch} rows x {config.base_len} tokens", flush=True)
+        base_model = train.fit(base_cfg, tc, loader(config.base_len, config.base_batch, "base"),
+                               os.path.join(run_dir, "base"), mesh=train.make_mesh(1, 1)).model
+    base = base_model.config
+
+    results = []
+    long_loader = loader(long_len, config.finetune_batch, "long")
+    mesh = train.make_mesh(1, config.context_parallel)
+    for method in methods:  # 2. each method: zero-shot, finetune on the ring, again
+        ext = extended(base, method, config.factor, config.base_len)
+        zero = base_model.with_config(ext)
+        for phase, model in (("zero_shot", zero), ("finetuned", None)):
+            if model is None:
+                steps = config.finetune_steps
+                tc = train.TrainConfig(steps=steps, batch_size=config.finetune_batch, learning_rate=config.finetune_lr,
+                                       warmup_steps=max(1, steps // 10), context_parallel=config.context_parallel,
+                                       seed=config.seed, log_every=max(1, steps // 10), progress=config.progress)
+                print(f"[{method}] finetune: {config.finetune_steps} steps x {config.finetune_batch} rows x "
+                      f"{long_len} tokens, ring over {config.context_parallel} devices", flush=True)
+                model = train.fit(on_ring(ext, config), tc, long_loader, os.path.join(run_dir, method, "finetune"),
+                                  mesh=mesh, init_model=zero).model.with_config(ext)
+            out = evaluate(model, config, lengths, heldout, tokenizer, haystack, os.path.join(run_dir, method, phase),
+                           f"{method} {phase}")
+            for row in out[:-1]:
+                results.append({"method": method, "phase": phase, **row})
+                print(f"[{method} {phase}] length {row['length']:>6}: perplexity {row['perplexity']:.3f}, "
+                      f"passkey {row['passkey']:.2f}", flush=True)
+
+    # 3. the table, the records and the figure
+    with open(os.path.join(run_dir, "results.jsonl"), "w") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    table = results_table(results, lengths)
+    with open(os.path.join(run_dir, "results.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    ys = {f"{m} ({phase})": np.array([r["perplexity"] for r in results if (r["method"], r["phase"]) == (m, phase)])
+          for m in methods for phase in ("zero_shot", "finetuned")}
+    plot = os.path.join(run_dir, "perplexity.png")
+    line_plot(np.asarray(lengths, np.float64), ys, plot, xlabel="evaluation length (tokens)",
+              ylabel="held-out perplexity", title=f"extending {config.base_len} -> {long_len}", logx=True)
+    wall = time.perf_counter() - t0
+    print(f"results: {run_dir}/results.md, {plot}; wall time {wall:.0f} s")
+    finite = bool(np.all([np.isfinite(r["perplexity"]) for r in results]))
+    return {"results": results, "run_dir": run_dir, "table": table, "plot": plot, "wall_s": wall, "returncode": 0,
+            "lengths": lengths, "all_finite": finite}
+
+
+def results_table(results: list[dict], lengths) -> str:
+    """Markdown: one row per method and phase, a ``perplexity / passkey`` cell per length."""
+    head = "| method | phase | " + " | ".join(f"{n} ppl / passkey" for n in lengths) + " |"
+    lines = [head, "|" + "---|" * (2 + len(lengths))]
+    order = lambda k: (METHODS.index(k[0]), k[1] != "zero_shot")
+    keys = sorted({(r["method"], r["phase"]) for r in results}, key=order)
+    for method, phase in keys:
+        cells = {r["length"]: r for r in results if (r["method"], r["phase"]) == (method, phase)}
+        lines.append(f"| {method} | {phase} | " + " | ".join(
+            f"{cells[n]['perplexity']:.2f} / {cells[n]['passkey']:.2f}" for n in lengths) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    result = main(parse_args())
+    sys.exit(result["returncode"])

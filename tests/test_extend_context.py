@@ -1,0 +1,118 @@
+"""experiments/extend_context.py at its smallest: every method through base training, zero-shot
+evaluation, the ring finetune and evaluation again; every artefact written, every number finite,
+the same numbers from a second run with the same seed; and the AOT preflight of the long finetune."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+TINY = dict(base_len=512, factor=2, d_model=32, num_layers=1, num_heads=2, base_steps=2, base_batch=2,
+            finetune_steps=1, finetune_batch=2, context_parallel=2, eval_docs=1, passkey_samples=1, depths="0.5",
+            passkey_docs=8, progress=False)
+
+
+def _job():
+    spec = importlib.util.spec_from_file_location("extend_context", os.path.join(ROOT, "experiments", "extend_context.py"))
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    return job
+
+
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    job = _job()
+    root = tmp_path_factory.mktemp("extend")
+    corpora = str(root / "corpora")
+    first = job.main(job.Config(**TINY, corpus_dir=corpora, run_dir=str(root / "first")))
+    second = job.main(job.Config(**TINY, methods="none,yarn", corpus_dir=corpora, run_dir=str(root / "second")))
+    return job, first, second
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
+    job, first, _ = runs
+    run_dir = first["run_dir"]
+    assert first["lengths"] == [512, 1024]
+    records = _jsonl(os.path.join(run_dir, "results.jsonl"))
+    keys = {(r["method"], r["phase"], r["length"]) for r in records}
+    assert keys == {(m, p, n) for m in job.METHODS for p in ("zero_shot", "finetuned") for n in (512, 1024)}
+    for r in records:
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1, r
+        assert 0.0 <= r["passkey"] <= 1.0, r
+    with open(os.path.join(run_dir, "results.md")) as f:
+        table = f.read()
+    assert table.startswith("| method | phase | 512 ppl / passkey | 1024 ppl / passkey |")
+    assert len(table.strip().splitlines()) == 2 + 2 * len(job.METHODS)
+    assert os.path.getsize(os.path.join(run_dir, "perplexity.png")) > 0
+    for method in job.METHODS:
+        for phase in ("zero_shot", "finetuned"):
+            d = os.path.join(run_dir, method, phase)
+            assert os.path.getsize(os.path.join(d, "heatmap_exact.png")) > 0, d
+            assert len(_jsonl(os.path.join(d, "results.jsonl"))) == 2  # one prompt per length
+        # the finetune ran on the ring and checkpointed its one step
+        ft = os.path.join(run_dir, method, "finetune")
+        with open(os.path.join(ft, "config.json")) as f:
+            assert json.load(f)["model"]["attention"] == "ring"
+        assert os.path.isdir(os.path.join(ft, "checkpoints", "1"))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_extend_context_same_seed_same_numbers(runs):
+    _, first, second = runs
+    again = {(r["method"], r["phase"], r["length"]): r for r in second["results"]}
+    assert len(again) == 8
+    for r in first["results"]:
+        if r["method"] in ("none", "yarn"):
+            assert again[(r["method"], r["phase"], r["length"])] == r
+
+
+def test_extend_context_methods_change_only_the_rope():
+    job = _job()
+    base = job.base_model_config(job.Config(**TINY), 256)
+    seen = set()
+    for method in job.METHODS:
+        c = job.extended(base, method, 8, 512)
+        assert c.max_seq_len == 4096 and (c.d_model, c.num_layers, c.vocab_size) == (32, 1, 256)
+        seen.add((c.rope_theta, c.rope_scaling))
+        ring = job.on_ring(c, job.Config(**TINY))
+        assert (ring.attention, ring.ring_size, ring.rope_scaling) == ("ring", 2, c.rope_scaling)
+    assert len(seen) == len(job.METHODS)  # six different RoPEs
+    assert job.extended(base, "base", 8, 512).rope_theta == pytest.approx(10_000 * 8 ** (16 / 14))
+    assert job.extended(base, "yarn", 8, 512).rope_scaling.original_max_position_embeddings == 512
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(methods="none,ntk"), r"methods='none,ntk' must be a comma-separated subset"),
+    (dict(factor=1), r"factor=1 must be an int >= 2"),
+    (dict(passkey_mix=1.0), r"passkey_mix=1.0 must be in \[0, 1\)"),
+    (dict(finetune_steps=0), r"finetune_steps=0 must be >= 1"),
+])
+def test_extend_context_rejects_bad_flags(kwargs, match):
+    job = _job()
+    with pytest.raises(ValueError, match=match):
+        job.Config(**{**TINY, **kwargs})
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.e2e
+def test_extend_context_preflight_compiles_the_long_finetune_for_v5e(tmp_path, capfd):
+    """--preflight: the long finetune step of a method (YaRN, 4K over the ring) compiles for v5e:2x2."""
+    job = _job()
+    config = job.Config(**{**TINY, "base_len": 1024, "factor": 4, "context_parallel": 4}, methods="yarn",
+                        preflight="v5e:2x2", block=256, run_dir=str(tmp_path))
+    assert job.main(config)["returncode"] == 0
+    out = capfd.readouterr().out
+    assert "--rope-scaling yarn --rope-factor 4.0 --rope-original-max-len 1024" in out
+    assert "context=4" in out and out.strip().endswith("FITS")
