@@ -82,7 +82,7 @@ class Config:
     passkey_samples: int = 4  # passkey prompts per (length, depth) cell
     depths: str = "0,0.25,0.5,0.75,1"  # passkey depths (fraction of the haystack before the key)
     generate: bool = False  # also score the passkey by greedy generation (rs.inference.generate)
-    preflight: str = ""  # a TPU topology: compile each method's finetune step for it (AOT) and exit
+    preflight: str = ""  # a TPU topology: compile each method's finetune step for it (AOT) and exit; "" = run
     seed: int = 0  # parameters, data order, passkey keys
     run_dir: str = ""  # "" = auto: runs/extend_context/<time>
     progress: bool = True  # progress bars

@@ -15,11 +15,13 @@ LAYERS = {
     "function_mask": 1, "layouts": 1, "segment_ids": 1,
     "masks": 2,
     "_checks": 3,
-    "mask_blocks": 4, "mask_info": 5, "reference": 4, "distributed": 4,
+    "mask_blocks": 4, "mask_info": 5, "reference": 4, "distributed": 4, "checksums": 4,
     "splash": 6,
     "parallel": 7,
     "model": 8, "partitioning": 8, "data": 8, "checkpoints": 8,
     "train": 9, "hf": 9,
+    "inference": 10,
+    "evals": 11,
 }
 
 
