@@ -80,9 +80,9 @@ class KVCache(eqx.Module):
         return self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize
 
 
-def cache_specs(axis_name: str | None) -> KVCache:
-    """``PartitionSpec`` s of a cache's arrays (a pytree prefix of ``KVCache``): the slots over ``axis_name``."""
-    kv = P(None, None, None, axis_name, None)
+def cache_specs(axis_name: str | None) -> tuple[P, P, P, P]:
+    """``PartitionSpec`` s of a cache's ``(k, v, lengths, slot_positions)``: the slots over ``axis_name``."""
+    kv = P(None, None, None, axis_name)  # no trailing None: the spec jit gives outputs, so cache hits
     return kv, kv, P(), P(axis_name)
 
 

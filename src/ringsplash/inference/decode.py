@@ -17,6 +17,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
@@ -32,13 +33,15 @@ _F32 = jnp.float32
 
 
 def decode_step(
-    model: Transformer, cache: KVCache, tokens: Int[Array, " batch"]
+    model: Transformer, cache: KVCache, tokens: Int[Array, " batch"], *, mesh: Mesh | None | str = "cache"
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
     """Feed one token per row at position ``cache.lengths``: float32 logits of the next token
     (``final_logit_soft_cap`` applied) and the cache with the token's keys and values written and
     ``lengths + 1``. Traceable (``jax.jit`` it; ``generate`` does); on the cache's mesh it runs
-    inside ``shard_map`` over the cache's context axis."""
-    check_cache(cache, model.config)
+    inside ``shard_map`` over the cache's context axis. ``mesh``: the mesh the caller means (checked
+    against the cache's; the default takes the cache's). The caller keeps every row's
+    ``lengths`` below ``cache.max_len`` (``generate`` sizes the cache so)."""
+    check_cache(cache, model.config, None if mesh == "cache" else mesh, check_mesh_arg=mesh != "cache")
     if tokens.shape != (cache.batch,):
         raise ValueError(f"tokens must be [batch={cache.batch}] (one new token per cached row), got "
                          f"tokens.shape={tokens.shape}")
