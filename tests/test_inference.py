@@ -193,7 +193,7 @@ def test_bad_input_errors():
         generate(model, prompts + 64, 2)
     cache = empty_cache(model.config, 1, 8)
     other = eqx.filter_eval_shape(Transformer, CONFIGS["llama"].replace(num_kv_heads=4), key=jax.random.key(0))
-    with pytest.raises(ValueError, match="another model.*num_kv_heads"):
+    with pytest.raises(ValueError, match=r"another model.*num_kv_heads"):
         decode_step(other, cache, jnp.zeros((1,), jnp.int32))
     with pytest.raises(ValueError, match="mesh"):
         decode_step(model, cache, jnp.zeros((1,), jnp.int32), mesh=train.make_mesh(1, 4))

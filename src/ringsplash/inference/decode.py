@@ -33,7 +33,7 @@ _F32 = jnp.float32
 
 
 def decode_step(
-    model: Transformer, cache: KVCache, tokens: Int[Array, " batch"], *, mesh: Mesh | None | str = "cache"
+    model: Transformer, cache: KVCache, tokens: Int[Array, " batch"], *, mesh: Mesh | str | None = "cache"
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
     """Feed one token per row at position ``cache.lengths``: float32 logits of the next token
     (``final_logit_soft_cap`` applied) and the cache with the token's keys and values written and

@@ -136,7 +136,9 @@ def prefill(
     logits, k, v = _prefill_jit(model.with_config(pconfig), tokens, lengths, max_len=max_len, mesh=mesh,
                                 axis_name=axis_name, layout=layout, shards=shards, all_logits=all_logits)
     perm = layouts.permutation(layout, max_len, shards)
-    cache = KVCache(k, v, jnp.array(lengths, copy=True), jnp.asarray(perm), model_key(c), layout, mesh, axis_name if mesh else None)
+    # lengths copied: generate donates the cache, and the caller may hold prompt_lengths
+    cache = KVCache(k, v, jnp.array(lengths, copy=True), jnp.asarray(perm), model_key(c), layout, mesh,
+                    axis_name if mesh else None)
     return Prefilled(logits, place(cache))
 
 
