@@ -5,6 +5,7 @@ sampling, and bad input."""
 import functools
 import importlib
 import logging
+import re
 
 import equinox as eqx
 import jax
@@ -199,3 +200,45 @@ def test_bad_input_errors():
         decode_step(model, cache, jnp.zeros((1,), jnp.int32), mesh=train.make_mesh(1, 4))
     with pytest.raises(ValueError, match="causal mask"):
         prefill(model.with_config(CONFIGS["llama"].replace(mask="full")), prompts)
+
+
+# ------------------------------------------------------------------------------ AOT at scale
+
+
+@pytest.mark.tpu_compile
+def test_decode_step_compiles_for_8b_with_1m_cache_on_v5p_4x4x4():
+    """Llama-3-8B shapes, bfloat16, batch 1, a 1M-token cache sharded over the 64 chips of v5p:4x4x4
+    (abstract shapes only): each device holds 1/64 of the cache."""
+    from ringsplash import aot
+    from ringsplash.inference.cache import KVCache, cache_specs, model_key
+
+    config = TransformerConfig(vocab_size=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                               intermediate_size=14336, rope_theta=500000.0, max_seq_len=1 << 20,
+                               param_dtype="bfloat16", compute_dtype="bfloat16")
+    mesh = aot.topology_mesh("v5p:4x4x4", ("context",))
+    n, max_len = mesh.shape["context"], 1 << 20
+    model = jax.tree.map(lambda x: aot.abstract(x.shape, x.dtype, mesh),
+                         eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0)))
+    kv, _, lengths, slots = cache_specs("context")
+    shape = (config.num_layers, 1, config.num_kv_heads, max_len, config.head_dim)
+    like = KVCache(jnp.zeros((1,) * 5, jnp.bfloat16), jnp.zeros((1,) * 5, jnp.bfloat16), jnp.zeros((1,), jnp.int32),
+                   jnp.zeros((1,), jnp.int32), model_key(config), "contiguous", mesh, "context")
+    cache = jax.tree.unflatten(jax.tree.structure(like), [
+        aot.abstract(shape, jnp.bfloat16, mesh, kv), aot.abstract(shape, jnp.bfloat16, mesh, kv),
+        aot.abstract((1,), jnp.int32, mesh, lengths), aot.abstract((max_len,), jnp.int32, mesh, slots)])
+    tokens = aot.abstract((1,), jnp.int32, mesh)
+    report = aot.compile_report(jax.jit(decode_step, donate_argnums=1), model, cache, tokens)
+    cache_bytes = 2 * int(np.prod(shape)) * 2
+    params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model))
+    print(f"8B decode step, 1M-token cache over {n} v5p chips: cache {cache_bytes / 2**30:.1f} GiB in all, "
+          f"{cache_bytes / n / 2**30:.2f} GiB per device; per-device arguments {report.args / 2**30:.2f} GiB "
+          f"(params {params_bytes / 2**30:.1f} GiB replicated), temp {report.temp / 2**30:.2f} GiB, "
+          f"compiled in {report.seconds:.0f} s")
+    # arguments per device = replicated parameters + this device's share of the cache (+ a few small arrays)
+    assert abs(report.args - (params_bytes + cache_bytes / n)) < 2**20
+    assert report.fits
+    # one small collective in the (scanned) layer step: every device's partial output + lse, [64, heads, 1, dv + 1]
+    # float32 (XLA may write the all-gather as an all-reduce); no K/V moves (no permute, all-to-all, reduce-scatter)
+    collectives = re.findall(r"= (\S+) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)\(",
+                             report.hlo_text)
+    assert [shape.split("{")[0] for shape, _ in collectives] == [f"f32[{n},{config.num_heads},1,{config.head_dim + 1}]"]
