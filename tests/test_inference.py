@@ -121,6 +121,22 @@ def test_generate_on_a_mesh_equals_one_device_and_compiles_the_step_once(caplog)
     assert sum("_step" in r.getMessage() and "Compiling" in r.getMessage() for r in caplog.records) <= 1
 
 
+
+@pytest.mark.slow
+def test_ring_model_fills_a_zigzag_cache_and_generates_as_on_one_device():
+    """A model of attention='ring' (zigzag) prefills with its own ring over the mesh; the cache keeps the zigzag
+    layout (each new token goes to the device whose zigzag chunk holds its position)."""
+    model = _randomised(CONFIGS["gemma"], seed=5)
+    ring = model.with_config(CONFIGS["gemma"].replace(attention="ring", ring_axis_name="context", ring_size=4,
+                                                      ring_layout="zigzag"))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 300)), jnp.int32)
+    lengths = jnp.asarray([300, 200], jnp.int32)
+    _, cache = prefill(ring, tokens, prompt_lengths=lengths, mesh=train.make_mesh(1, 4))
+    assert cache.layout == "zigzag" and cache.max_len == 1024  # 300 rounded up to 2 x 4 devices x 128
+    one = generate(model, tokens, 6, prompt_lengths=lengths)
+    four = generate(ring, tokens, 6, prompt_lengths=lengths, mesh=train.make_mesh(1, 4))
+    np.testing.assert_array_equal(four, one)
+
 # ------------------------------------------------------------------------------ sampling
 
 
