@@ -133,13 +133,29 @@ def prefill(
     pconfig = prefill_config(c, max_len, mesh, axis_name)
     layout = "contiguous" if mesh is None else pconfig.ring_layout
     shards = check_mesh(mesh, axis_name)
-    logits, k, v = _prefill_jit(model.with_config(pconfig), tokens, lengths, max_len=max_len, mesh=mesh,
+    logits, k, v = _prefill_jit(_with_config(model, pconfig), tokens, lengths, max_len=max_len, mesh=mesh,
                                 axis_name=axis_name, layout=layout, shards=shards, all_logits=all_logits)
     perm = layouts.permutation(layout, max_len, shards)
     # lengths copied: generate donates the cache, and the caller may hold prompt_lengths
     cache = KVCache(k, v, jnp.array(lengths, copy=True), jnp.asarray(perm), model_key(c), layout, mesh,
                     axis_name if mesh else None)
     return Prefilled(logits, place(cache))
+
+
+def _with_config(model: Transformer, config: TransformerConfig) -> Transformer:
+    """``model.with_config(config)`` without re-deriving the parameter layout on every call."""
+    if config == model.config:
+        return model
+    treedef = _treedef(config)
+    leaves = jax.tree.leaves(model)
+    if treedef.num_leaves != len(leaves):  # not expected: prefill_config keeps every parameter shape
+        return model.with_config(config)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.lru_cache(maxsize=32)
+def _treedef(config: TransformerConfig):
+    return jax.tree.structure(eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0)))
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "mesh", "axis_name", "layout", "shards", "all_logits"))
