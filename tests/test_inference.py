@@ -170,7 +170,7 @@ def test_sampling_with_a_fixed_key_is_reproducible():
     model = _randomised(CONFIGS["llama"], seed=11)
     prompts = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 6)), jnp.int32)
     kw = dict(temperature=1.5, top_k=20, top_p=0.9)
-    a = generate(model, prompts, 8, key=jax.random.key(1), **kw)
+    a = rs.inference.generate(model, prompts, 8, key=jax.random.key(1), **kw)  # rs.inference: imported lazily
     b = generate(model, prompts, 8, key=jax.random.key(1), **kw)
     c = generate(model, prompts, 8, key=jax.random.key(2), **kw)
     np.testing.assert_array_equal(a, b)
