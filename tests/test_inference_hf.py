@@ -46,7 +46,8 @@ def _torch_greedy(model, prompt: np.ndarray) -> np.ndarray:
     return out[0, prompt.shape[0]:].numpy()
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("mistral", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 5-6 s each (transformers generate + two compiles)
+@pytest.mark.parametrize("kind", list(FAMILIES))
 def test_greedy_generate_equals_transformers(kind, tmp_path):
     hf = _hf_model(kind, str(tmp_path))
     model = load_hf(str(tmp_path))
