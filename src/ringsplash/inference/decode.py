@@ -2,7 +2,7 @@
 
 Each device of the context axis attends its own slots of the cache (the model's projections,
 norms and RoPE: ``Attention.project_qkv`` / ``project_out``; the oracle's softmax,
-``reference_attention``, on one query) and returns a partial output and its log-sum-exp; one
+``_local_partial``) and returns a partial output and its log-sum-exp; one
 ``all_gather`` of those (``[heads, dv + 1]`` floats per row and layer) per layer and the online-softmax
 ``merge`` (``ringsplash._softmax``) give the exact attention over the whole cache, no key or value
 moves. The new token attends itself as one more partial, merged once; sinks join at the end
@@ -21,13 +21,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
-from ringsplash._softmax import fold_sinks, merge
+from ringsplash._softmax import MASKED_LSE, fold_sinks, merge
 from ringsplash._types import Array, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_cache
 from ringsplash.model import Transformer, layer_segments
 from ringsplash.model.transformer import run_segment
-from ringsplash.reference import reference_attention
-from ringsplash.segment_ids import SegmentIds
 
 _F32 = jnp.float32
 
@@ -61,55 +59,32 @@ def decode_step(
 
 def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, static, layout: str, max_len: int,
                 shards: int, axis_name: str | None):
-    """One device's step: its cache slots ``[layers, batch, kv_heads, local_len, d]``; returns the
-    logits (the same on every device) and its updated slots."""
+    """One device's step on its cache slots ``[layers, batch, kv_heads, local_len, d]``: the logits (the
+    same on every device) and its updated slots. The batch rides where the model's blocks take the
+    sequence (projections, norms, RoPE and MLP act per token), so no array is transposed or vmapped."""
     model = eqx.combine(params, static)
-    row = functools.partial(_decode_row, model, max_len=max_len, axis_name=axis_name)
-    logits, new_k, new_v = jax.vmap(row, in_axes=(1, 1, 0, None, 0))(k_cache, v_cache, lengths, slot_positions,
-                                                                      tokens)
-    # the slot of each row's new position, and whether this device owns it
-    slot = lengths if layout == "contiguous" else jnp.asarray(layouts.inverse_permutation(layout, max_len, shards))[
-        lengths]
-    local_len = k_cache.shape[3]
-    offset = 0 if axis_name is None else lax.axis_index(axis_name) * local_len
-    local = slot - offset
-    owned = (local >= 0) & (local < local_len)
-    write = jax.vmap(_write_slot, in_axes=(1, 0, 0, 0), out_axes=1)
-    return logits, write(k_cache, new_k, local, owned), write(v_cache, new_v, local, owned)
-
-
-def _write_slot(cache_row: Float[Array, "layers kv_heads local_len d"], new: Float[Array, "layers kv_heads d"],
-                local, owned) -> Float[Array, "layers kv_heads local_len d"]:
-    index = jnp.clip(local, 0, cache_row.shape[2] - 1)
-    old = lax.dynamic_slice_in_dim(cache_row, index, 1, axis=2)
-    value = jnp.where(owned, new[:, :, None].astype(cache_row.dtype), old)
-    return lax.dynamic_update_slice_in_dim(cache_row, value, index, axis=2)
-
-
-def _decode_row(model: Transformer, k_row, v_row, length, slot_positions, token, *, max_len: int,
-                axis_name: str | None):
-    """One row: logits ``[vocab]`` and the new token's keys / values ``[layers, kv_heads, d]``."""
     c = model.config
-    position = length
-    x = model.embed(token[None])
-    dynamic, static = eqx.partition(model.layers, eqx.is_array)
+    batch, local_len = tokens.shape[0], k_cache.shape[3]
+    positions = lengths  # each row's new token sits at its current length
+    x = model.embed(tokens)
+    dynamic, layer_static = eqx.partition(model.layers, eqx.is_array)
 
     def step_for(kind):
         mask = c.make_mask(max_len, kind)
 
         def step(h, xs):
             layer_params, k_layer, v_layer = xs
-            layer = eqx.combine(layer_params, static)
-            visible = (slot_positions < position) & mask.mask_function(position, slot_positions)
+            layer = eqx.combine(layer_params, layer_static)
+            visible = (slot_positions[None] < positions[:, None]) & mask.mask_function(positions[:, None],
+                                                                                       slot_positions[None])
 
             def attention(module, hn):
-                q, k, v = module.project_qkv(hn, position[None], rope_len=max_len, layer_type=kind)
+                q, k, v = module.project_qkv(hn, positions, rope_len=max_len, layer_type=kind)  # [heads, batch, d]
                 o, lse = _attend_shards(c, q, k_layer, v_layer, visible, axis_name)
-                o_self, lse_self = reference_attention(q, k, v, None, scale=c.attention_scale,
-                                                       logit_soft_cap=c.logit_soft_cap, return_residuals=True)
-                o, lse = merge(o, lse, o_self.astype(_F32), lse_self)
+                o_self, lse_self = _self_partial(c, q, k, v)
+                o, lse = merge(o, lse, o_self, lse_self)
                 o, _ = fold_sinks(o, lse, module.sinks)
-                return module.project_out(o.astype(q.dtype)), (k[:, 0], v[:, 0])
+                return module.project_out(o.astype(q.dtype)), (k, v)
 
             return layer.apply(h, attention)
 
@@ -118,26 +93,72 @@ def _decode_row(model: Transformer, k_row, v_row, length, slot_positions, token,
     steps = {kind: step_for(kind) for kind in c.attention_kinds}
     new_k, new_v = [], []
     for seg in layer_segments(c.layer_types, c.num_layers):
-        x, (k_new, v_new) = run_segment(seg, steps, x, (dynamic, k_row, v_row), c.num_layers)
+        x, (k_new, v_new) = run_segment(seg, steps, x, (dynamic, k_cache, v_cache), c.num_layers)
         new_k.append(k_new)
         new_v.append(v_new)
-    logits = model.logits(model.final_norm(x))[0]
-    return logits, jnp.concatenate(new_k), jnp.concatenate(new_v)
+    logits = model.logits(model.final_norm(x))
+    # the slot of each row's new position; a device that does not own it writes out of bounds (dropped)
+    slot = positions if layout == "contiguous" else jnp.asarray(
+        layouts.inverse_permutation(layout, max_len, shards))[positions]
+    local = slot - (0 if axis_name is None else lax.axis_index(axis_name) * local_len)
+    local = jnp.where((local >= 0) & (local < local_len), local, local_len)
+    rows = jnp.arange(batch)
+
+    def write(cache, new):  # new: [layers, kv_heads, batch, d] -> cache[:, b, :, local[b]]
+        value = jnp.concatenate(new).transpose(2, 0, 1, 3).astype(cache.dtype)
+        return cache.at[:, rows, :, local].set(value, mode="drop")
+
+    return logits, write(k_cache, new_k), write(v_cache, new_v)
+
+
+def _self_partial(c, q, k, v):
+    """Float32 ``(o, lse)`` of each row's query over its own new key: ``o = v``, ``lse`` its logit."""
+    kv_heads = k.shape[0]
+    qg = q.reshape(kv_heads, -1, *q.shape[1:])  # [kv_heads, group, batch, d]
+    s = jnp.einsum("hgbd,hbd->hgb", qg, k, preferred_element_type=_F32)
+    s = s * (q.shape[-1] ** -0.5 if c.attention_scale is None else c.attention_scale)
+    if c.logit_soft_cap is not None:
+        s = c.logit_soft_cap * jnp.tanh(s / c.logit_soft_cap)
+    o = jnp.broadcast_to(v.astype(_F32)[:, None], (*qg.shape[:3], v.shape[-1]))
+    return o.reshape(q.shape[0], q.shape[1], v.shape[-1]), s.reshape(q.shape[0], q.shape[1])
 
 
 def _attend_shards(c, q, k_local, v_local, visible, axis_name: str | None):
-    """Float32 ``(o [heads, 1, dv], lse [heads, 1])`` of ``q`` over the visible slots of every
+    """Float32 ``(o [heads, batch, dv], lse [heads, batch])`` of ``q`` over the visible slots of every
     device's cache shard: local partials, one all-gather, merged."""
-    seg = SegmentIds(q=jnp.ones((1,), jnp.int32), kv=visible.astype(jnp.int32))
-    o, lse = reference_attention(q, k_local, v_local, None, segment_ids=seg, scale=c.attention_scale,
-                                 logit_soft_cap=c.logit_soft_cap, return_residuals=True)
-    o = o.astype(_F32)
+    o, lse = _local_partial(q, k_local, v_local, visible, c.attention_scale, c.logit_soft_cap)
     if axis_name is None:
         return o, lse
-    packed = lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), axis_name)  # [shards, heads, 1, dv + 1]
+    packed = lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), axis_name)  # [shards, heads, batch, dv+1]
     o, lse = packed[0, ..., :-1], packed[0, ..., -1]
     for i in range(1, packed.shape[0]):
         o, lse = merge(o, lse, packed[i, ..., :-1], packed[i, ..., -1])
+    return o, lse
+
+
+def _local_partial(q: Float[Array, "heads batch d"], k: Float[Array, "batch kv_heads slots d"],
+                   v: Float[Array, "batch kv_heads slots dv"], visible, scale: float | None, cap: float | None):
+    """Float32 ``(o [heads, batch, dv], lse [heads, batch])`` of each row's query over its ``visible``
+    slots ``[batch, slots]``: the oracle's arithmetic (``reference_attention``: scale, soft-cap,
+    max-subtracted exp; a row with nothing visible gives ``o = 0``, ``lse = MASKED_LSE``) without its
+    masked copy of K and V: stale slots hold finite values (prefill padding or earlier writes), and the
+    scores, not the values, are masked."""
+    heads, batch, d = q.shape
+    kv_heads = k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(kv_heads, heads // kv_heads, batch, d)
+    s = jnp.einsum("hgbd,bhkd->bhgk", qg, k, preferred_element_type=_F32) * scale
+    if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=_F32)
+    safe = jnp.where(l == 0, 1.0, l)
+    o = (pv / safe[..., None]).reshape(batch, heads, v.shape[-1]).transpose(1, 0, 2)
+    lse = jnp.where(l == 0, MASKED_LSE, m[..., 0] + jnp.log(safe)).reshape(batch, heads).T
     return o, lse
 
 
