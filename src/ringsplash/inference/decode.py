@@ -1,9 +1,10 @@
 """``decode_step``: one new token per row against a ``KVCache`` sharded along the sequence.
 
 Each device of the context axis attends its own slots of the cache (the model's projections,
-norms and RoPE: ``Attention.project_qkv`` / ``project_out``; the oracle's softmax,
-``_local_partial``) and returns a partial output and its log-sum-exp; one
-``all_gather`` of those (``[heads, dv + 1]`` floats per row and layer) per layer and the online-softmax
+norms and RoPE: ``Attention.project_qkv`` / ``project_out``, with the batch where the blocks take
+the sequence; the reference's arithmetic on one query per row, ``_local_partial``) and returns a partial
+output and its log-sum-exp; one ``all_gather`` of those (``[heads, batch, dv + 1]`` floats) per layer and
+the online-softmax
 ``merge`` (``ringsplash._softmax``) give the exact attention over the whole cache, no key or value
 moves. The new token attends itself as one more partial, merged once; sinks join at the end
 (``fold_sinks``). After the layers, the new token's keys and values are written into the slot
