@@ -49,3 +49,18 @@ def test_bench_hf_tiny_prints_tables(tmp_path):
     diff = next(ln for ln in out.splitlines() if "transformers (sdpa)" in ln).split("|")[7]
     assert float(diff.split()[0]) < 1e-4, out
     assert not os.path.exists(tmp_path / "tiny")
+
+
+@pytest.mark.e2e
+def test_bench_inference_tiny_prints_tables():
+    """scripts/bench_inference.py --tiny: the prefill and decode tables, transformers side by side and the
+    sharded-cache column."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_inference.py"), "--tiny"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| prompt | ringsplash (s) | transformers (s) | speed-up |" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("| 1 | 256 |", "| 2 | 256 |"))]
+    assert len(rows) == 2 and all(float(r.split("|")[-2]) > 0 for r in rows), out  # the sharded column ran

@@ -54,9 +54,9 @@ __all__ += ["RingSchedule", "ring_schedule"]
 
 
 def __getattr__(name: str):
-    """``rs.hf`` imported on first use (Hugging Face checkpoints; ``import ringsplash`` stays light)."""
-    if name == "hf":
+    """``rs.hf`` and ``rs.inference`` imported on first use (``import ringsplash`` stays light)."""
+    if name in ("hf", "inference"):
         import importlib
 
-        return importlib.import_module("ringsplash.hf")
+        return importlib.import_module(f"ringsplash.{name}")
     raise AttributeError(f"module 'ringsplash' has no attribute {name!r}")

@@ -193,6 +193,32 @@ class Attention(eqx.Module):
         """The layer's output; with ``return_max_logits`` also its per-head max logits
         (``schedule``: the ring's per-device schedule, ``layer_type``: the layer's mask and RoPE, see ``attend``)."""
         c = self.config
+        seq = x.shape[0]
+        # the current length of dynamic / longrope RoPE: the whole sequence's (this call holds one of its
+        # context_shards local shards), static (ringsplash.model.rope_scaling)
+        q, k, v = self.project_qkv(x, positions, rope_len=seq * c.context_shards, layer_type=layer_type)
+        out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits,
+                     schedule=schedule, layer_type=layer_type)
+        max_logits = None
+        if return_max_logits:
+            out, max_logits = out
+        if c.attention not in ("ring", "usp"):  # the ring names its own residual (naming it twice would save it twice)
+            out = checkpoint_name(out, ATTENTION_OUT)
+        out = self.project_out(out)
+        return (out, max_logits) if return_max_logits else out
+
+    def project_qkv(
+        self,
+        x: Float[Array, "seq d_model"],
+        positions: Int[Array, " seq"],
+        *,
+        rope_len: int,
+        layer_type: str | None = None,
+    ) -> tuple[Float[Array, "heads seq d"], Float[Array, "kv_heads seq d"], Float[Array, "kv_heads seq dv"]]:
+        """q, k, v of ``x`` in the compute dtype: projections (+ biases), q/k norms, RoPE of the layer
+        type at ``positions`` (``rope_len``: the static current length dynamic / longrope RoPE reads).
+        What ``__call__`` attends; decoding (``ringsplash.inference``) calls it on new tokens."""
+        c = self.config
         cdt = dtype_of(c.compute_dtype)
         seq = x.shape[0]
         x = x.astype(cdt)
@@ -206,20 +232,16 @@ class Attention(eqx.Module):
         q, k = heads(self.wq, self.bq, c.num_heads), heads(self.wk, self.bk, c.num_kv_heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # the current length of dynamic / longrope RoPE: the whole sequence's (this call holds one of its
-        # context_shards local shards), static (ringsplash.model.rope_scaling)
-        rope_len = seq * c.context_shards
         theta, scaling = c.rope_for(layer_type)
         q = rope(q, positions, theta, scaling, seq_len=rope_len)
         k = rope(k, positions, theta, scaling, seq_len=rope_len)
         v = heads(self.wv, self.bv, c.num_kv_heads, c.v_head_dim)
-        out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits,
-                     schedule=schedule, layer_type=layer_type)
-        max_logits = None
-        if return_max_logits:
-            out, max_logits = out
-        if c.attention not in ("ring", "usp"):  # the ring names its own residual (naming it twice would save it twice)
-            out = checkpoint_name(out, ATTENTION_OUT)
+        return q, k, v
+
+    def project_out(self, out: Float[Array, "heads seq dv"]) -> Float[Array, "seq d_model"]:
+        """The output projection of attention's per-head output (compute dtype)."""
+        c = self.config
+        cdt = dtype_of(c.compute_dtype)
+        seq = out.shape[1]
         out = out.astype(cdt).transpose(1, 0, 2).reshape(seq, c.num_heads * c.v_head_dim)
-        out = out @ self.wo.astype(cdt)
-        return (out, max_logits) if return_max_logits else out
+        return out @ self.wo.astype(cdt)

@@ -116,9 +116,18 @@ class Block(eqx.Module):
         schedule: RingSchedule | None = None,
         layer_type: str | None = None,
     ) -> Float[Array, "seq d_model"] | tuple[Float[Array, "seq d_model"], Float[Array, " heads"]]:
-        a = self.attention(self.attention_norm(x), positions, segment_ids, key=key,
-                           return_max_logits=return_max_logits, schedule=schedule, layer_type=layer_type)
-        a, max_logits = a if return_max_logits else (a, None)
+        def attention(module: Attention, h):
+            a = module(h, positions, segment_ids, key=key, return_max_logits=return_max_logits, schedule=schedule,
+                       layer_type=layer_type)
+            return a if return_max_logits else (a, None)
+
+        x, max_logits = self.apply(x, attention)
+        return (x, max_logits) if return_max_logits else x
+
+    def apply(self, x: Float[Array, "seq d_model"], attention: Callable) -> tuple[Float[Array, "seq d_model"], object]:
+        """The block with its attention sub-layer computed by ``attention(self.attention, normed_x) -> (a, aux)``
+        (decoding attends a KV cache this way); returns the block output and ``aux``."""
+        a, aux = attention(self.attention, self.attention_norm(x))
         if self.post_attention_norm is not None:
             a = self.post_attention_norm(a)
         x = x + a.astype(x.dtype)
@@ -126,7 +135,7 @@ class Block(eqx.Module):
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
         x = x + m.astype(x.dtype)
-        return (x, max_logits) if return_max_logits else x
+        return x, aux
 
 
 def _check_example(tokens, positions, segment_ids, vocab_size: int, max_seq_len: int | None = None,
@@ -246,10 +255,7 @@ class Transformer(eqx.Module):
         """
         c = self.config
         _check_example(tokens, positions, segment_ids, c.vocab_size, c.max_seq_len, c.context_shards, c.attention)
-        cdt = dtype_of(c.compute_dtype)
-        x = self.embedding[tokens].astype(cdt)
-        if c.scale_embeddings:  # the factor rounded to the hidden dtype first, as transformers does
-            x = x * jnp.asarray(c.d_model**0.5, cdt)
+        x = self.embed(tokens)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         schedules = _layer_schedules(c, schedule)
 
@@ -271,11 +277,20 @@ class Transformer(eqx.Module):
         keys = None if key is None else jax.random.split(key, c.num_layers)
         max_logits = []
         for seg in layer_segments(c.layer_types, c.num_layers):
-            x, mx = _run_segment(seg, steps, x, (dynamic, keys), c.num_layers)
+            x, mx = run_segment(seg, steps, x, (dynamic, keys), c.num_layers)
             max_logits.append(mx)
         if not return_max_logits:
             return self.final_norm(x)
         return self.final_norm(x), max_logits[0] if len(max_logits) == 1 else jnp.concatenate(max_logits)
+
+    def embed(self, tokens: Int[Array, "*tokens"]) -> Float[Array, "*tokens d_model"]:
+        """Token embeddings in the compute dtype (times sqrt(d_model) with ``scale_embeddings``)."""
+        c = self.config
+        cdt = dtype_of(c.compute_dtype)
+        x = self.embedding[tokens].astype(cdt)
+        if c.scale_embeddings:  # the factor rounded to the hidden dtype first, as transformers does
+            x = x * jnp.asarray(c.d_model**0.5, cdt)
+        return x
 
     def unembedding_matrix(self) -> Float[Array, "d_model vocab"]:
         """The output projection in the compute dtype (``embedding.T`` itself when tied)."""
@@ -316,9 +331,11 @@ def _layer_schedules(c: TransformerConfig, schedule) -> dict:
     return dict.fromkeys(kinds, schedule)
 
 
-def _run_segment(seg, steps: dict, x, xs, num_layers: int):
-    """Scan the layers of ``seg`` (a ``LayerSegment``) over ``x``; ``xs`` = (stacked params, keys or None).
-    Returns the new ``x`` and the segment's per-layer step outputs (``[layers, ...]`` or None)."""
+def run_segment(seg, steps: dict, x, xs, num_layers: int):
+    """Scan the layers of ``seg`` (a ``LayerSegment``) over ``x``; ``xs``: a pytree of per-layer inputs with a
+    leading ``[num_layers]`` axis (here: stacked params, keys or None), ``steps``: ``{layer type: step(h, xs_i)
+    -> (h, out)}``. Returns the new ``x`` and the segment's per-layer step outputs (a pytree of ``[layers, ...]``,
+    or None)."""
     if seg.num_layers != num_layers:
         xs = jax.tree.map(lambda a: a[seg.start:seg.start + seg.num_layers], xs)
     if len(seg.kinds) == 1:
@@ -331,7 +348,7 @@ def _run_segment(seg, steps: dict, x, xs, num_layers: int):
         for j, kind in enumerate(seg.kinds):  # static: each layer of the period with its own mask
             h, out = steps[kind](h, jax.tree.map(lambda a, j=j: a[j], group_xs))
             outs.append(out)
-        return h, None if outs[0] is None else jnp.stack(outs)
+        return h, None if outs[0] is None else jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
     x, outs = jax.lax.scan(group, x, xs)
-    return x, None if outs is None else outs.reshape(seg.num_layers, *outs.shape[2:])
+    return x, jax.tree.map(lambda o: o.reshape(seg.num_layers, *o.shape[2:]), outs)

@@ -1,0 +1,199 @@
+"""Benchmark: inference (``ringsplash.inference``) vs transformers on the same imported model, one process, CPU.
+
+A random Llama (``--layers``, ``--d-model``, ``--heads``, ``--vocab``; unit-scale weights) is made by
+transformers, saved, and loaded by ``rs.hf.load_hf`` (float32, ``attention="splash"`` with
+``SplashConfig(backend="xla")``: the block-sparse jnp path a CPU user runs). Rows:
+
+* prefill seconds at each ``--prefill-lens`` (batch 1): ``rs.inference.prefill`` (jitted; compile
+  excluded: one warm-up call) vs transformers' forward (``attn_implementation="sdpa"``, ``no_grad``);
+* decode tokens/s at each ``--batches`` with a ``--decode-prompt``-token prompt: after a prefill,
+  ``--new-tokens - 1`` greedy steps, only the loop timed: ringsplash's jitted ``decode_step`` + argmax
+  (the step ``generate`` runs) vs transformers' forward on one token with its ``past_key_values``
+  (the dynamic KV cache ``generate`` uses); warm-up runs excluded;
+* the same decode rate with the cache sharded over ``--devices`` simulated CPU devices
+  (``mesh=train.make_mesh(1, devices)``): the simulated devices share this host's cores, so this
+  row shows the sharded path runs and what it costs here, not a multi-chip speed-up.
+
+Medians of ``--repeats`` runs. This host is shared and noisy; the ratio column is measured in one run.
+
+    python scripts/bench_inference.py                      # 4 layers, d 512, prefill 4K / 16K, decode at 4K
+    python scripts/bench_inference.py --tiny               # the smoke run (tests/test_bench_scripts.py)
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+from _bench import fmt_tokens, md_table, median_of
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument("--decode-prompt", type=int, default=4096)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    p.add_argument("--devices", type=int, default=4, help="simulated devices of the sharded-cache row (0: skip)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer d-64 model, 256-token prompts, 8 new tokens")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.layers, args.d_model, args.heads, args.kv_heads, args.vocab = 2, 64, 4, 2, 256
+        args.prefill_lens, args.decode_prompt, args.new_tokens, args.batches = [256], 256, 8, [1, 2]
+        args.repeats = 1
+    return args
+
+
+def make_checkpoint(args, path: str):
+    import torch
+    import transformers
+
+    longest = max([*args.prefill_lens, args.decode_prompt + args.new_tokens])
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.d_model,
+                                      intermediate_size=int(args.d_model * 8 / 3) // 8 * 8,
+                                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                      num_key_value_heads=args.kv_heads, max_position_embeddings=longest,
+                                      rms_norm_eps=1e-5, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, w in sorted(model.named_parameters()):
+            w.copy_(torch.randn(w.shape, generator=gen) * w.shape[1] ** -0.5 if w.ndim == 2 else
+                    torch.randn(w.shape, generator=gen) * 0.1 + 1.0)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    import jax
+
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", max(args.devices, 1))
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    import ringsplash as rs
+    from ringsplash import train
+    from ringsplash.splash import SplashConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as path:
+        hf = make_checkpoint(args, path)
+        model = rs.hf.load_hf(path, attention="splash", splash=SplashConfig(backend="xla"))
+        _MODEL.append(model)
+        print(f"model: Llama, {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
+              f"({args.kv_heads} kv), vocab {args.vocab}, float32; {jax.device_count()} CPU devices, "
+              f"torch threads {torch.get_num_threads()}; medians of {args.repeats}")
+
+        rows = []
+        for n in args.prefill_lens:
+            tokens = rng.integers(0, args.vocab, (1, n)).astype(np.int32)
+            ids = torch.from_numpy(tokens.astype(np.int64))
+
+            def ours(tokens=tokens):
+                logits, cache = rs.inference.prefill(model, jnp.asarray(tokens))
+                jax.block_until_ready((logits, cache.k))
+
+            def theirs(ids=ids):
+                with torch.no_grad():
+                    hf(ids)
+
+            ours()
+            theirs()
+            t_ours, _ = median_of(ours, args.repeats)
+            t_theirs, _ = median_of(theirs, args.repeats)
+            rows.append((fmt_tokens(n) if n >= 1024 else n, f"{t_ours:.2f}", f"{t_theirs:.2f}",
+                         f"{t_theirs / t_ours:.2f}"))
+        print("\n## prefill (batch 1, seconds)\n")
+        print(md_table(rows, ["prompt", "ringsplash (s):", "transformers (s):", "speed-up:"]))
+
+        rows = []
+        mesh = train.make_mesh(1, args.devices) if args.devices else None
+        for batch in args.batches:
+            prompts = rng.integers(0, args.vocab, (batch, args.decode_prompt)).astype(np.int32)
+            ids = torch.from_numpy(prompts.astype(np.int64))
+
+            def rate(prefill_then_loop, batch=batch):
+                prefill_then_loop()  # warm-up: every program compiled
+                times = [prefill_then_loop() for _ in range(args.repeats)]
+                return batch * (args.new_tokens - 1) / sorted(times)[len(times) // 2]
+
+            def ours(mesh=None, prompts=prompts):
+                """Seconds of new_tokens - 1 greedy decode steps after a prefill (the loop only)."""
+                logits, cache = rs.inference.prefill(model, jnp.asarray(prompts),
+                                                     max_len=_cache_len(args, mesh), mesh=mesh)
+                token = jnp.argmax(logits, -1).astype(jnp.int32)
+                jax.block_until_ready((token, cache.k))
+                t0 = time.perf_counter()
+                for _ in range(args.new_tokens - 1):
+                    token, cache = _greedy_step(model, cache, token)
+                jax.block_until_ready(token)
+                return time.perf_counter() - t0
+
+            def theirs(ids=ids):
+                with torch.no_grad():
+                    out = hf(ids, use_cache=True)
+                    token = out.logits[:, -1].argmax(-1, keepdim=True)
+                    t0 = time.perf_counter()
+                    for _ in range(args.new_tokens - 1):
+                        out = hf(token, cache=out.cache, use_cache=True)
+                        token = out.logits[:, -1].argmax(-1, keepdim=True)
+                    return time.perf_counter() - t0
+
+            r_ours, r_theirs = rate(ours), rate(theirs)
+            sharded = f"{rate(lambda: ours(mesh)):.1f}" if mesh is not None else "-"
+            rows.append((batch, fmt_tokens(args.decode_prompt) if args.decode_prompt >= 1024 else args.decode_prompt,
+                         f"{r_ours:.1f}", f"{r_theirs:.1f}", f"{r_ours / r_theirs:.2f}", sharded))
+        print(f"\n## decode (greedy, {args.new_tokens} new tokens, tokens/s)\n")
+        print(md_table(rows, ["batch:", "prompt:", "ringsplash (tok/s):", "transformers (tok/s):", "ratio:",
+                              f"ringsplash, cache on {args.devices} simulated devices (tok/s):"]))
+
+
+def _cache_len(args, mesh) -> int:
+    from ringsplash.inference import cache_multiple
+
+    multiple = cache_multiple(_MODEL[0].config, mesh)
+    return -(-(args.decode_prompt + args.new_tokens) // multiple) * multiple
+
+
+def _greedy_step(model, cache, token):
+    import jax
+
+    global _STEP
+    if _STEP is None:
+        import jax.numpy as jnp
+
+        from ringsplash.inference import decode_step
+
+        def step(model, cache, token):
+            logits, cache = decode_step(model, cache, token)
+            return jnp.argmax(logits, -1).astype(jnp.int32), cache
+
+        _STEP = jax.jit(step, donate_argnums=1)
+    return _STEP(model, cache, token)
+
+
+_STEP = None
+_MODEL = []
+
+
+if __name__ == "__main__":
+    main()

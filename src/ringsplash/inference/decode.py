@@ -1,0 +1,166 @@
+"""``decode_step``: one new token per row against a ``KVCache`` sharded along the sequence.
+
+Each device of the context axis attends its own slots of the cache (the model's projections,
+norms and RoPE: ``Attention.project_qkv`` / ``project_out``, with the batch where the blocks take
+the sequence; the reference's arithmetic on one query per row, ``_local_partial``) and returns a partial
+output and its log-sum-exp; one ``all_gather`` of those (``[heads, batch, dv + 1]`` floats) per layer and
+the online-softmax
+``merge`` (``ringsplash._softmax``) give the exact attention over the whole cache, no key or value
+moves. The new token attends itself as one more partial, merged once; sinks join at the end
+(``fold_sinks``). After the layers, the new token's keys and values are written into the slot
+that holds its position, on the device that owns that slot.
+"""
+
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ringsplash import layouts
+from ringsplash._softmax import MASKED_LSE, fold_sinks, merge
+from ringsplash._types import Array, Float, Int
+from ringsplash.inference.cache import KVCache, cache_specs, check_cache
+from ringsplash.model import Transformer, layer_segments
+from ringsplash.model.transformer import run_segment
+
+_F32 = jnp.float32
+
+
+def decode_step(
+    model: Transformer, cache: KVCache, tokens: Int[Array, " batch"], *, mesh: Mesh | str | None = "cache"
+) -> tuple[Float[Array, "batch vocab"], KVCache]:
+    """Feed one token per row at position ``cache.lengths``: float32 logits of the next token
+    (``final_logit_soft_cap`` applied) and the cache with the token's keys and values written and
+    ``lengths + 1``. Traceable (``jax.jit`` it; ``generate`` does); on the cache's mesh it runs
+    inside ``shard_map`` over the cache's context axis. ``mesh``: the mesh the caller means (checked
+    against the cache's; the default takes the cache's). The caller keeps every row's
+    ``lengths`` below ``cache.max_len`` (``generate`` sizes the cache so)."""
+    check_cache(cache, model.config, None if mesh == "cache" else mesh, check_mesh_arg=mesh != "cache")
+    if tokens.shape != (cache.batch,):
+        raise ValueError(f"tokens must be [batch={cache.batch}] (one new token per cached row), got "
+                         f"tokens.shape={tokens.shape}")
+    params, static = eqx.partition(model, eqx.is_array)
+    body = functools.partial(_local_step, static=static, layout=cache.layout, max_len=cache.max_len,
+                             shards=cache.shards, axis_name=cache.axis_name)
+    args = (params, cache.k, cache.v, cache.lengths, cache.slot_positions, tokens)
+    if cache.mesh is None:
+        logits, k, v = body(*args)
+    else:
+        kv, _, lengths, slots = cache_specs(cache.axis_name)
+        in_specs = (jax.tree.map(lambda _: P(), params), kv, kv, lengths, slots, P())
+        logits, k, v = jax.shard_map(body, mesh=cache.mesh, in_specs=in_specs, out_specs=(P(), kv, kv),
+                                     check_vma=False)(*args)
+    return logits, dataclasses.replace(cache, k=k, v=v, lengths=cache.lengths + 1)
+
+
+def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, static, layout: str, max_len: int,
+                shards: int, axis_name: str | None):
+    """One device's step on its cache slots ``[layers, batch, kv_heads, local_len, d]``: the logits (the
+    same on every device) and its updated slots. The batch rides where the model's blocks take the
+    sequence (projections, norms, RoPE and MLP act per token), so no array is transposed or vmapped."""
+    model = eqx.combine(params, static)
+    c = model.config
+    batch, local_len = tokens.shape[0], k_cache.shape[3]
+    positions = lengths  # each row's new token sits at its current length
+    x = model.embed(tokens)
+    dynamic, layer_static = eqx.partition(model.layers, eqx.is_array)
+
+    def step_for(kind):
+        mask = c.make_mask(max_len, kind)
+
+        def step(h, xs):
+            layer_params, k_layer, v_layer = xs
+            layer = eqx.combine(layer_params, layer_static)
+            visible = (slot_positions[None] < positions[:, None]) & mask.mask_function(positions[:, None],
+                                                                                       slot_positions[None])
+
+            def attention(module, hn):
+                q, k, v = module.project_qkv(hn, positions, rope_len=max_len, layer_type=kind)  # [heads, batch, d]
+                o, lse = _attend_shards(c, q, k_layer, v_layer, visible, axis_name)
+                o_self, lse_self = _self_partial(c, q, k, v)
+                o, lse = merge(o, lse, o_self, lse_self)
+                o, _ = fold_sinks(o, lse, module.sinks)
+                return module.project_out(o.astype(q.dtype)), (k, v)
+
+            return layer.apply(h, attention)
+
+        return step
+
+    steps = {kind: step_for(kind) for kind in c.attention_kinds}
+    new_k, new_v = [], []
+    for seg in layer_segments(c.layer_types, c.num_layers):
+        x, (k_new, v_new) = run_segment(seg, steps, x, (dynamic, k_cache, v_cache), c.num_layers)
+        new_k.append(k_new)
+        new_v.append(v_new)
+    logits = model.logits(model.final_norm(x))
+    # the slot of each row's new position; a device that does not own it writes out of bounds (dropped)
+    slot = positions if layout == "contiguous" else jnp.asarray(
+        layouts.inverse_permutation(layout, max_len, shards))[positions]
+    local = slot - (0 if axis_name is None else lax.axis_index(axis_name) * local_len)
+    local = jnp.where((local >= 0) & (local < local_len), local, local_len)
+    rows = jnp.arange(batch)
+
+    def write(cache, new):  # new: [layers, kv_heads, batch, d] -> cache[:, b, :, local[b]]
+        value = jnp.concatenate(new).transpose(2, 0, 1, 3).astype(cache.dtype)
+        return cache.at[:, rows, :, local].set(value, mode="drop")
+
+    return logits, write(k_cache, new_k), write(v_cache, new_v)
+
+
+def _self_partial(c, q, k, v):
+    """Float32 ``(o, lse)`` of each row's query over its own new key: ``o = v``, ``lse`` its logit."""
+    kv_heads = k.shape[0]
+    qg = q.reshape(kv_heads, -1, *q.shape[1:])  # [kv_heads, group, batch, d]
+    s = jnp.einsum("hgbd,hbd->hgb", qg, k, preferred_element_type=_F32)
+    s = s * (q.shape[-1] ** -0.5 if c.attention_scale is None else c.attention_scale)
+    if c.logit_soft_cap is not None:
+        s = c.logit_soft_cap * jnp.tanh(s / c.logit_soft_cap)
+    o = jnp.broadcast_to(v.astype(_F32)[:, None], (*qg.shape[:3], v.shape[-1]))
+    return o.reshape(q.shape[0], q.shape[1], v.shape[-1]), s.reshape(q.shape[0], q.shape[1])
+
+
+def _attend_shards(c, q, k_local, v_local, visible, axis_name: str | None):
+    """Float32 ``(o [heads, batch, dv], lse [heads, batch])`` of ``q`` over the visible slots of every
+    device's cache shard: local partials, one all-gather, merged."""
+    o, lse = _local_partial(q, k_local, v_local, visible, c.attention_scale, c.logit_soft_cap)
+    if axis_name is None:
+        return o, lse
+    packed = lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), axis_name)  # [shards, heads, batch, dv+1]
+    o, lse = packed[0, ..., :-1], packed[0, ..., -1]
+    for i in range(1, packed.shape[0]):
+        o, lse = merge(o, lse, packed[i, ..., :-1], packed[i, ..., -1])
+    return o, lse
+
+
+def _local_partial(q: Float[Array, "heads batch d"], k: Float[Array, "batch kv_heads slots d"],
+                   v: Float[Array, "batch kv_heads slots dv"], visible, scale: float | None, cap: float | None):
+    """Float32 ``(o [heads, batch, dv], lse [heads, batch])`` of each row's query over its ``visible``
+    slots ``[batch, slots]``: the oracle's arithmetic (``reference_attention``: scale, soft-cap,
+    max-subtracted exp; a row with nothing visible gives ``o = 0``, ``lse = MASKED_LSE``) without its
+    masked copy of K and V: stale slots hold finite values (prefill padding or earlier writes), and the
+    scores, not the values, are masked."""
+    heads, batch, d = q.shape
+    kv_heads = k.shape[1]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(kv_heads, heads // kv_heads, batch, d)
+    s = jnp.einsum("hgbd,bhkd->bhgk", qg, k, preferred_element_type=_F32) * scale
+    if cap is not None:
+        s = cap * jnp.tanh(s / cap)
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=_F32)
+    safe = jnp.where(l == 0, 1.0, l)
+    o = (pv / safe[..., None]).reshape(batch, heads, v.shape[-1]).transpose(1, 0, 2)
+    lse = jnp.where(l == 0, MASKED_LSE, m[..., 0] + jnp.log(safe)).reshape(batch, heads).T
+    return o, lse
+
+
+__all__ = ["decode_step"]

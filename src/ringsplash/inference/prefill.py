@@ -1,0 +1,221 @@
+"""``prefill``: the model over a batch of prompts, filling a ``KVCache`` in its sharded layout.
+
+Each row's prompt (its first ``prompt_lengths[b]`` tokens) is padded with token 0 to the cache's
+``max_len`` and run through the model's own layers (``Block.apply`` with ``Attention.project_qkv``,
+the strategy's ``attend``, ``project_out``), keeping every layer's keys and values. The masks
+decoding supports are causal, so padding never reaches a prompt token, and decoding overwrites
+each padded slot before any query sees it.
+
+Strategy: without a mesh, the model's own single-device strategy (``"reference"`` or
+``"splash"``; a sequence-parallel model runs ``"splash"``). With a mesh, the model's strategy when it
+is ``"ring"`` / ``"allgather"`` over the mesh's context axis (its ``ring_layout`` is then the
+cache's layout), otherwise ``"allgather"`` with the contiguous layout; the tokens are laid out
+so each device's local shard of the forward pass is its shard of the cache.
+"""
+
+import functools
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ringsplash import layouts
+from ringsplash._types import Array, Float, Int
+from ringsplash.inference.cache import KVCache, cache_specs, check_decodable, check_mesh, model_key, place
+from ringsplash.model import Transformer, TransformerConfig, attend, layer_segments
+from ringsplash.model.transformer import run_segment
+from ringsplash.splash.config import NUM_LANES
+
+
+class Prefilled(NamedTuple):
+    """``prefill``'s result: float32 logits (``[batch, vocab]`` of each row's last prompt token, or
+    ``[batch, prompt_len, vocab]`` of every prompt position with ``all_logits``) and the filled cache."""
+
+    logits: Float[Array, "batch *positions vocab"]
+    cache: KVCache
+
+
+def check_prompts(tokens, prompt_lengths, vocab_size: int) -> tuple[np.ndarray | jax.Array, jax.Array]:
+    """Validated ``tokens`` ``[batch, prompt_len]`` and int32 ``prompt_lengths`` ``[batch]`` (None: full rows)."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"prompts must be int [batch, prompt_len] token ids with prompt_len >= 1, got shape {shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"prompts must be integer token ids, got dtype {tokens.dtype}")
+    if not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, vocab_size={vocab_size}), got ids in [{lo}, {hi}]")
+    batch, prompt_len = shape
+    if prompt_lengths is None:
+        return tokens, jnp.full((batch,), prompt_len, jnp.int32)
+    if getattr(prompt_lengths, "shape", None) != (batch,):
+        raise ValueError(f"prompt_lengths must be int [batch={batch}], got shape "
+                         f"{getattr(prompt_lengths, 'shape', type(prompt_lengths).__name__)}")
+    if not isinstance(prompt_lengths, jax.core.Tracer):
+        lengths = np.asarray(prompt_lengths)
+        if lengths.min() < 1 or lengths.max() > prompt_len:
+            raise ValueError(f"prompt_lengths must be in [1, prompt_len={prompt_len}], got values in "
+                             f"[{lengths.min()}, {lengths.max()}]")
+    return tokens, jnp.asarray(prompt_lengths, jnp.int32)
+
+
+def _own_strategy(config: TransformerConfig, shards: int, axis_name: str) -> bool:
+    """Whether the model's own strategy shards the sequence over ``axis_name``'s ``shards`` devices."""
+    return (config.attention in ("ring", "allgather") and config.ring_axis_name == axis_name
+            and config.ring_size == shards)
+
+
+def prefill_config(config: TransformerConfig, max_len: int, mesh: Mesh | None, axis_name: str) -> TransformerConfig:
+    """The config the prefill forward runs under (see the module docstring)."""
+    shards = check_mesh(mesh, axis_name)
+    reset = dict(ring_axis_name=None, ring_size=1, ulysses_axis_name=None, ulysses_size=1, max_seq_len=max_len,
+                 attention_dropout=0.0, qk_clip_threshold=None, remat="none")
+    if mesh is None:
+        attention = config.attention if config.attention in ("reference", "splash") else "splash"
+        return config.replace(**{**reset, "attention": attention})
+    if _own_strategy(config, shards, axis_name):
+        return config.replace(max_seq_len=max_len, attention_dropout=0.0, qk_clip_threshold=None, remat="none")
+    return config.replace(**{**reset, "attention": "allgather", "ring_axis_name": axis_name, "ring_size": shards,
+                             "ring_layout": "contiguous"})
+
+
+def cache_multiple(config: TransformerConfig, mesh: Mesh | None, axis_name: str = "context") -> int:
+    """What a cache length must be a multiple of for the prefill strategy on ``mesh`` (the kernels'
+    128-token lanes on each device's shard, twice as many shards under the zigzag layout)."""
+    shards = check_mesh(mesh, axis_name)
+    if mesh is None:
+        return 1
+    zigzag = _own_strategy(config, shards, axis_name) and config.ring_layout == "zigzag"
+    return shards * NUM_LANES * (2 if zigzag else 1)
+
+
+def prefill(
+    model: Transformer,
+    tokens: Int[Array, "batch prompt_len"],
+    *,
+    prompt_lengths: Int[Array, " batch"] | None = None,
+    max_len: int | None = None,
+    mesh: Mesh | None = None,
+    axis_name: str = "context",
+    all_logits: bool = False,
+) -> Prefilled:
+    """Run ``model`` over ``tokens`` and return the logits and a ``KVCache`` of ``max_len`` slots per row.
+
+    Args:
+        model: a ``Transformer`` with a causal mask (``"causal"`` / ``"local"`` / ``"chunked"``, any
+            ``layer_types``).
+        tokens: int ``[batch, prompt_len]``; row ``b``'s prompt is its first ``prompt_lengths[b]`` tokens.
+        prompt_lengths: int ``[batch]`` in ``[1, prompt_len]``, or None (every row is ``prompt_len`` long).
+        max_len: cache slots per row (tokens the cache can ever hold), at least ``prompt_len``; None:
+            ``prompt_len`` rounded up to ``cache_multiple``. The forward pass runs over ``max_len`` tokens.
+        mesh, axis_name: shard the cache (and the forward pass) along the sequence over this mesh axis.
+        all_logits: return the logits of every prompt position, not only each row's last.
+    """
+    c = model.config
+    check_decodable(c)
+    tokens, lengths = check_prompts(tokens, prompt_lengths, c.vocab_size)
+    prompt_len = tokens.shape[1]
+    multiple = cache_multiple(c, mesh, axis_name)
+    if max_len is None:
+        max_len = -(-prompt_len // multiple) * multiple
+    if not isinstance(max_len, int) or max_len < prompt_len:
+        raise ValueError(f"the prompt has prompt_len={prompt_len} tokens, more than the cache holds: "
+                         f"max_len={max_len!r}; pass max_len >= {prompt_len}")
+    if max_len % multiple:
+        raise ValueError(f"max_len={max_len} must be a multiple of {multiple} on this mesh (devices on "
+                         f"{axis_name!r} x 128-token kernel lanes)")
+    pconfig = prefill_config(c, max_len, mesh, axis_name)
+    layout = "contiguous" if mesh is None else pconfig.ring_layout
+    shards = check_mesh(mesh, axis_name)
+    logits, k, v = _prefill_jit(_with_config(model, pconfig), tokens, lengths, max_len=max_len, mesh=mesh,
+                                axis_name=axis_name, layout=layout, shards=shards, all_logits=all_logits)
+    perm = layouts.permutation(layout, max_len, shards)
+    # lengths copied: generate donates the cache, and the caller may hold prompt_lengths
+    cache = KVCache(k, v, jnp.array(lengths, copy=True), jnp.asarray(perm), model_key(c), layout, mesh,
+                    axis_name if mesh else None)
+    return Prefilled(logits, place(cache))
+
+
+def _with_config(model: Transformer, config: TransformerConfig) -> Transformer:
+    """``model.with_config(config)`` without re-deriving the parameter layout on every call."""
+    if config == model.config:
+        return model
+    treedef = _treedef(config)
+    leaves = jax.tree.leaves(model)
+    if treedef.num_leaves != len(leaves):  # not expected: prefill_config keeps every parameter shape
+        return model.with_config(config)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.lru_cache(maxsize=32)
+def _treedef(config: TransformerConfig):
+    return jax.tree.structure(eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0)))
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "mesh", "axis_name", "layout", "shards", "all_logits"))
+def _prefill_jit(model, tokens, lengths, *, max_len, mesh, axis_name, layout, shards, all_logits):
+    batch, prompt_len = tokens.shape
+    keep = jnp.arange(prompt_len)[None, :] < lengths[:, None]
+    padded = jnp.zeros((batch, max_len), jnp.int32).at[:, :prompt_len].set(jnp.where(keep, tokens, 0))
+    perm = jnp.asarray(layouts.permutation(layout, max_len, shards))
+    laid = padded[:, perm]
+    params, static = eqx.partition(model, eqx.is_array)
+    body = functools.partial(_forward, static=static)
+    if mesh is None:
+        hidden, k, v = body(params, laid, perm)
+    else:
+        kv = cache_specs(axis_name)[0]
+        in_specs = (jax.tree.map(lambda _: P(), params), P(None, axis_name), P(axis_name))
+        hidden, k, v = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, axis_name), kv, kv),
+                                     check_vma=False)(params, laid, perm)
+    inverse = jnp.asarray(layouts.inverse_permutation(layout, max_len, shards))
+    if all_logits:
+        h = hidden[:, inverse[:prompt_len]]
+    else:
+        h = jnp.take_along_axis(hidden, inverse[lengths - 1][:, None, None], axis=1)[:, 0]
+    return model.logits(h), k, v
+
+
+def _forward(params, tokens, positions, *, static):
+    """Final-normed hidden states ``[batch, seq, d]`` of the (local shard of) laid-out tokens and
+    every layer's keys / values ``[layers, batch, kv_heads, seq, d]``."""
+    model = eqx.combine(params, static)
+    c = model.config
+    dynamic, layer_static = eqx.partition(model.layers, eqx.is_array)
+
+    def row(tok):
+        x = model.embed(tok)
+        seq = tok.shape[0]
+
+        def step_for(kind):
+            def step(h, layer_params):
+                layer = eqx.combine(layer_params, layer_static)
+
+                def attention(module, hn):
+                    q, k, v = module.project_qkv(hn, positions, rope_len=seq * c.context_shards, layer_type=kind)
+                    out = attend(c, q, k, v, None, module.sinks, layer_type=kind)
+                    return module.project_out(out), (k, v)
+
+                return layer.apply(h, attention)
+
+            return step
+
+        steps = {kind: step_for(kind) for kind in c.attention_kinds}
+        ks, vs = [], []
+        for seg in layer_segments(c.layer_types, c.num_layers):
+            x, (k, v) = run_segment(seg, steps, x, dynamic, c.num_layers)
+            ks.append(k)
+            vs.append(v)
+        return model.final_norm(x), jnp.concatenate(ks), jnp.concatenate(vs)
+
+    hidden, k, v = jax.vmap(row)(tokens)
+    return hidden, k.swapaxes(0, 1), v.swapaxes(0, 1)
+
+
+__all__ = ["Prefilled", "cache_multiple", "check_prompts", "prefill", "prefill_config"]
