@@ -3,9 +3,12 @@
 1. Base: a model trained here at ``--base-len`` tokens on a tokenized corpus (``--data``; default:
    the Python standard library as bytes, as ``byte_lm.py``), or ``--init-from`` a Hugging Face
    checkpoint or a ringsplash run directory (its length is the base length). A small model learns
-   retrieval slowly from text alone, so the training mixture interleaves synthetic passkey
-   documents (``--passkey-mix`` of the rows): the evaluation's own template, with fresh keys,
-   depths and haystack offsets (``ringsplash.evals.passkey_task``); 0 turns it off.
+   retrieval slowly from text alone, so ``--passkey-mix`` of the training rows hold a synthetic
+   retrieval task (``--retrieval``): ``recall``, the main job's key-value recall (its own tokens
+   above the text's, only the answers scored, a curriculum of episode lengths), evaluated as a
+   passkey in those tokens (``evals.token_passkey_task``); or ``text``, passkey documents in the
+   evaluation's own text template with fresh keys, depths and offsets (``evals.passkey_task``);
+   or ``none`` (text only).
 2. For each ``--methods`` entry, the base parameters at ``--factor`` x the base length with
    - ``none``: RoPE unchanged;  ``base``: the RoPE base raised NTK-style, theta * factor^(d/(d-2));
    - ``linear`` (position interpolation), ``dynamic`` (dynamic NTK), ``yarn``, ``llama3``: the
@@ -47,6 +50,7 @@ import contextlib
 from ringsplash.cli import parse_config
 
 METHODS = ("none", "base", "linear", "dynamic", "yarn", "llama3")
+RETRIEVAL = ("recall", "text", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +63,11 @@ class Config:
     base_len: int = 1024  # the base model's training length (with --init-from: 0 = the model's max_seq_len)
     factor: int = 8  # the extension: evaluate and finetune at factor x base_len
     methods: str = ",".join(METHODS)  # comma-separated subset of none,base,linear,dynamic,yarn,llama3
-    passkey_mix: float = 0.25  # share of training rows that are synthetic passkey documents (0 = text only)
-    passkey_docs: int = 512  # synthetic passkey documents written per length (base and long)
+    #: the retrieval task trained (passkey_mix of the rows) and evaluated as the passkey: recall (the main job's
+    #: key-value recall, tokens of its own) | text (passkey documents in text) | none (text only, text passkey)
+    retrieval: str = "recall"
+    passkey_mix: float = 0.25  # share of training rows holding the retrieval task (0 = text only)
+    passkey_docs: int = 512  # --retrieval text: passkey documents written per length (base and long)
     # model (trained here): --preset NAME (ringsplash.model.presets) sets the shape, flags override it
     preset: str = ""  # a ringsplash.model.presets name; "" = the model fields below
     d_model: int = 128  # model width
@@ -93,6 +100,8 @@ class Config:
             raise ValueError(f"methods={self.methods!r} must be a comma-separated subset of {METHODS}")
         if not isinstance(self.factor, int) or self.factor < 2:
             raise ValueError(f"factor={self.factor!r} must be an int >= 2")
+        if self.retrieval not in RETRIEVAL:
+            raise ValueError(f"retrieval={self.retrieval!r} must be one of {RETRIEVAL}")
         if not 0.0 <= self.passkey_mix < 1.0:
             raise ValueError(f"passkey_mix={self.passkey_mix} must be in [0, 1)")
         if not self.init_from and self.base_len < 128:
@@ -188,6 +197,56 @@ def passkey_corpus(config: Config, tokenizer, haystack, length: int, name: str) 
     return out
 
 
+def recall_task(length: int):
+    """The key-value recall task at ``length`` tokens (chance 1/16), as the main job trains it."""
+    from ringsplash import data
+
+    return data.RecallTask(seq_len=length, num_pairs=16, num_queries=16, num_keys=64, num_values=16, num_filler=16)
+
+
+def episode_schedule(length: int, steps: int):
+    """``step -> episode length`` of the recall rows: the main job's curriculum (16 tokens for the first
+    20% of the steps, then each doubling for 10% while it divides ``length``), then whole rows."""
+    short = [n for n in (16 << i for i in range(32)) if n < length and length % n == 0]
+    ends = [int(steps * (0.2 + 0.1 * i)) for i in range(len(short))]
+    return lambda step: next((n for n, end in zip(short, ends, strict=True) if step < end), length)
+
+
+def mixed_stream(loader, length: int, recall_rows: int, steps: int, offset: int, seed: int):
+    """Batches of the loader's text rows followed by ``recall_rows`` rows of key-value recall whose
+    tokens sit above the text's (``offset``), short episodes first over ``steps`` (0: whole rows
+    throughout); a pure function of ``(seed, step)``, as ``fit`` needs."""
+    import numpy as np
+
+    from ringsplash import data
+
+    task, episode = recall_task(length), episode_schedule(length, steps)
+
+    def make(rng, n, step):
+        text = loader.batch(step)
+        rec = task.batch(rng, recall_rows, episode_len=episode(step))
+        rec = rec._replace(tokens=rec.tokens + offset, labels=rec.labels + offset)
+        return data.Batch(*(np.concatenate([np.asarray(a), np.asarray(b, np.asarray(a).dtype)])
+                            for a, b in zip(text, rec, strict=True)))
+
+    return data.DataStream(make=make, batch_size=loader.batch_size + recall_rows, seed=seed)
+
+
+def passkey_eval(config: Config, tokenizer, text_vocab: int):
+    """(task, haystack, answer tokens generated past the key) of the passkey evaluation."""
+    import numpy as np
+
+    from ringsplash import evals
+
+    if config.retrieval == "recall":  # one key-value pair in filler, then ``SEP key``: the value
+        t, off = recall_task(config.base_len), text_vocab
+        task = evals.token_passkey_task(off + t.key_offset, off, range(off + t.value_offset,
+                                                                       off + t.value_offset + t.num_values))
+        filler = np.random.default_rng([config.seed, 5]).integers(off + 1, off + 1 + t.num_filler, size=1 << 16)
+        return task, evals.Haystack(filler), 0
+    return evals.passkey_task(tokenizer), evals.Haystack.from_text(evals.default_text(), tokenizer), 4
+
+
 def text_corpora(config: Config) -> tuple[str, str]:
     """(training corpus, held-out corpus): ``--data`` / ``--heldout``, or the stdlib as bytes."""
     if config.data:
@@ -219,7 +278,7 @@ def heldout_stream(path: str, tokens: int):
 # ------------------------------------------------------------------------------------ evaluation
 
 
-def evaluate(model, config: Config, lengths, heldout, tokenizer, haystack, out_dir: str, title: str) -> list[dict]:
+def evaluate(model, config: Config, lengths, heldout, passkey, out_dir: str, title: str) -> list[dict]:
     """Perplexity and passkey accuracy of ``model`` (one device) at each length; the grid's files."""
     import numpy as np
 
@@ -229,7 +288,8 @@ def evaluate(model, config: Config, lengths, heldout, tokenizer, haystack, out_d
     scorer = evals.Scorer(model)
     depths = [float(d) for d in config.depths.split(",")]
     generate_fn = evals.inference_generate_fn(model) if config.generate else None
-    records = evals.run_grid(scorer, evals.passkey_task(tokenizer), haystack, lengths, depths, config.passkey_samples,
+    task, haystack, extra = passkey
+    records = evals.run_grid(scorer, task, haystack, lengths, depths, config.passkey_samples, extra_tokens=extra,
                              generate_fn=generate_fn, seed=config.seed, progress=config.progress)
     grid = evals.write_grid(records, out_dir, title)
     rows = []
@@ -287,10 +347,14 @@ def main(config: Config) -> dict:
 
     base_model = None
     if config.init_from:
+        if config.retrieval == "recall":
+            raise ValueError("--init-from a pretrained model: its vocabulary has no recall tokens; pass --retrieval "
+                             "text (passkey documents in text) or none")
         base_model = evals.load_model(config.init_from)
         config = dataclasses.replace(config, base_len=config.base_len or base_model.config.max_seq_len)
     if config.preflight:
-        base = base_model.config if base_model is not None else base_model_config(config, tokenizer.vocab_size)
+        extra = recall_task(config.base_len).vocab_size if config.retrieval == "recall" else 0
+        base = base_model.config if base_model is not None else base_model_config(config, tokenizer.vocab_size + extra)
         return {"returncode": preflight(config, base, methods)}
 
     os.makedirs(run_dir, exist_ok=True)
@@ -300,14 +364,28 @@ def main(config: Config) -> dict:
     if lengths[-1] != long_len:
         lengths.append(long_len)
     train_path, heldout_path = text_corpora(config)
-    haystack = evals.Haystack.from_text(evals.default_text(), tokenizer)
     heldout = heldout_stream(heldout_path, config.eval_docs * long_len)
-    vocab = data.TokenizedCorpus(train_path).vocab_size
+    text_vocab = data.TokenizedCorpus(train_path).vocab_size
+    recall = config.retrieval == "recall"
+    vocab = text_vocab + (recall_task(config.base_len).vocab_size if recall else 0)
+    passkey = passkey_eval(config, tokenizer, text_vocab)
 
-    def loader(length: int, batch: int, name: str):
+    def stream(length: int, batch: int, curriculum_steps: int, name: str):
+        """The training batches at ``length``: text (+ passkey documents) through the loader, or text
+        rows + recall rows (a curriculum of episode lengths over ``curriculum_steps``)."""
+        mixed = config.passkey_mix > 0 and config.retrieval != "none"
+        if recall and mixed:
+            if batch < 2:
+                raise ValueError(f"--retrieval recall mixes text rows and recall rows: a batch of {batch} row(s) "
+                                 f"at {length} tokens has no room for both (pass 2 or more)")
+            rows = min(batch - 1, max(1, round(config.passkey_mix * batch)))
+            loader = data.Loader(train_path, data.LoaderConfig(seq_len=length, batch_size=batch - rows,
+                                                               seed=config.seed))
+            return mixed_stream(loader, length, rows, curriculum_steps, text_vocab, config.seed)
         paths, weights = [train_path], None
-        if config.passkey_mix > 0:
-            paths.append(passkey_corpus(config, tokenizer, haystack, length, f"passkey-{name}-{length}"))
+        if mixed:
+            hay = evals.Haystack.from_text(evals.default_text(), tokenizer)
+            paths.append(passkey_corpus(config, tokenizer, hay, length, f"passkey-{name}-{length}"))
             weights = (1.0 - config.passkey_mix, config.passkey_mix)
         return data.Loader(paths, data.LoaderConfig(seq_len=length, batch_size=batch, seed=config.seed,
                                                     weights=weights))
@@ -318,12 +396,12 @@ def main(config: Config) -> dict:
                                warmup_steps=max(1, config.base_steps // 10), seed=config.seed,
                                log_every=max(1, config.base_steps // 20), progress=config.progress)
         print(f"base: {config.base_steps} steps x {config.base_batch} rows x {config.base_len} tokens", flush=True)
-        base_model = train.fit(base_cfg, tc, loader(config.base_len, config.base_batch, "base"),
+        base_model = train.fit(base_cfg, tc, stream(config.base_len, config.base_batch, config.base_steps, "base"),
                                os.path.join(run_dir, "base"), mesh=train.make_mesh(1, 1)).model
     base = base_model.config
 
     results = []
-    long_loader = loader(long_len, config.finetune_batch, "long")
+    long_stream = stream(long_len, config.finetune_batch, 0, "long")  # whole-length recall rows
     mesh = train.make_mesh(1, config.context_parallel)
     for method in methods:  # 2. each method: zero-shot, finetune on the ring, again
         ext = extended(base, method, config.factor, config.base_len)
@@ -336,9 +414,9 @@ def main(config: Config) -> dict:
                                        seed=config.seed, log_every=max(1, steps // 10), progress=config.progress)
                 print(f"[{method}] finetune: {config.finetune_steps} steps x {config.finetune_batch} rows x "
                       f"{long_len} tokens, ring over {config.context_parallel} devices", flush=True)
-                model = train.fit(on_ring(ext, config), tc, long_loader, os.path.join(run_dir, method, "finetune"),
+                model = train.fit(on_ring(ext, config), tc, long_stream, os.path.join(run_dir, method, "finetune"),
                                   mesh=mesh, init_model=zero).model.with_config(ext)
-            out = evaluate(model, config, lengths, heldout, tokenizer, haystack, os.path.join(run_dir, method, phase),
+            out = evaluate(model, config, lengths, heldout, passkey, os.path.join(run_dir, method, phase),
                            f"{method} {phase}")
             for row in out[:-1]:
                 results.append({"method": method, "phase": phase, **row})

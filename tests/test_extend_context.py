@@ -7,6 +7,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -98,6 +99,7 @@ def test_extend_context_methods_change_only_the_rope():
     (dict(factor=1), r"factor=1 must be an int >= 2"),
     (dict(passkey_mix=1.0), r"passkey_mix=1.0 must be in \[0, 1\)"),
     (dict(finetune_steps=0), r"finetune_steps=0 must be >= 1"),
+    (dict(retrieval="passkey"), r"retrieval='passkey' must be one of \('recall', 'text', 'none'\)"),
 ])
 def test_extend_context_rejects_bad_flags(kwargs, match):
     job = _job()
@@ -116,3 +118,44 @@ def test_extend_context_preflight_compiles_the_long_finetune_for_v5e(tmp_path, c
     out = capfd.readouterr().out
     assert "--rope-scaling yarn --rope-factor 4.0 --rope-original-max-len 1024" in out
     assert "context=4" in out and out.strip().endswith("FITS")
+
+
+def test_extend_context_recall_rows_sit_above_the_text_and_score_only_answers(tmp_path):
+    """--retrieval recall: each batch = the loader's text rows + recall rows in tokens above the text's
+    vocabulary (answers only scored), short episodes first, the same batch for the same step."""
+    import numpy as np
+
+    from ringsplash import data
+
+    (tmp_path / "t.txt").write_text("some text to pack into rows " * 200)
+    data.tokenize_corpus(str(tmp_path / "t.txt"), str(tmp_path / "c"), progress=False)
+    job = _job()
+    loader = data.Loader(str(tmp_path / "c"), data.LoaderConfig(seq_len=256, batch_size=3))
+    stream = job.mixed_stream(loader, 256, 2, steps=10, offset=256, seed=0)
+    first = stream.batch(0)
+    assert first.tokens.shape == (5, 256) and stream.batch_size == 5
+    np.testing.assert_array_equal(first.tokens[:3], loader.batch(0).tokens)
+    recall = first.tokens[3:]
+    assert recall.min() >= 256 and recall.max() < 256 + job.recall_task(256).vocab_size
+    assert set(np.unique(first.loss_mask[3:])) == {0.0, 1.0} and first.loss_mask[3:].sum() > 0
+    assert np.all(first.labels[3:][first.loss_mask[3:] > 0] >= 256 + job.recall_task(256).value_offset)
+    assert len(np.unique(first.segment_ids[3])) == 256 // 16  # step 0: 16-token episodes packed
+    assert len(np.unique(stream.batch(9).segment_ids[3])) == 1  # past the curriculum: whole rows
+    for a, b in zip(first, stream.batch(0), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_extend_context_text_passkey_documents_fit_and_hold_their_key(tmp_path):
+    job = _job()
+    from ringsplash import data, evals
+
+    config = job.Config(**TINY, retrieval="text", corpus_dir=str(tmp_path))
+    tok = evals.load_tokenizer("bytes")
+    hay = evals.Haystack.from_text("filler words about nothing in particular. " * 100, tok)
+    corpus = data.TokenizedCorpus(job.passkey_corpus(config, tok, hay, 512, "pk"))
+    assert len(corpus) == TINY["passkey_docs"]
+    for i in range(len(corpus)):
+        text = bytes(np.asarray(corpus[i], np.uint8)).decode()
+        assert len(corpus[i]) <= 512 and "The pass key is " in text
+        key = text.split("The pass key is ")[1][:5]
+        assert key.isdigit() and text.endswith(key + ".")
