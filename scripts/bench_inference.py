@@ -32,22 +32,27 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 from _bench import fmt_tokens, md_table, median_of
 
 
-def _parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--prefill-lens", type=int, nargs="*", default=[4096, 16384])
-    p.add_argument("--decode-prompt", type=int, default=4096)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--layers", type=int, default=4, help="transformer layers of the imported model")
+    p.add_argument("--d-model", type=int, default=512, help="model width")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[4096, 16384], help="prompt lengths of the prefill rows")
+    p.add_argument("--decode-prompt", type=int, default=4096, help="prompt length before the decode rows")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per decode row")
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 8], help="batch sizes of the decode rows")
     p.add_argument("--devices", type=int, default=4, help="simulated devices of the sharded-cache row (0: skip)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median is printed)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer d-64 model, 256-token prompts, 8 new tokens")
-    args = p.parse_args(argv)
+    return p
+
+
+def _parse(argv=None):
+    args = build_parser().parse_args(argv)
     if args.tiny:
         args.layers, args.d_model, args.heads, args.kv_heads, args.vocab = 2, 64, 4, 2, 256
         args.prefill_lens, args.decode_prompt, args.new_tokens, args.batches = [256], 256, 8, [1, 2]

@@ -20,20 +20,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # v5e:2x2 compile). Inherited by the scripts and processes the tests start; export
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite with full optimisation.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# One persistent compilation cache for the session, shared by the xdist workers and every process
-# the tests start: the scripts and multi-process tests compile the same training steps again and
-# again, and tests that build a fresh jit of the same program hit it too. Keys are exact (HLO,
-# options, jax version, platform), so a hit is the program a compile would give. The first process
-# to load this file (the xdist controller) makes a fresh directory and removes it at the end; a
-# directory given in JAX_COMPILATION_CACHE_DIR is used as is. RINGSPLASH_TEST_JAX_CACHE=0: no cache.
-_OWN_JAX_CACHE = None
-if os.environ.get("RINGSPLASH_TEST_JAX_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
 
-    _OWN_JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ringsplash-jax-cache-")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
@@ -105,13 +93,6 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session, exitstatus):
     if FAST_BUDGET_STRICT and exitstatus == 0 and any(t > 3 * FAST_BUDGET_S for t in _fast_durations.values()):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def pytest_unconfigure(config):
-    if _OWN_JAX_CACHE is not None:
-        import shutil
-
-        shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

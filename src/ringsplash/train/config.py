@@ -41,7 +41,7 @@ class TrainConfig:
         check_int("loss_chunk", self.loss_chunk, minimum=0)
         check_int("checkpoint_every", self.checkpoint_every, minimum=0)
         check_int("seed", self.seed)
-        check_float("learning_rate", self.learning_rate, positive=True)
+        check_float("learning_rate", self.learning_rate, minimum=0.0)  # 0: parameters frozen (tests, probes)
         check_float("min_lr_ratio", self.min_lr_ratio, minimum=0.0, maximum=1.0)
         check_float("weight_decay", self.weight_decay, minimum=0.0)
         for name in ("b1", "b2"):
