@@ -295,7 +295,7 @@ def evaluate(model, config: Config, lengths, heldout, passkey, out_dir: str, tit
     rows = []
     for length in lengths:
         windows = evals.document_rows(heldout, length, config.eval_docs)
-        nll = np.concatenate([-scorer.token_scores(windows[i:i + 1]).logprob.ravel() for i in range(len(windows))])
+        nll = evals.loss_by_position(scorer, windows, batch_size=1).per_position  # mean over the windows
         cells = [r for r in records if r["length"] == length]
         row = {"length": int(length), "perplexity": float(np.exp(nll.mean())),
                "passkey": float(np.mean([r["exact"] for r in cells]))}
@@ -384,7 +384,7 @@ def main(config: Config) -> dict:
             return mixed_stream(loader, length, rows, curriculum_steps, text_vocab, config.seed)
         paths, weights = [train_path], None
         if mixed:
-            hay = evals.Haystack.from_text(evals.default_text(), tokenizer)
+            hay = passkey[1]  # --retrieval text: the evaluation's own haystack
             paths.append(passkey_corpus(config, tokenizer, hay, length, f"passkey-{name}-{length}"))
             weights = (1.0 - config.passkey_mix, config.passkey_mix)
         return data.Loader(paths, data.LoaderConfig(seq_len=length, batch_size=batch, seed=config.seed,
