@@ -4,6 +4,7 @@ call is ``splash.attention.splash_info_attention``.
 """
 
 import dataclasses
+import os
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -56,29 +57,43 @@ def fit_gathered_blocks(config: SplashConfig, *, q_len: int, kv_len: int, seq_mu
                       length_hint=f"use S divisible by {seq_multiple}")
 
 
-#: Devices from which the Pallas TPU interpreter deadlocks inside a multi-device program on
-#: the CPU client: it waits on a barrier of every simulated device at each kernel, while its
-#: io_callbacks copy their operands to CPU device 0 and wait for the copy, which queues behind
-#: the device programs parked in that barrier (reproduced at 8 devices on this 2-core host).
-TPU_INTERPRETER_DEVICE_LIMIT = 8
+def cpu_client_threads() -> int:
+    """Threads of the XLA:CPU client's pool in this process: ``NPROC`` if set, else the CPUs this
+    process may run on, and at least one per local CPU device (XLA's own sizing rule)."""
+    nproc = os.environ.get("NPROC", "")
+    threads = int(nproc) if nproc.strip().isdigit() else len(os.sched_getaffinity(0))
+    return max(threads, len(jax.local_devices(backend="cpu")))
 
 
 def interpreter_for_mesh(config: SplashConfig, what: str) -> SplashConfig:
     """The ``"interpret"`` backend inside a strategy's ``shard_map``: ``interpret_params=None``
     becomes the generic interpreter (no barrier, any number of devices, same numerics); an
-    explicit TPU interpreter is refused on a mesh of ``TPU_INTERPRETER_DEVICE_LIMIT`` or more
-    devices instead of hanging. Other backends pass through."""
+    explicit TPU interpreter is refused where it would deadlock. Other backends pass through.
+
+    Why it deadlocks: every interpreted kernel waits on a barrier of all devices, so each simulated
+    device's program holds one thread of the XLA:CPU client's pool while it waits; the kernel body
+    runs in callbacks (``io_callback``), which first copy their operands to CPU device 0, and that copy needs
+    a free thread of the same pool. With every thread held by a device in the barrier, the copy
+    never runs (measured on a 2-core host: 4 of 4 simulated devices hang, 4 of 5 run; ``NPROC=4``
+    hangs 4 devices, ``NPROC=5`` runs them). So the TPU interpreter needs more pool threads than
+    the mesh has devices in this process."""
     if config.backend != "interpret":
         return config
     if config.interpret_params is None:
         return dataclasses.replace(config, interpret_params=GENERIC_INTERPRETER)
-    devices = jax.sharding.get_abstract_mesh().size
-    if config.interpret_params != GENERIC_INTERPRETER and devices >= TPU_INTERPRETER_DEVICE_LIMIT:
+    if config.interpret_params == GENERIC_INTERPRETER:
+        return config
+    # the mesh's devices in this process: all of it, or all local devices where it spans processes
+    local = min(jax.sharding.get_abstract_mesh().size, len(jax.local_devices(backend="cpu")))
+    threads = cpu_client_threads()
+    if local > 1 and local >= threads:
         raise ValueError(
             f"{what}: config.interpret_params={config.interpret_params!r} runs the Pallas TPU interpreter, "
-            f"which deadlocks on a mesh of {devices} >= {TPU_INTERPRETER_DEVICE_LIMIT} simulated devices; "
-            f"pass interpret_params={GENERIC_INTERPRETER!r} (or None) for the generic interpreter, or use "
-            f"fewer than {TPU_INTERPRETER_DEVICE_LIMIT} devices"
+            f"which deadlocks when the mesh's {local} devices in this process hold all {threads} threads of the "
+            f"XLA:CPU client (each waits in the interpreter's barrier; its callbacks need one more thread); "
+            f"pass interpret_params={GENERIC_INTERPRETER!r} (or None) for the generic interpreter, or give the "
+            f"client more threads than the mesh has devices: NPROC={local + 1} or "
+            f"jax_num_cpu_devices > {local}, set before JAX initialises"
         )
     return config
 

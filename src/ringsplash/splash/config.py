@@ -43,8 +43,9 @@ class SplashConfig:
     interpreter), or ``None``: the TPU interpreter with default parameters for single-device
     calls, the generic one inside the context-parallel strategies (``ringsplash.parallel``).
     The TPU interpreter synchronises every simulated device at each kernel; on the CPU client
-    that deadlocks with 8 or more devices, so the strategies refuse it there (use
-    ``"generic"``; both interpreters give the same numerics). Blocks longer than a sequence
+    that deadlocks unless the client has more threads than the mesh has devices, so the
+    strategies refuse it there (use ``"generic"``; both interpreters give the same numerics;
+    ``ringsplash.parallel._common.interpreter_for_mesh`` says why). Blocks longer than a sequence
     shrink to its length in ``splash_attention``.
 
     ``probs_dtype`` is the input dtype of the matmuls that take probabilities or score
