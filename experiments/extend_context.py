@@ -347,9 +347,6 @@ def main(config: Config) -> dict:
 
     base_model = None
     if config.init_from:
-        if config.retrieval == "recall":
-            raise ValueError("--init-from a pretrained model: its vocabulary has no recall tokens; pass --retrieval "
-                             "text (passkey documents in text) or none")
         base_model = evals.load_model(config.init_from)
         config = dataclasses.replace(config, base_len=config.base_len or base_model.config.max_seq_len)
     if config.preflight:
@@ -368,6 +365,11 @@ def main(config: Config) -> dict:
     text_vocab = data.TokenizedCorpus(train_path).vocab_size
     recall = config.retrieval == "recall"
     vocab = text_vocab + (recall_task(config.base_len).vocab_size if recall else 0)
+    if base_model is not None and recall and base_model.config.vocab_size != vocab:
+        raise ValueError(f"--init-from {config.init_from}: a vocabulary of {base_model.config.vocab_size} tokens, but "
+                         f"--retrieval recall needs the corpus's {text_vocab} + the recall task's "
+                         f"{vocab - text_vocab} = {vocab} (a base trained by this script with the same corpus); "
+                         f"pass --retrieval text (passkey documents in text) or none for other models")
     passkey = passkey_eval(config, tokenizer, text_vocab)
 
     def stream(length: int, batch: int, curriculum_steps: int, name: str):

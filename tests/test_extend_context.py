@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 TINY = dict(base_len=512, factor=2, d_model=32, num_layers=1, num_heads=2, base_steps=2, base_batch=2,
-            finetune_steps=1, finetune_batch=2, context_parallel=2, eval_docs=1, passkey_samples=1, depths="0.5",
+            finetune_steps=2, finetune_batch=2, context_parallel=2, eval_docs=1, passkey_samples=1, depths="0.5",
             passkey_docs=8, progress=False)
 
 
@@ -36,13 +36,16 @@ def runs(tmp_path_factory):
     corpora = str(root / "corpora")
     first = job.main(job.Config(**TINY, corpus_dir=corpora, run_dir=str(root / "first")))
     second = job.main(job.Config(**TINY, methods="yarn", corpus_dir=corpora, run_dir=str(root / "second")))
-    return job, first, second
+    # --init-from the first run's base (a ringsplash run directory, recall tokens in its vocabulary)
+    resumed = job.main(job.Config(**{**TINY, "base_len": 0}, methods="none", init_from=str(root / "first" / "base"),
+                                  corpus_dir=corpora, run_dir=str(root / "third")))
+    return job, first, second, resumed
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
-    job, first, _ = runs
+    job, first, _, _ = runs
     run_dir = first["run_dir"]
     assert first["lengths"] == [512, 1024]
     records = _jsonl(os.path.join(run_dir, "results.jsonl"))
@@ -65,13 +68,17 @@ def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
         ft = os.path.join(run_dir, method, "finetune")
         with open(os.path.join(ft, "config.json")) as f:
             assert json.load(f)["model"]["attention"] == "ring"
-        assert os.path.isdir(os.path.join(ft, "checkpoints", "1"))
+        assert os.path.isdir(os.path.join(ft, "checkpoints", "2"))
+    # two finetune steps move every method's model (the first step's learning rate is warmup's 0)
+    ppl = {(r["method"], r["phase"], r["length"]): r["perplexity"] for r in records}
+    for method in job.METHODS:
+        assert ppl[(method, "finetuned", 1024)] != ppl[(method, "zero_shot", 1024)], method
 
 
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_extend_context_same_seed_same_numbers(runs):
-    _, first, second = runs
+    _, first, second, _ = runs
     again = {(r["method"], r["phase"], r["length"]): r for r in second["results"]}
     assert len(again) == 4  # zero-shot and finetuned at two lengths
     for r in first["results"]:
@@ -159,3 +166,14 @@ def test_extend_context_text_passkey_documents_fit_and_hold_their_key(tmp_path):
         assert len(corpus[i]) <= 512 and "The pass key is " in text
         key = text.split("The pass key is ")[1][:5]
         assert key.isdigit() and text.endswith(key + ".")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_extend_context_init_from_a_run_directory_reproduces_its_base(runs):
+    """--init-from the first run's base run directory (base_len 0: the model's own length): the
+    unchanged-RoPE rows equal the first run's, which trained that base itself."""
+    _, first, _, resumed = runs
+    assert resumed["lengths"] == [512, 1024]
+    want = [r for r in first["results"] if r["method"] == "none"]
+    assert resumed["results"] == want
