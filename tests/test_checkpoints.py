@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import checkpoints, partitioning, train
+from ringsplash import checkpoint_leaves, checkpoints, partitioning, train
 from support.training import setup as _setup
 
 # Leaf name -> (shape, PartitionSpec on the data 2 x context 4 mesh): a different spec per leaf.
@@ -307,11 +307,11 @@ def test_host_local_arrays_are_stored_as_numpy_with_several_processes():
     mesh = _mesh(2, 4)
     sharded = jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, P(("data", "context"))))
     step = jnp.asarray(3, jnp.int32)
-    assert isinstance(checkpoints._savable(step, process_count=2), np.ndarray)
-    assert checkpoints._savable(step, process_count=1) is step
+    assert isinstance(checkpoint_leaves.savable(step, process_count=2), np.ndarray)
+    assert checkpoint_leaves.savable(step, process_count=1) is step
     # in one process every array is host-local, yet stays a jax.Array (each device's shard written once)
-    assert checkpoints._savable(sharded, process_count=1) is sharded
-    data = checkpoints._savable(jax.random.split(jax.random.key(0), 8), process_count=1)
+    assert checkpoint_leaves.savable(sharded, process_count=1) is sharded
+    data = checkpoint_leaves.savable(jax.random.split(jax.random.key(0), 8), process_count=1)
     assert data.dtype == jnp.uint32 and data.shape == (8, 2)
 
 

@@ -15,7 +15,7 @@ LAYERS = {
     "function_mask": 1, "layouts": 1, "segment_ids": 1,
     "masks": 2,
     "_checks": 3,
-    "mask_blocks": 4, "mask_info": 5, "reference": 4, "distributed": 4, "checksums": 4,
+    "mask_blocks": 4, "mask_info": 5, "reference": 4, "distributed": 4, "checksums": 4, "checkpoint_leaves": 4,
     "splash": 6,
     "parallel": 7,
     "model": 8, "partitioning": 8, "data": 8, "checkpoints": 8,

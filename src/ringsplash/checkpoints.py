@@ -23,7 +23,8 @@ Contract:
   process, through Grain's orbax handler, inside the same atomic save; ``restore_data_iterator``
   sets it back (``it.set_state``).
 - Only array leaves are stored; every other leaf (equinox static fields, activation functions,
-  python scalars) is taken from ``like``. Typed PRNG keys are stored as their key data.
+  python scalars) is taken from ``like``. Typed PRNG keys are stored as their key data
+  (``ringsplash.checkpoint_leaves``: leaf records, restore targets, the structure check).
 - **Verified**: the metadata records a checksum of every array (``ringsplash.checksums``:
   independent of the sharding, so it holds on any restore mesh); ``restore_state`` recomputes
   it on the restored arrays and refuses a mismatch with a ``CheckpointCorruptError`` naming the
@@ -44,14 +45,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ringsplash._checks import check_positive_int
+from ringsplash.checkpoint_leaves import (
+    LeafInfo,
+    array_leaves,
+    check_compatible,
+    is_key,
+    key_data_struct,
+    leaf_info,
+    replace_array_leaves,
+    restore_target,
+    savable,
+)
 from ringsplash.checksums import array_checksums
 from ringsplash.distributed import config_digest
 
@@ -59,17 +68,6 @@ FORMAT = "ringsplash.checkpoints/1"
 _ITEM = "state"
 _DATA = "data"
 _META_KEY = "ringsplash"
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafInfo:
-    """One stored array leaf: its key path in the state pytree, global shape and dtype."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str  # numpy dtype name, or the key dtype (e.g. ``key<fry>``) for typed PRNG keys
-    key_impl: str | None = None  # PRNG implementation name for typed key leaves
-    checksum: str | None = None  # ``ringsplash.checksums`` of the saved value (None: not recorded)
 
 
 class CheckpointCorruptError(ValueError):
@@ -92,92 +90,6 @@ class CheckpointMetadata:
 def config_hash(config: Mapping[str, Any]) -> str:
     """A short stable hash of a JSON-able config (key order does not matter): ``distributed.config_digest``."""
     return config_digest(config)
-
-
-# ----------------------------------------------------------------------------- leaves
-
-
-def _is_array_leaf(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
-
-
-def _is_key(x) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _array_leaves(tree) -> list[tuple[str, Any]]:
-    """``(path, leaf)`` for every array leaf of ``tree`` (ShapeDtypeStructs count as arrays)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return [(jax.tree_util.keystr(path), leaf) for path, leaf in flat if _is_array_leaf(leaf)]
-
-
-def _leaf_info(path: str, x) -> LeafInfo:
-    if _is_key(x):  # the implementation is known for real keys only (not for a ShapeDtypeStruct)
-        impl = str(jax.random.key_impl(x)) if isinstance(x, jax.Array) else None
-        return LeafInfo(path, tuple(x.shape), str(x.dtype), impl)
-    return LeafInfo(path, tuple(int(d) for d in x.shape), np.dtype(x.dtype).name)
-
-
-def _savable(x, process_count: int):
-    """The value orbax stores for an array leaf.
-
-    Typed keys become their ``uint32`` key data (same sharding plus a trailing replicated axis).
-    With several processes, an array held entirely by one process (a step counter made with
-    ``jnp.asarray``, a host-local copy) is not a global array and orbax refuses it; every process
-    holds the same value by the collective contract, so it is stored as numpy, which orbax's
-    primary host writes once.
-    """
-    if isinstance(x, jax.Array) and _is_key(x):
-        x = jax.random.key_data(x)
-    if isinstance(x, jax.Array) and process_count > 1 and x.is_fully_addressable:
-        x = np.asarray(x)
-    return x
-
-
-def _key_data_sharding(sharding, ndim: int, extra: int):
-    """The sharding of a key array's key data: that of the keys, trailing axes replicated."""
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec) + extra)
-        return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    raise TypeError(f"a typed PRNG key leaf needs a NamedSharding or SingleDeviceSharding target, got {sharding}")
-
-
-def _restore_target(path: str, like, saved: LeafInfo):
-    """The orbax restore target of one leaf: a sharded ShapeDtypeStruct or a numpy array type."""
-    if isinstance(like, np.ndarray):
-        return np.zeros(like.shape, like.dtype)  # restored as numpy
-    sharding = getattr(like, "sharding", None)
-    if sharding is None:
-        raise ValueError(f"restore target leaf {path} is a ShapeDtypeStruct without a sharding: give sharding=...")
-    if _is_key(like):
-        impl = saved.key_impl  # same dtype as ``like`` (checked), so the same implementation
-        data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
-        extra = data.shape
-        return jax.ShapeDtypeStruct(like.shape + extra, data.dtype,
-                                    sharding=_key_data_sharding(sharding, len(like.shape), len(extra)))
-    return jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding)
-
-
-def _check_compatible(saved: tuple[LeafInfo, ...], target: list[LeafInfo], directory: str, step: int) -> None:
-    """Raise naming the first leaf whose path, shape or dtype differs (or that one side lacks)."""
-    where = f"checkpoint {directory} step {step}"
-    for i, (s, t) in enumerate(zip(saved, target)):
-        if s.path != t.path:
-            raise ValueError(f"{where}: leaf #{i} is {s.path} with shape {s.shape} in the checkpoint but "
-                             f"{t.path} with shape {t.shape} in the restore target (different structure)")
-        if s.shape != t.shape:
-            raise ValueError(f"{where}: leaf {s.path} has shape {s.shape} in the checkpoint but {t.shape} "
-                             f"in the restore target")
-        if s.dtype != t.dtype:
-            raise ValueError(f"{where}: leaf {s.path} has dtype {s.dtype} in the checkpoint but {t.dtype} "
-                             f"in the restore target")
-    if len(saved) != len(target):
-        n = min(len(saved), len(target))
-        extra, side = (saved[n], "only the checkpoint") if len(saved) > n else (target[n], "only the restore target")
-        raise ValueError(f"{where}: {len(saved)} array leaves in the checkpoint, {len(target)} in the restore "
-                         f"target; the first unmatched leaf {extra.path} with shape {extra.shape} is in {side}")
 
 
 # ----------------------------------------------------------------------------- manager
@@ -274,16 +186,16 @@ def save_state(
         keep = check_positive_int("keep", keep)
     if config is not None:
         json.dumps(config)  # fail here, before any write, if the config is not JSON-able
-    leaves = _array_leaves(state)
+    leaves = array_leaves(state)
     process_count = jax.process_count()
     sums = array_checksums([x for _, x in leaves])  # collective: every process gets the same values
     meta = CheckpointMetadata(
         step=step, config=None if config is None else dict(config),
         config_hash=None if config is None else config_hash(config),
-        leaves=tuple(dataclasses.replace(_leaf_info(p, x), checksum=c) for (p, x), c in zip(leaves, sums)),
+        leaves=tuple(dataclasses.replace(leaf_info(p, x), checksum=c) for (p, x), c in zip(leaves, sums)),
         process_count=process_count,
     )
-    items = {f"{i:05d}": _savable(x, process_count) for i, (_, x) in enumerate(leaves)}
+    items = {f"{i:05d}": savable(x, process_count) for i, (_, x) in enumerate(leaves)}
     args = {_ITEM: ocp.args.StandardSave(items)}
     if data_iterator is not None:
         import grain.checkpoint
@@ -373,9 +285,9 @@ def restore_state(directory: str, like, *, step: int | None = None, config: Mapp
         differ = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
         raise ValueError(f"checkpoint {directory!r} step {step} was written with config hash {meta.config_hash}, "
                          f"the given config hashes to {config_hash(config)} (differing keys: {differ})")
-    leaves = _array_leaves(like)
-    _check_compatible(meta.leaves, [_leaf_info(p, x) for p, x in leaves], directory, step)
-    targets = {f"{i:05d}": _restore_target(p, x, s) for i, ((p, x), s) in enumerate(zip(leaves, meta.leaves))}
+    leaves = array_leaves(like)
+    check_compatible(meta.leaves, [leaf_info(p, x) for p, x in leaves], directory, step)
+    targets = {f"{i:05d}": restore_target(p, x, s) for i, ((p, x), s) in enumerate(zip(leaves, meta.leaves))}
     raw, error = None, None
     try:
         raw = _read_arrays(directory, step, targets)
@@ -385,10 +297,10 @@ def restore_state(directory: str, like, *, step: int | None = None, config: Mapp
     _verify(directory, step, meta.leaves, raw)
     values = []
     for value, (_, x), s in zip(raw, leaves, meta.leaves):
-        if _is_key(x):
+        if is_key(x):
             value = jax.random.wrap_key_data(value, impl=s.key_impl)
         values.append(value)
-    return _replace_array_leaves(like, values)
+    return replace_array_leaves(like, values)
 
 
 def data_state_file(directory: str, step: int) -> epath.Path:
@@ -489,7 +401,7 @@ def verify(directory: str, step: int) -> str | None:
         for i, s in enumerate(meta.leaves):
             shape, dtype = s.shape, s.dtype
             if s.key_impl is not None:  # stored as key data
-                data = jax.eval_shape(lambda impl=s.key_impl: jax.random.key_data(jax.random.key(0, impl=impl)))
+                data = key_data_struct(s.key_impl)
                 shape, dtype = s.shape + data.shape, data.dtype
             targets[f"{i:05d}"] = np.zeros(shape, dtype)
         _verify(directory, step, meta.leaves, _read_arrays(directory, step, targets))
@@ -535,9 +447,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def _replace_array_leaves(tree, values: list):
-    flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    it = iter(values)
-    out = [next(it) if _is_array_leaf(leaf) else leaf for leaf in flat]
-    return jax.tree_util.tree_unflatten(treedef, out)
