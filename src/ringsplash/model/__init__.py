@@ -1,7 +1,7 @@
 """Equinox transformer whose attention runs under a selectable strategy (reference / splash / ring / allgather /
 ulysses / usp)."""
 
-from ringsplash.model.attention import Attention, attend, rope
+from ringsplash.model.attention import PAD_SEGMENT, Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
 from ringsplash.model.hf_features import LAYER_TYPES, MLP_ACTIVATIONS, layer_segments
 from ringsplash.model.parallelism import ContextParallel
@@ -20,6 +20,7 @@ __all__ = [
     "LAYER_TYPES",
     "MASKS",
     "MLP_ACTIVATIONS",
+    "PAD_SEGMENT",
     "REMAT_POLICIES",
     "ROPE_TYPES",
     "STRATEGIES",

@@ -23,6 +23,11 @@ from ringsplash.splash.config import NUM_LANES
 #: checkpoint names of the attention output and its log-sum-exp (the ring names its residuals
 #: with them, so a policy saving them never re-runs the ring forward in the backward pass)
 ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
+#: the segment id of padding a length no strategy tiles is padded with (``_padded_splash`` inside the
+#: model; ``ringsplash.train.layout_batch`` for the context-parallel strategies): padded queries carry
+#: it and padded keys ``PAD_SEGMENT + 1``, below any real id, so no real query sees a padded key and
+#: a padded query sees nothing (its row is 0, never NaN, and has no max logit)
+PAD_SEGMENT = int(jnp.iinfo(jnp.int32).min)
 
 
 def rope(
@@ -93,6 +98,8 @@ def attend(
         seq = seq * actual
     mask = config.make_mask(seq, layer_type)
     seg = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
+    if cp.roles and segment_ids is not None:  # padding (train.layout_batch): its keys one id above its queries
+        seg = SegmentIds(q=segment_ids, kv=jnp.where(segment_ids == PAD_SEGMENT, PAD_SEGMENT + 1, segment_ids))
     common = dict(segment_ids=seg, scale=config.attention_scale, logit_soft_cap=config.logit_soft_cap, sinks=sinks,
                   return_max_logits=return_max_logits)
     if config.attention == "reference":
@@ -129,9 +136,8 @@ def _padded_splash(config, q, k, v, segment_ids, pad: int, layer_type, common: d
     seq = q.shape[1]
     widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
     real = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    low = jnp.iinfo(jnp.int32).min
-    seg = SegmentIds(q=jnp.concatenate([real, jnp.full((pad,), low, jnp.int32)]),
-                     kv=jnp.concatenate([real, jnp.full((pad,), low + 1, jnp.int32)]))
+    seg = SegmentIds(q=jnp.concatenate([real, jnp.full((pad,), PAD_SEGMENT, jnp.int32)]),
+                     kv=jnp.concatenate([real, jnp.full((pad,), PAD_SEGMENT + 1, jnp.int32)]))
     out = splash_attention(widen(q), widen(k), widen(v), config.make_mask(seq + pad, layer_type),
                            config=config.splash, **{**common, "segment_ids": seg})
     if common["return_max_logits"]:

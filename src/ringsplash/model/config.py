@@ -5,6 +5,7 @@ A config that constructs is a config that runs: each rejected combination raises
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Literal
@@ -314,15 +315,26 @@ class TransformerConfig:
             check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
 
     def _check_lengths(self) -> None:
+        if self.context_parallel.roles:  # a length the strategy cannot tile is padded inside (padded_seq_len)
+            self.padded_seq_len(self.max_seq_len)
+        else:
+            self.check_seq_len(self.max_seq_len, name="max_seq_len")
+
+    def check_seq_len(self, seq_len: int, *, name: str = "seq_len") -> None:
+        """Raise unless the strategy runs at a global length of ``seq_len`` tokens as it is: the
+        ``ring_layout`` splits it over the devices and the Splash blocks tile what each kernel sees
+        (``splash/blocks.py``; the ring and USP shrink blocks to their shards). ``"splash"`` pads
+        a length its 128-token lanes do not tile itself (``model.attention``); ``name``: the
+        length's name in errors."""
         if self.attention in ("ring", "usp"):  # the ring shrinks blocks to its shards, or says which config fits
-            if self.max_seq_len % self.context_shards:
+            if seq_len % self.context_shards:
                 raise ValueError(
-                    f"max_seq_len={self.max_seq_len} must be divisible by ring_size x ulysses_size = "
+                    f"{name}={seq_len} must be divisible by ring_size x ulysses_size = "
                     f"{self.ring_size} x {self.ulysses_size} = {self.context_shards} (one shard per device)"
                 )
-            fit_ring_blocks(self.max_seq_len, self.ring_size, self.ring_layout, self.splash)
+            fit_ring_blocks(seq_len, self.ring_size, self.ring_layout, self.splash)
             return
-        a, seq = self.attention, self.max_seq_len
+        a, seq = self.attention, seq_len
         if a in ("allgather", "ulysses"):
             layouts.check_layout(self.ring_layout, seq, self.layout_shards)
         if a not in ("splash", "allgather", "ulysses"):
@@ -333,9 +345,20 @@ class TransformerConfig:
         q_len = seq // self.ring_size if a == "allgather" else seq
         multiple = {"splash": NUM_LANES, "allgather": self.ring_size * NUM_LANES,
                     "ulysses": math.lcm(self.ulysses_size, NUM_LANES)}[a]
-        fit_blocks(self.splash, q=Extent(q_len, q_len, "max_seq_len" if q_len == seq else "per-device q_len"),
-                   kv=Extent(seq, seq, "max_seq_len"), what=f"attention={a!r} at max_seq_len={seq}",
-                   length_hint=f"a max_seq_len divisible by {multiple}")
+        fit_blocks(self.splash, q=Extent(q_len, q_len, name if q_len == seq else "per-device q_len"),
+                   kv=Extent(seq, seq, name), what=f"attention={a!r} at {name}={seq}",
+                   length_hint=f"a {name} divisible by {multiple}")
+
+    def padded_seq_len(self, seq_len: int) -> int:
+        """The global length a sequence of ``seq_len`` tokens runs at under the context-parallel
+        strategy: the smallest length >= ``seq_len`` that the ``ring_layout`` splits over the
+        devices and the Splash blocks tile (``check_seq_len``). The trainer pads every batch to it
+        (``ringsplash.train.layout_batch``); ``seq_len`` itself when it tiles, and without context
+        parallelism. A fixed-shape ``Mask`` serves its own length only, so it is never padded."""
+        check_positive_int("seq_len", seq_len)
+        if not self.context_parallel.roles:
+            return seq_len
+        return _padded_seq_len(self, seq_len)
 
     # ------------------------------------------------------------------ derived values
 
@@ -425,6 +448,27 @@ class TransformerConfig:
         if isinstance(d.get("layer_types"), list):  # JSON has no tuples
             d["layer_types"] = tuple(d["layer_types"])
         return cls(**d)
+
+
+@functools.lru_cache(maxsize=256)
+def _padded_seq_len(config: TransformerConfig, seq_len: int) -> int:
+    """``TransformerConfig.padded_seq_len`` (cached: the trainer asks once per batch). Candidates are
+    the multiples of the layout's chunk count (and of the devices); a multiple of 128 chunks tiles
+    any configured block (a multiple of 128), so the search ends within 128 candidates."""
+    if isinstance(config.mask, masks_lib.Mask):
+        config.check_seq_len(seq_len)
+        return seq_len
+    cp = config.context_parallel
+    step = math.lcm(cp.shards, cp.layout_shards * (2 if cp.layout == "zigzag" else 1))
+    last = -(-seq_len // (step * NUM_LANES)) * step * NUM_LANES
+    for length in range(-(-seq_len // step) * step, last, step):
+        try:
+            config.check_seq_len(length)
+        except ValueError:
+            continue
+        return length
+    config.check_seq_len(last)  # tiles (see above); raises, naming the field, should a config ever not
+    return last
 
 
 def dtype_of(name: str):

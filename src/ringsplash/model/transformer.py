@@ -139,24 +139,27 @@ class Block(eqx.Module):
 
 
 def _check_example(tokens, positions, segment_ids, vocab_size: int, max_seq_len: int | None = None,
-                   shards: int = 1, attention: str = "") -> None:
+                   shards: int = 1, attention: str = "", padded_max: int | None = None) -> None:
     """One example's token ids, positions and segment ids: int ``[seq]`` each, of one length, at
     most ``max_seq_len`` tokens over the ``shards`` the sequence is split into (a local shard
-    each under the sequence-parallel strategies); concrete token ids inside the vocabulary
+    each under the sequence-parallel strategies, of a sequence padded to at most ``padded_max``
+    tokens, ``TransformerConfig.padded_seq_len``); concrete token ids inside the vocabulary
     (traced ids cannot be inspected)."""
     shape = getattr(tokens, "shape", None)
     if shape is None or len(shape) != 1:
         raise ValueError(f"tokens must be [seq] token ids of one example (batch with jax.vmap, or use the "
                          f"train/eval step functions, which do), got tokens.shape={shape}")
-    if max_seq_len is not None and shape[0] * shards > max_seq_len:
+    limit = max_seq_len if shards == 1 or padded_max is None else padded_max
+    if max_seq_len is not None and shape[0] * shards > limit:
         if shards == 1:
             raise ValueError(f"tokens has {shape[0]} positions, more than the config's max_seq_len={max_seq_len}: "
                              f"pass at most max_seq_len tokens, or build the model with a larger max_seq_len")
+        padded, most = ("", "max_seq_len") if limit == max_seq_len else (f" (padded inside to {limit})", limit)
         raise ValueError(
             f"tokens has {shape[0]} positions per shard x {shards} shards (attention={attention!r}) = "
-            f"{shape[0] * shards}, more than the config's max_seq_len={max_seq_len}: under a sequence-parallel "
-            f"strategy the model takes one local shard of at most max_seq_len / {shards} = "
-            f"{max_seq_len // shards} tokens, inside shard_map")
+            f"{shape[0] * shards}, more than the config's max_seq_len={max_seq_len}{padded}: under a "
+            f"sequence-parallel strategy the model takes one local shard of at most {most} / {shards} = "
+            f"{limit // shards} tokens, inside shard_map")
     for name, x in (("tokens", tokens), ("positions", positions), ("segment_ids", segment_ids)):
         if x is None:
             continue
@@ -254,7 +257,8 @@ class Transformer(eqx.Module):
         ``layer_types`` one over groups of a period of the pattern, so the program does not grow with depth.
         """
         c = self.config
-        _check_example(tokens, positions, segment_ids, c.vocab_size, c.max_seq_len, c.context_shards, c.attention)
+        _check_example(tokens, positions, segment_ids, c.vocab_size, c.max_seq_len, c.context_shards, c.attention,
+                       c.padded_seq_len(c.max_seq_len))
         x = self.embed(tokens)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
         schedules = _layer_schedules(c, schedule)

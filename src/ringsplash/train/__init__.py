@@ -3,7 +3,15 @@ laid out for the model's context-parallel strategy, a ``shard_map`` train step w
 chunked loss, sharded checkpoints with exact resumption, metrics, and the ``fit`` loop."""
 
 from ringsplash.data import Batch
-from ringsplash.train.batches import layout_batch, process_rows, replicate, shard_batch, stream_batch
+from ringsplash.train.batches import (
+    layout_batch,
+    pad_batch,
+    process_rows,
+    replicate,
+    shard_batch,
+    stream_batch,
+    unlayout,
+)
 from ringsplash.train.config import TrainConfig, learning_rate_schedule, make_optimizer
 from ringsplash.train.loop import fit
 from ringsplash.train.mesh import CONTEXT, DATA, ULYSSES, batch_spec, check_mesh, make_mesh, mesh_axes, mesh_for
@@ -64,6 +72,7 @@ __all__ = [
     "max_logit_metrics",
     "mesh_axes",
     "mesh_for",
+    "pad_batch",
     "place_state",
     "plot_metrics",
     "process_rows",
@@ -77,4 +86,5 @@ __all__ = [
     "start_from",
     "state_digest",
     "stream_batch",
+    "unlayout",
 ]

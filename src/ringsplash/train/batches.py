@@ -1,6 +1,7 @@
-"""Batches on the mesh. Every ``[batch, seq]`` field is permuted once, on the host, into the
-strategy's layout (``layout_batch``) and placed as ``batch_spec``; each process fills only its
-addressable shards, and ``stream_batch`` draws only this process's rows."""
+"""Batches on the mesh. Every ``[batch, seq]`` field is padded to a length the strategy tiles
+and permuted once, on the host, into the strategy's layout (``layout_batch``) and placed as
+``batch_spec``; each process fills only its addressable shards, and ``stream_batch`` draws only
+this process's rows. ``unlayout`` takes an output back to the caller's order and length."""
 
 import equinox as eqx
 import jax
@@ -9,20 +10,62 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
-from ringsplash._checks import check_divides
+from ringsplash._checks import check_divides, check_positive_int
 from ringsplash.data import Batch, DataStream
-from ringsplash.model import TransformerConfig
+from ringsplash.model import PAD_SEGMENT, TransformerConfig
 from ringsplash.train.mesh import DATA, batch_spec
 
 
+def pad_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
+    """``batch`` right-padded along the sequence to ``model_config.padded_seq_len(seq)``, the
+    smallest length the strategy's layout and blocks tile (600 tokens over 4 zigzag shards, say;
+    unchanged when ``seq`` tiles). Padding is inert: token and label 0, loss mask 0 (so every loss
+    and its normalisation count real tokens only), positions continuing each row's last, and
+    segment id ``PAD_SEGMENT``, which no real token may carry: no real query sees a padded key
+    (``model.attend``), whatever the mask."""
+    if not model_config.context_parallel.roles:
+        return batch
+    seg = np.asarray(batch.segment_ids)
+    if seg.size and (seg.min() <= PAD_SEGMENT + 1):
+        raise ValueError(f"segment_ids must be > {PAD_SEGMENT + 1} (the two lowest int32 values mark padding), "
+                         f"got a minimum of {seg.min()}")
+    seq = seg.shape[1]
+    pad = model_config.padded_seq_len(seq) - seq
+    if not pad:
+        return batch
+    widen = lambda x, value: np.pad(np.asarray(x), ((0, 0), (0, pad)), constant_values=value)
+    positions = np.asarray(batch.positions)
+    after = positions[:, -1:] + 1 + np.arange(pad, dtype=positions.dtype)
+    return Batch(widen(batch.tokens, 0), widen(batch.labels, 0), widen(batch.loss_mask, 0),
+                 np.concatenate([positions, after], axis=1), widen(seg, PAD_SEGMENT))
+
+
 def layout_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
-    """Permute every field along the sequence into the strategy's layout (``ring_layout`` over
-    ``layout_shards``: the ring degree for ring / all-gather / USP, the Ulysses degree for
-    Ulysses); identity without context parallelism."""
+    """Pad (``pad_batch``) and permute every field along the sequence into the strategy's layout
+    (``ring_layout`` over ``layout_shards``: the ring degree for ring / all-gather / USP, the
+    Ulysses degree for Ulysses); identity without context parallelism. ``unlayout`` undoes it on
+    outputs."""
     cp = model_config.context_parallel
     if not cp.roles:
         return batch
+    batch = pad_batch(batch, model_config)
     return Batch(*(layouts.permute(np.asarray(x), cp.layout, cp.layout_shards, axis=1) for x in batch))
+
+
+def unlayout(x, model_config: TransformerConfig, seq_len: int, *, axis: int = 1) -> np.ndarray:
+    """An output of a batch laid out by ``layout_batch`` (``[batch, padded, ...]``, e.g. the logits of
+    ``make_logits_fn``) back in original order at the caller's ``seq_len``: unpermuted, the padding
+    sliced off. Host side (numpy)."""
+    check_positive_int("seq_len", seq_len)
+    x = np.asarray(x)
+    padded = model_config.padded_seq_len(seq_len)
+    if x.shape[axis] != padded:
+        raise ValueError(f"x has {x.shape[axis]} positions on axis {axis}, but a batch of seq_len={seq_len} tokens "
+                         f"is laid out at {padded} (TransformerConfig.padded_seq_len): pass the batch's own seq_len")
+    cp = model_config.context_parallel
+    if cp.roles:
+        x = layouts.unpermute(x, cp.layout, cp.layout_shards, axis=axis)
+    return x.take(np.arange(seq_len), axis=axis)
 
 
 def _global_array(x, sharding: NamedSharding) -> jax.Array:
