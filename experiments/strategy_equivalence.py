@@ -94,7 +94,7 @@ def main(config: Config) -> list[dict]:
     import equinox as eqx
     import numpy as np
 
-    from ringsplash import data, layouts, train
+    from ringsplash import data, train
     from ringsplash.model import Transformer, TransformerConfig
     from ringsplash.splash import SplashConfig
 
@@ -123,8 +123,7 @@ def main(config: Config) -> list[dict]:
         logits = np.asarray(train.make_logits_fn(cfg, mesh)(eqx.combine(params, static), sharded))
         grads, metrics = jax.jit(lambda p, bb: train.make_grad_fn(cfg, mesh)(p, static, bb))(params, sharded)
         grads = jax.device_get(grads)
-        if cfg.context_shards > 1:
-            logits = layouts.unpermute(logits, cfg.ring_layout, cfg.layout_shards, axis=1)
+        logits = train.unlayout(logits, cfg, S)
         return logits, grads, float(metrics["loss"]), time.perf_counter() - t0
 
     ref_logits, ref_grads, ref_loss, t = run(base)

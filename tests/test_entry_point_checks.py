@@ -498,8 +498,12 @@ def test_model_config_accepts_what_splash_attention_accepts():
     assert TransformerConfig(**base, attention="splash", max_seq_len=768).max_seq_len == 768
     # a length the 128-token lanes do not tile: the model pads it inside (tests/test_model.py), the config accepts it
     assert TransformerConfig(**base, attention="splash", max_seq_len=1000).max_seq_len == 1000
+    # the context-parallel strategies: the trainer pads a length they do not tile (test_context_parallel_lengths.py)
+    ring = dict(attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=1000)
+    assert TransformerConfig(**base, **ring).padded_seq_len(1000) == 1024
+    # ... except under a fixed-shape Mask, which serves its own length only
     with pytest.raises(ValueError, match=r"125-token zigzag half-shard.*e.g. S=1024\), or SplashConfig\(backend='xla'\)"):
-        TransformerConfig(**base, attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=1000)
+        TransformerConfig(**base, **ring, mask=masks.CausalMask((1000, 1000)))
 
 
 # ----------------------------------------------------------------------------------------

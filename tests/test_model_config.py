@@ -2,6 +2,7 @@
 
 import pytest
 
+from ringsplash import masks
 from ringsplash.model import TransformerConfig
 from ringsplash.splash import SplashConfig
 
@@ -22,11 +23,15 @@ REJECTED = [
     (dict(attention="ring", ring_size=4), ["attention='ring' needs ring_axis_name", "ring_axis_name='context'"]),
     (dict(attention="ring", ring_axis_name="", ring_size=4), ["needs ring_axis_name"]),
     (dict(num_heads=4, num_kv_heads=3), ["num_heads=4 must be divisible by num_kv_heads=3", "num_kv_heads"]),
-    # the ring shrinks blocks to its shards; a shard it cannot tile names the config / S that would
-    (dict(attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=8 * 200),
+    # the ring shrinks blocks to its shards; a length it cannot tile is padded by the trainer
+    # (tests/test_context_parallel_lengths.py), except under a fixed-shape Mask, which serves its own
+    # length only: a shard the ring cannot tile then names the config / S that would
+    (dict(attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=8 * 200,
+          mask=masks.CausalMask((1600, 1600))),
      ["S // 8 = 1600 // 8 = 200 tokens per zigzag half-shard", "cannot tile the 200-token zigzag half-shard",
       "S=2048"]),
-    (dict(attention="ring", ring_axis_name="context", ring_size=4, ring_layout="contiguous", max_seq_len=4 * 200),
+    (dict(attention="ring", ring_axis_name="context", ring_size=4, ring_layout="contiguous", max_seq_len=4 * 200,
+          mask=masks.CausalMask((800, 800))),
      ["S // 4 = 800 // 4 = 200 tokens per shard", "SplashConfig(block_q=256", "S=1024"]),
     (dict(mask="local"), ["mask='local' needs local_window"]),
     (dict(mask="chunked", chunk_size=0), ["mask='chunked' needs chunk_size"]),

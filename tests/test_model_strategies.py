@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from ringsplash import data, layouts, train
+from ringsplash import data, layouts, masks, train
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.splash import SplashConfig
 
@@ -124,12 +124,14 @@ REJECTED = [
      ["ring_size=2 needs attention='ring'", "attention='ulysses' does not"]),
     (dict(attention="ring", ring_axis_name="context", ring_size=4, ulysses_size=2),
      ["ulysses_size=2 needs attention='ulysses' or 'usp'", "ulysses_size=1"]),
-    # all-gather: blocks must tile each device's queries (64 queries of 1024 / 16 are one whole block)
-    (dict(attention="allgather", ring_axis_name="context", ring_size=4, max_seq_len=1000),
+    # a length the strategy cannot tile is padded by the trainer (tests/test_context_parallel_lengths.py), except
+    # under a fixed-shape Mask (its own length only). All-gather: blocks must tile each device's queries
+    (dict(attention="allgather", ring_axis_name="context", ring_size=4, max_seq_len=1000,
+          mask=masks.CausalMask((1000, 1000))),
      ["attention='allgather' at max_seq_len=1000: SplashConfig.block_q=128 cannot tile the 250-token per-device q_len",
       "SplashConfig(block_q=256", "divisible by 512"]),
     (dict(attention="usp", ring_axis_name="context", ring_size=4, ulysses_axis_name="ulysses", ulysses_size=2,
-          max_seq_len=1020),
+          max_seq_len=1020, mask=masks.CausalMask((1020, 1020))),
      ["max_seq_len=1020 must be divisible by ring_size x ulysses_size = 4 x 2 = 8"]),
     (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4, attention_dropout=0.1),
      ["not supported by the splash/ring kernels"]),

@@ -315,9 +315,9 @@ class TransformerConfig:
             check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
 
     def _check_lengths(self) -> None:
-        if self.context_parallel.roles:  # a length the strategy cannot tile is padded inside (padded_seq_len)
-            self.padded_seq_len(self.max_seq_len)
-        else:
+        if self.context_parallel.roles and not isinstance(self.mask, masks_lib.Mask):
+            self.padded_seq_len(self.max_seq_len)  # a length the strategy does not tile is padded (train.layout_batch)
+        else:  # a fixed-shape Mask serves its own length only: never padded
             self.check_seq_len(self.max_seq_len, name="max_seq_len")
 
     def check_seq_len(self, seq_len: int, *, name: str = "seq_len") -> None:

@@ -1,7 +1,9 @@
 """The train, eval and logits steps: one ``shard_map`` over the mesh in which each device sums
 its own (unnormalised) loss over its local tokens, projected to the vocabulary in chunks
 (``chunked_loss_sums``); a ``psum`` divided by the global number of scored tokens gives the exact
-mean. Parameters may be FSDP-sharded (``sharding_plan``) and are gathered inside the step."""
+mean. Parameters may be FSDP-sharded (``sharding_plan``) and are gathered inside the step.
+Batches come laid out by ``train.batches`` (padded to a length the strategy tiles, the padding
+unscored), so the steps take any sequence length and their losses count real tokens only."""
 
 import equinox as eqx
 import jax
@@ -293,8 +295,9 @@ def make_eval_step(model_config: TransformerConfig, mesh, *, plan: partitioning.
 
 
 def make_logits_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None):
-    """``logits(model, batch) -> [batch, seq, vocab]`` in the layout order of ``batch`` (jitted).
-    ``plan``: the parameters' layout, as for ``make_eval_step`` (sharded: never replicated)."""
+    """``logits(model, batch) -> [batch, seq, vocab]`` in the layout order of ``batch`` (jitted), at its
+    (padded) length: ``train.unlayout(logits, model_config, S)`` gives the caller's ``S`` positions in
+    original order. ``plan``: the parameters' layout, as for ``make_eval_step`` (sharded: never replicated)."""
 
     def body(model, batch, gather_layer, schedule):
         hidden = lambda t, q, s: model.hidden(t, q, s, gather_layer=gather_layer, schedule=schedule)
