@@ -201,8 +201,9 @@ def compile_step(config: Config):
     opt_sh = partitioning.optimizer_shardings(optimizer, params_abs, param_sh, mesh)
     place = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
     seq_sharding = NamedSharding(mesh, train.batch_spec(model_config))
+    seq_len = model_config.padded_seq_len(config.seq_len)  # as the trainer pads a length the ring does not tile
     batch_abs = Batch(
-        *(jax.ShapeDtypeStruct((rows, config.seq_len), dt, sharding=seq_sharding)
+        *(jax.ShapeDtypeStruct((rows, seq_len), dt, sharding=seq_sharding)
           for dt in (jnp.int32, jnp.int32, jnp.float32, jnp.int32, jnp.int32))
     )
     grad_fn = train.make_grad_fn(model_config, mesh, plan=plan, loss_chunk=config.loss_chunk)
@@ -230,7 +231,7 @@ def compile_step(config: Config):
             "param_bytes": partitioning.local_bytes(params_abs, plan.specs, mesh_shape),
             "opt_bytes": partitioning.local_bytes(opt_abs, opt_specs, mesh_shape),
             "replicated_state_bytes": nbytes(params_abs) + nbytes(opt_abs),
-            "batch_bytes": 5 * 4 * rows * config.seq_len // devices.size,
+            "batch_bytes": 5 * 4 * rows * seq_len // devices.size, "padded_seq_len": seq_len,
             "schedule_bytes": schedule_bytes_per_device(schedule),
             "estimates": _estimates(config, model_config, params_abs, data, context, rows, plan.sharded)}
     return compiled, info
@@ -275,9 +276,10 @@ def report(config: Config, compiled, info, *, quiet: bool = False) -> tuple[bool
     if quiet:
         return fits, total
     gib = lambda x: f"{x / GiB:8.3f} GiB"
+    padded = "" if info["padded_seq_len"] == config.seq_len else f" (padded to {info['padded_seq_len']})"
     print(f"topology {config.topology} ({info['device_kind']}, {info['devices']} devices): mesh data={info['data']} x "
           f"context={info['context']}; {info['params'] / 1e6:.1f} M params; batch {info['rows']} x {config.seq_len} "
-          f"tokens; remat={config.remat}; loss_chunk={config.loss_chunk or 'off'}; "
+          f"tokens{padded}; remat={config.remat}; loss_chunk={config.loss_chunk or 'off'}; "
           f"compiled in {info['compile_s']:.1f} s")
     print(info["plan"])
     print("per-device HBM:")
