@@ -31,8 +31,10 @@ STRATEGIES = {
 }
 # measured (float32, CPU) over the four strategies: max |d logits| <= 1.5e-6; ~7x headroom
 LOGITS_ATOL = 1e-5
-# measured: |d loss| = 0, max |d grad| / max |grad| per leaf <= 4.9e-7, max |d max logit| <= 4.8e-7; ~10x headroom
-LOSS_ATOL, GRAD_RTOL, MAX_LOGITS_ATOL = 1e-6, 5e-6, 5e-6
+# measured (the ring on the Pallas kernels, interpreted): |d loss| <= 4.8e-7, max |d grad| / max |grad| per leaf
+# <= 5.3e-7, max |d max logit| <= 4.8e-7; ~10x headroom
+LOSS_ATOL, GRAD_RTOL, MAX_LOGITS_ATOL = 5e-6, 5e-6, 5e-6
+INTERPRET = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret")
 
 
 def _config(**kw) -> TransformerConfig:
@@ -112,8 +114,7 @@ def reference():
     return model, batch, np.asarray(forward(model, batch))
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s == "usp-2x2" else s
-                                      for s in STRATEGIES])  # USP: ~5 s, the costliest compile
+@pytest.mark.parametrize("strategy", list(STRATEGIES))  # 1.4-2.9 s each (+ 3.5 s for the module's reference)
 def test_logits_at_an_untileable_length_equal_the_reference(reference, strategy):
     model, batch, expected = reference
     config = _config(**STRATEGIES[strategy])
@@ -138,13 +139,15 @@ def _loss_grads_and_eval(config: TransformerConfig, model: Transformer, batch: d
 
 @pytest.mark.slow
 def test_training_loss_and_grads_at_an_untileable_length_equal_the_reference(reference):
-    """Ring (zigzag) at 600 tokens, padded to 1024: the mean loss counts the real tokens only, and the
+    """Ring (zigzag) at 600 tokens, padded to 1024, on the Pallas kernels (interpreted: padded query
+    rows fully masked in the kernels themselves): the mean loss counts the real tokens only, and the
     gradients, accuracy and max logits (QK-clip's input) are the unpadded reference's; rows hold
     packed documents (user segment ids) and a single document."""
     model, batch, _ = reference
     batch = batch._replace(loss_mask=batch.loss_mask * (np.arange(S) % 5 != 0))  # a loss mask of the user's own
     want_metrics, want_grads, want_sums = _loss_grads_and_eval(_config(), model, batch)
-    metrics, grads, sums = _loss_grads_and_eval(_config(**STRATEGIES["ring-zigzag-4"]), model, batch)
+    ring = _config(**STRATEGIES["ring-zigzag-4"], splash=INTERPRET)
+    metrics, grads, sums = _loss_grads_and_eval(ring, model, batch)
     for name in ("loss", "accuracy"):
         np.testing.assert_allclose(metrics[name], want_metrics[name], rtol=0, atol=LOSS_ATOL)
     np.testing.assert_allclose(metrics["max_logits"], want_metrics["max_logits"], rtol=0, atol=MAX_LOGITS_ATOL)
