@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data, train
-from ringsplash.model import PAD_SEGMENT, Transformer, TransformerConfig
+from ringsplash.model import PAD_SEGMENT, RopeScaling, Transformer, TransformerConfig
 from ringsplash.splash import SplashConfig
 
 S = 600
@@ -89,7 +89,7 @@ def test_layout_batch_pads_inertly_and_unlayout_undoes_it():
     for got, want in zip(laid, batch):
         np.testing.assert_array_equal(train.unlayout(got, config, S), want)
     # a length that tiles: nothing added
-    assert train.layout_batch(_batch(1024), config).tokens.shape == (2, 1024)
+    assert train.layout_batch(_batch(1024), config.replace(max_seq_len=1024)).tokens.shape == (2, 1024)
 
 
 def test_padding_bad_input_names_the_argument():
@@ -98,6 +98,8 @@ def test_padding_bad_input_names_the_argument():
     bad = batch._replace(segment_ids=np.where(batch.segment_ids == 2, PAD_SEGMENT, batch.segment_ids))
     with pytest.raises(ValueError, match=r"segment_ids must be > -2147483647 .*mark padding.*-2147483648"):
         train.layout_batch(bad, config)
+    with pytest.raises(ValueError, match=r"the batch has seq_len=1024 tokens, more than the model's max_seq_len=600"):
+        train.layout_batch(_batch(1024), config)
     with pytest.raises(ValueError, match=r"x has 600 positions on axis 1.*seq_len=600 tokens is laid out at 1024"):
         train.unlayout(np.zeros((2, S)), config, S)
 
@@ -122,6 +124,19 @@ def test_logits_at_an_untileable_length_equal_the_reference(reference, strategy)
     logits = train.make_logits_fn(config, mesh)(model.with_config(config), train.shard_batch(batch, mesh, config))
     assert logits.shape[1] == config.padded_seq_len(S) > S
     np.testing.assert_allclose(train.unlayout(logits, config, S), expected, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_dynamic_rope_reads_the_callers_length_not_the_padded_one(reference):
+    """Dynamic NTK's frequencies follow the current length (600 tokens, past the original 256), not the
+    1024 the ring runs at: the model caps it at max_seq_len, so padding never changes the frequencies."""
+    model, batch, _ = reference
+    dynamic = dict(rope_scaling=RopeScaling("dynamic", factor=2.0, original_max_position_embeddings=256))
+    want = model.with_config(_config(**dynamic))
+    want = np.asarray(eqx.filter_jit(lambda m, b: jax.vmap(m)(b.tokens, b.positions, b.segment_ids))(want, batch))
+    config = _config(**STRATEGIES["ring-zigzag-4"], **dynamic)
+    mesh = train.mesh_for(config)
+    logits = train.make_logits_fn(config, mesh)(model.with_config(config), train.shard_batch(batch, mesh, config))
+    np.testing.assert_allclose(train.unlayout(logits, config, S), want, rtol=0, atol=LOGITS_ATOL)
 
 
 def _loss_grads_and_eval(config: TransformerConfig, model: Transformer, batch: data.Batch):

@@ -201,8 +201,10 @@ class Attention(eqx.Module):
         c = self.config
         seq = x.shape[0]
         # the current length of dynamic / longrope RoPE: the whole sequence's (this call holds one of its
-        # context_shards local shards), static (ringsplash.model.rope_scaling)
-        q, k, v = self.project_qkv(x, positions, rope_len=seq * c.context_shards, layer_type=layer_type)
+        # context_shards local shards), static (ringsplash.model.rope_scaling); capped at max_seq_len, since
+        # only the padding a context-parallel strategy adds (train.layout_batch) runs past it
+        rope_len = min(seq * c.context_shards, c.max_seq_len)
+        q, k, v = self.project_qkv(x, positions, rope_len=rope_len, layer_type=layer_type)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits,
                      schedule=schedule, layer_type=layer_type)
         max_logits = None

@@ -16,8 +16,10 @@ so a result may differ from transformers' by one ulp there (tests/test_rope.py m
 transformers sees in a forward pass: ``max(position_ids) + 1``. For a full-sequence forward (and
 in training) over positions ``0 .. S - 1`` that is ``S``, the static (global) sequence length of
 the call, and that is what the model passes (``Attention``: the local length times the context
-shards), so the frequencies are compile-time constants and every shard of a sequence-parallel
-call uses the same ones. (A packed batch whose positions restart per document would make
+shards, capped at ``max_seq_len``: only the padding ``train.layout_batch`` adds for a
+context-parallel strategy runs past it, and it must not change the frequencies), so the
+frequencies are compile-time constants and every shard of a sequence-parallel call uses the same
+ones. (A packed batch whose positions restart per document would make
 transformers use the longest document's length instead; here it stays ``S``.)
 
 Decoding (not implemented yet): transformers recomputes ``max(position_ids) + 1`` on every

@@ -30,6 +30,10 @@ def pad_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
         raise ValueError(f"segment_ids must be > {PAD_SEGMENT + 1} (the two lowest int32 values mark padding), "
                          f"got a minimum of {seg.min()}")
     seq = seg.shape[1]
+    if seq > model_config.max_seq_len:
+        raise ValueError(f"the batch has seq_len={seq} tokens, more than the model's max_seq_len="
+                         f"{model_config.max_seq_len}: pass at most max_seq_len tokens, or build the model with a "
+                         f"larger max_seq_len")
     pad = model_config.padded_seq_len(seq) - seq
     if not pad:
         return batch
