@@ -50,19 +50,22 @@ def _batch(seq: int = S) -> data.Batch:
 # ------------------------------------------------------------------------------ lengths (host side)
 
 
-@pytest.mark.parametrize("changes, seq, padded", [
-    (STRATEGIES["ring-zigzag-4"], 600, 1024),  # half-shards of a multiple of 128 (they are parts of a shard)
-    (STRATEGIES["ring-zigzag-4"], 1024, 1024),  # a length that tiles runs as it is
-    (dict(STRATEGIES["ring-zigzag-4"], splash=XLA), 600, 600),  # xla: a short whole part is one block
-    (dict(STRATEGIES["ring-zigzag-4"], splash=XLA), 300, 304),  # ... once the layout splits it
-    (dict(STRATEGIES["ring-zigzag-4"], splash=SplashConfig()), 1000, 1024),  # the default 512-token blocks
-    (dict(STRATEGIES["ring-zigzag-4"], ring_layout="contiguous"), 600, 1024),  # 150-token shards: no block
-    (STRATEGIES["allgather-4"], 600, 1024),  # 160 .. 224 queries per device: no 128-multiple block
-    (STRATEGIES["ulysses-4"], 600, 640),
-    (STRATEGIES["usp-2x2"], 600, 1024),
-    (dict(attention="splash"), 600, 600),  # pads inside the attention itself (model.attention)
-    (dict(attention="reference"), 600, 600),
-])
+PADDED = {  # id: (config changes, S, the length it runs at)
+    "ring-zigzag": (STRATEGIES["ring-zigzag-4"], 600, 1024),  # half-shards of a multiple of 128 (parts of a shard)
+    "ring-zigzag-tiled": (STRATEGIES["ring-zigzag-4"], 1024, 1024),  # a length that tiles runs as it is
+    "ring-zigzag-xla": (dict(STRATEGIES["ring-zigzag-4"], splash=XLA), 600, 600),  # xla: a short whole part
+    "ring-zigzag-xla-layout": (dict(STRATEGIES["ring-zigzag-4"], splash=XLA), 300, 304),  # ... once split
+    "ring-zigzag-default-blocks": (dict(STRATEGIES["ring-zigzag-4"], splash=SplashConfig()), 1000, 1024),
+    "ring-contiguous": (dict(STRATEGIES["ring-zigzag-4"], ring_layout="contiguous"), 600, 1024),  # 150-token shards
+    "allgather": (STRATEGIES["allgather-4"], 600, 1024),  # 160 .. 224 queries per device: no 128-multiple block
+    "ulysses": (STRATEGIES["ulysses-4"], 600, 640),
+    "usp": (STRATEGIES["usp-2x2"], 600, 1024),
+    "splash": (dict(attention="splash"), 600, 600),  # pads inside the attention itself (model.attention)
+    "reference": (dict(attention="reference"), 600, 600),
+}
+
+
+@pytest.mark.parametrize("changes, seq, padded", list(PADDED.values()), ids=list(PADDED))
 def test_padded_seq_len_is_the_smallest_length_the_strategy_tiles(changes, seq, padded):
     config = _config(**{**changes, "max_seq_len": seq})  # accepted: refused before for the 600-token rows
     assert config.padded_seq_len(seq) == padded
