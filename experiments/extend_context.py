@@ -280,11 +280,14 @@ def heldout_stream(path: str, tokens: int):
 
 def evaluate(model, config: Config, lengths, heldout, passkey, out_dir: str, title: str) -> list[dict]:
     """Perplexity and passkey accuracy of ``model`` (one device) at each length; the grid's files."""
+    import jax
     import numpy as np
 
     from ringsplash import evals
 
-    model = evals.single_device(model, "splash")
+    # one device, params committed there: the zero-shot and the finetuned model (fit leaves it on the
+    # ring's mesh) then share the scorer's compiled programs
+    model = jax.device_put(evals.single_device(model, "splash"), jax.devices()[0])
     scorer = evals.Scorer(model)
     depths = [float(d) for d in config.depths.split(",")]
     generate_fn = evals.inference_generate_fn(model) if config.generate else None

@@ -41,10 +41,6 @@ class Scorer:
             raise ValueError(f"chunk={chunk} and pad_multiple={pad_multiple} must be >= 1")
         self.model, self.chunk, self.pad_multiple = model, chunk, pad_multiple
         self.config = model.config
-        params, static = eqx.partition(model, eqx.is_array)
-        self._params = params
-        self._token_scores = jax.jit(lambda p, t: _token_scores(eqx.combine(p, static), t, chunk))
-        self._logprobs_at = jax.jit(lambda p, t, q: _logprobs_at(eqx.combine(p, static), t, q))
 
     def check_rows(self, tokens: np.ndarray) -> np.ndarray:
         """``tokens`` as int32 ``[batch, seq]`` after checking the length and the ids against the model."""
@@ -68,7 +64,7 @@ class Scorer:
 
     def token_scores(self, tokens: np.ndarray) -> TokenScores:
         t = self.check_rows(tokens)
-        lp, ok = jax.device_get(self._token_scores(self._params, jnp.asarray(self._padded(t))))
+        lp, ok = jax.device_get(_token_scores(self.model, jnp.asarray(self._padded(t)), self.chunk))
         n = t.shape[1] - 1
         return TokenScores(np.asarray(lp, np.float32)[:, :n], np.asarray(ok, bool)[:, :n])
 
@@ -79,7 +75,7 @@ class Scorer:
         if q.ndim != 2 or q.shape[0] != t.shape[0] or q.min() < 0 or q.max() >= t.shape[1]:
             raise ValueError(f"positions must be int [batch={t.shape[0]}, k] in [0, {t.shape[1]}), got shape "
                              f"{q.shape} range [{q.min()}, {q.max()}]")
-        return np.asarray(jax.device_get(self._logprobs_at(self._params, jnp.asarray(self._padded(t)),
+        return np.asarray(jax.device_get(_logprobs_at(self.model, jnp.asarray(self._padded(t)),
                                                            jnp.asarray(q))))
 
 
@@ -88,6 +84,9 @@ def _hidden(model: Transformer, tokens: Int[Array, "batch seq"]) -> Float[Array,
     return jax.vmap(lambda t: model.hidden(t, positions))(tokens)
 
 
+# module-level jits keyed by the model's structure and config (its arrays are traced): scorers of
+# models of one config, e.g. a checkpoint before and after finetuning, share their compiled programs
+@eqx.filter_jit
 def _token_scores(model: Transformer, tokens: Int[Array, "batch seq"], chunk: int):
     h = _hidden(model, tokens)[:, :-1]
     targets = tokens[:, 1:]
@@ -102,6 +101,7 @@ def _token_scores(model: Transformer, tokens: Int[Array, "batch seq"], chunk: in
     return jnp.concatenate(lps, axis=1), jnp.concatenate(oks, axis=1)
 
 
+@eqx.filter_jit
 def _logprobs_at(model: Transformer, tokens: Int[Array, "batch seq"], positions: Int[Array, "batch k"]):
     h = _hidden(model, tokens)
     picked = jnp.take_along_axis(h, positions[..., None], axis=1)
