@@ -402,7 +402,7 @@ def main(config: Config) -> dict:
                                log_every=max(1, config.base_steps // 20), progress=config.progress)
         print(f"base: {config.base_steps} steps x {config.base_batch} rows x {config.base_len} tokens", flush=True)
         base_model = train.fit(base_cfg, tc, stream(config.base_len, config.base_batch, config.base_steps, "base"),
-                               os.path.join(run_dir, "base"), mesh=train.make_mesh(1, 1)).model
+                               os.path.join(run_dir, "base_model"), mesh=train.make_mesh(1, 1)).model
     base = base_model.config
 
     results = []

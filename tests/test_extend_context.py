@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     first = job.main(job.Config(**TINY, corpus_dir=corpora, run_dir=str(root / "first")))
     second = job.main(job.Config(**TINY, methods="yarn", corpus_dir=corpora, run_dir=str(root / "second")))
     # --init-from the first run's base (a ringsplash run directory, recall tokens in its vocabulary)
-    resumed = job.main(job.Config(**{**TINY, "base_len": 0}, methods="none", init_from=str(root / "first" / "base"),
+    resumed = job.main(job.Config(**{**TINY, "base_len": 0}, methods="none", init_from=str(root / "first" / "base_model"),
                                   corpus_dir=corpora, run_dir=str(root / "third")))
     return job, first, second, resumed
 
