@@ -143,6 +143,8 @@ def forward_child(path: str, seq_lens: list[int], repeats: int, stride: int) -> 
     model = rs.hf.load_hf(path, attention="splash", splash=rs.SplashConfig(backend="xla"))
     jax.block_until_ready(model)
     load_s = time.perf_counter() - t0
+    if max(seq_lens) > model.config.max_seq_len:  # the preset's length is not a limit of its (plain) RoPE
+        model = model.with_config(model.config.replace(max_seq_len=max(seq_lens)))
     vocab = model.config.vocab_size
     tokens = {S: rng.integers(0, vocab, S, dtype=np.int32) for S in seq_lens}
     params, static = eqx.partition(model, eqx.is_array)
