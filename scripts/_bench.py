@@ -83,8 +83,14 @@ def run_child(argv, timeout: float | None = None, cache: str | None = None, *, k
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident set size so far (MiB; Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident set size so far (MiB): Linux's VmHWM, the peak of this process
+    image alone (``ru_maxrss`` keeps the parent's RSS from before ``exec`` in a child); elsewhere
+    ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def median_of(fn, repeats: int) -> tuple[float, list[float]]:
