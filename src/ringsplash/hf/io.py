@@ -122,11 +122,17 @@ class Checkpoint:
         return self._slice(name).get_dtype()
 
     def read(self, name: str, index: tuple = ()) -> np.ndarray:
-        """``tensor[index]`` (a tuple of slices / ints), reading only those bytes."""
+        """``tensor[index]`` (a tuple of slices / ints), reading only those bytes.
+
+        Through a handle of its own, dropped on return: ``safe_open`` maps the whole file, and the
+        pages a read touches count in this process's RSS for as long as the map lives (a column slice
+        of a row-major tensor touches every row's pages), so a map kept open across tensors would
+        add the touched part of the file to the peak."""
         global _bytes_read
-        sl = self._slice(name)
-        x = sl[index] if index else sl[:]
-        x = np.asarray(x)
+        if name not in self.file_of:
+            raise KeyError(name)
+        sl = _safe_open(self.file_of[name]).get_slice(name)
+        x = np.array(sl[index] if index else sl[:])  # a copy: nothing refers to the map after return
         _bytes_read += x.nbytes
         return x
 
