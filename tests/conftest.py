@@ -73,6 +73,9 @@ def pytest_collection_modifyitems(config, items):
     """Tier every test: an expensive kind (``tpu_compile``, ``multiprocess``, ``e2e``) is also
     ``slow`` unless it is marked ``cheap``; whatever is not ``slow`` is ``fast``, so a new
     unmarked test lands in the fast tier and the duration guard watches it."""
+    # modules ranked by their most expensive test: end-to-end / multi-process / TPU-compile first, then
+    # other slow tests, then the rest
+    rank: dict[str, int] = {}
     for item in items:
         names = {m.name for m in item.iter_markers()}
         if "slow" not in names and "cheap" not in names and names.intersection(EXPENSIVE_KINDS):
@@ -80,19 +83,11 @@ def pytest_collection_modifyitems(config, items):
             names.add("slow")
         if "slow" not in names:
             item.add_marker(pytest.mark.fast)
-    _heaviest_modules_first(items)
-
-
-def _heaviest_modules_first(items):
-    """Run modules with end-to-end / multi-process / TPU-compile tests first, then modules with
-    other slow tests, then the rest; each module stays contiguous (its fixtures are set up once)
-    and in its own order. xdist's workers then end on short tests instead of one of them running a
-    minute-long test alone at the end. A stable sort: every worker collects the same order."""
-    rank: dict[str, int] = {}
-    for item in items:
-        names = {m.name for m in item.iter_markers()}
         r = 0 if names.intersection(EXPENSIVE_KINDS) else 1 if "slow" in names else 2
         rank[item.module.__name__] = min(rank.get(item.module.__name__, 2), r)
+    # heaviest modules first, each contiguous (its fixtures set up once) and in its own order: xdist's
+    # workers then end on short tests instead of one running a minute-long test alone at the end; a
+    # stable sort, so every worker collects the same order
     items.sort(key=lambda item: rank[item.module.__name__])
 
 

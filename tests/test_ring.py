@@ -394,7 +394,7 @@ def test_ring_refuses_the_tpu_interpreter_when_the_mesh_holds_every_client_threa
 TPU_INTERPRETER_RING = """
 import sys, jax
 jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
-import jax.numpy as jnp, numpy as np
+import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 import ringsplash as rs
 n, s = 4, 1024

@@ -109,10 +109,13 @@ class Checkpoint:
     def names(self) -> set[str]:
         return set(self.file_of)
 
-    def _slice(self, name: str):
+    def _file(self, name: str) -> str:
         if name not in self.file_of:
             raise KeyError(name)
-        return self._handle(self.file_of[name]).get_slice(name)
+        return self.file_of[name]
+
+    def _slice(self, name: str):
+        return self._handle(self._file(name)).get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -129,9 +132,7 @@ class Checkpoint:
         of a row-major tensor touches every row's pages), so a map kept open across tensors would
         add the touched part of the file to the peak."""
         global _bytes_read
-        if name not in self.file_of:
-            raise KeyError(name)
-        sl = _safe_open(self.file_of[name]).get_slice(name)
+        sl = _safe_open(self._file(name)).get_slice(name)
         x = np.array(sl[index] if index else sl[:])  # a copy: nothing refers to the map after return
         _bytes_read += x.nbytes
         return x
