@@ -20,8 +20,34 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # v5e:2x2 compile). Inherited by the scripts and processes the tests start; export
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite with full optimisation.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# One persistent compilation cache per test session, made by the first process (pytest, or xdist's
+# controller) and inherited by its workers and every script and process the tests start: a program
+# compiled again with the same HLO and options (a resumed run's train step, a script's second process,
+# a test rebuilding another's jit) is read back instead (resume tests ~35% cheaper, the suite ~10%).
+# The key covers the HLO, the compile options (the xla_optimized marker's flag included) and the
+# backend. No size limit: a limit makes JAX rescan the directory on every write. An entry read while
+# the other worker still writes it fails to load, which JAX reports as a warning and compiles anew.
+# Removed at the end of the session (pytest_unconfigure); set JAX_COMPILATION_CACHE_DIR to keep one.
+_SESSION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
 
-import jax
+    _SESSION_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="ringsplash-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+import jax  # noqa: E402  (after the environment above)
+
+if _SESSION_CACHE is not None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    from jax._src import compilation_cache as _compilation_cache
+
+    _cache_used = _compilation_cache.is_cache_used
+
+    def _cpu_programs_only(backend) -> bool:
+        """CPU programs only: JAX cannot load back an executable of a compile-only TPU client (the
+        TPU-topology compiles), so caching those would only write entries that fail to load."""
+        return backend.platform == "cpu" and _cache_used(backend)
+
+    _compilation_cache.is_cache_used = _cpu_programs_only
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
@@ -62,6 +88,13 @@ def pytest_configure(config):
         settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
     elif _fast_tier_selected(config):
         settings.load_profile("fast")
+
+
+def pytest_unconfigure(config):
+    if _SESSION_CACHE is not None:  # only the process that made it (workers inherited the variable)
+        import shutil
+
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_report_header(config):

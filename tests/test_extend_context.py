@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
-TINY = dict(base_len=512, factor=2, d_model=32, num_layers=1, num_heads=2, base_steps=2, base_batch=2,
+TINY = dict(base_len=256, factor=2, d_model=32, num_layers=1, num_heads=2, base_steps=2, base_batch=2,
             finetune_steps=2, finetune_batch=2, context_parallel=2, eval_docs=1, passkey_samples=1, depths="0.5",
             passkey_docs=8, progress=False)
 
@@ -47,16 +47,16 @@ def runs(tmp_path_factory):
 def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
     job, first, _, _ = runs
     run_dir = first["run_dir"]
-    assert first["lengths"] == [512, 1024]
+    assert first["lengths"] == [256, 512]
     records = _jsonl(os.path.join(run_dir, "results.jsonl"))
     keys = {(r["method"], r["phase"], r["length"]) for r in records}
-    assert keys == {(m, p, n) for m in job.METHODS for p in ("zero_shot", "finetuned") for n in (512, 1024)}
+    assert keys == {(m, p, n) for m in job.METHODS for p in ("zero_shot", "finetuned") for n in (256, 512)}
     for r in records:
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1, r
         assert 0.0 <= r["passkey"] <= 1.0, r
     with open(os.path.join(run_dir, "results.md")) as f:
         table = f.read()
-    assert table.startswith("| method | phase | 512 ppl / passkey | 1024 ppl / passkey |")
+    assert table.startswith("| method | phase | 256 ppl / passkey | 512 ppl / passkey |")
     assert len(table.strip().splitlines()) == 2 + 2 * len(job.METHODS)
     assert os.path.getsize(os.path.join(run_dir, "perplexity.png")) > 0
     for method in job.METHODS:
@@ -72,7 +72,7 @@ def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
     # two finetune steps move every method's model (the first step's learning rate is warmup's 0)
     ppl = {(r["method"], r["phase"], r["length"]): r["perplexity"] for r in records}
     for method in job.METHODS:
-        assert ppl[(method, "finetuned", 1024)] != ppl[(method, "zero_shot", 1024)], method
+        assert ppl[(method, "finetuned", 512)] != ppl[(method, "zero_shot", 512)], method
 
 
 @pytest.mark.slow
@@ -174,6 +174,6 @@ def test_extend_context_init_from_a_run_directory_reproduces_its_base(runs):
     """--init-from the first run's base run directory (base_len 0: the model's own length): the
     unchanged-RoPE rows equal the first run's, which trained that base itself."""
     _, first, _, resumed = runs
-    assert resumed["lengths"] == [512, 1024]
+    assert resumed["lengths"] == [256, 512]
     want = [r for r in first["results"] if r["method"] == "none"]
     assert resumed["results"] == want
