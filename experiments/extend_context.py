@@ -66,28 +66,28 @@ class Config:
     #: the retrieval task trained (passkey_mix of the rows) and evaluated as the passkey: recall (the main job's
     #: key-value recall, tokens of its own) | text (passkey documents in text) | none (text only, text passkey)
     retrieval: str = "recall"
-    passkey_mix: float = 0.25  # share of training rows holding the retrieval task (0 = text only)
+    passkey_mix: float = 0.5  # share of training rows holding the retrieval task (0 = text only)
     passkey_docs: int = 512  # --retrieval text: passkey documents written per length (base and long)
     # model (trained here): --preset NAME (ringsplash.model.presets) sets the shape, flags override it
     preset: str = ""  # a ringsplash.model.presets name; "" = the model fields below
-    d_model: int = 128  # model width
-    num_layers: int = 4  # transformer layers
+    d_model: int = 64  # model width
+    num_layers: int = 2  # transformer layers
     num_heads: int = 4  # query heads
     num_kv_heads: int = 0  # key/value heads (GQA); 0 = auto: num_heads
     rope_theta: float = 10_000.0  # RoPE base of the base model
-    base_steps: int = 400  # base training steps
+    base_steps: int = 2000  # base training steps
     base_batch: int = 8  # rows per base step
-    base_lr: float = 2e-3  # base peak learning rate
-    finetune_steps: int = 40  # long finetune steps per method
+    base_lr: float = 3e-3  # base peak learning rate
+    finetune_steps: int = 150  # long finetune steps per method
     finetune_batch: int = 2  # rows per finetune step (each factor x base_len tokens)
-    finetune_lr: float = 5e-4  # finetune peak learning rate
+    finetune_lr: float = 1e-3  # finetune peak learning rate
     context_parallel: int = 8  # devices of the finetune's ring
     layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
     backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
     block: int = 128  # Splash block size (tokens)
-    eval_docs: int = 4  # held-out windows per evaluation length (perplexity)
-    passkey_samples: int = 4  # passkey prompts per (length, depth) cell
-    depths: str = "0,0.25,0.5,0.75,1"  # passkey depths (fraction of the haystack before the key)
+    eval_docs: int = 2  # held-out windows per evaluation length (perplexity)
+    passkey_samples: int = 8  # passkey prompts per (length, depth) cell
+    depths: str = "0,0.5,1"  # passkey depths (fraction of the haystack before the key)
     generate: bool = False  # also score the passkey by greedy generation (rs.inference.generate)
     preflight: str = ""  # a TPU topology: compile each method's finetune step for it (AOT) and exit; "" = run
     seed: int = 0  # parameters, data order, passkey keys
