@@ -23,12 +23,11 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # One persistent compilation cache per test session, made by the first process (pytest, or xdist's
 # controller) and inherited by its workers and every script and process the tests start: a program
 # compiled again with the same HLO and options (a resumed run's train step, a script's second process,
-# a test rebuilding another's jit) is read back instead (resume tests ~35% cheaper, the suite ~10%).
+# a test rebuilding another's jit) is read back instead (resume tests ~35% cheaper).
 # The key covers the HLO, the compile options (the xla_optimized marker's flag included) and the
 # backend. No size limit: a limit makes JAX rescan the directory on every write. An entry that fails
 # to load (one written by a compile-only TPU client, or read while the other worker writes it) is
-# reported by JAX as a warning and compiled anew; TPU-topology compiles are cached too (with them kept
-# out, one whole-suite run took 1809 s of user CPU against 1620 s with them in).
+# reported by JAX as a warning and compiled anew (two TPU-topology programs do; the rest load back).
 # Removed at the end of the session (pytest_unconfigure); set JAX_COMPILATION_CACHE_DIR to keep one.
 _SESSION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
