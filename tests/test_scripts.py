@@ -124,13 +124,9 @@ MAIN_TINY = ["--seq-len", "512", "--num-pairs", "4", "--num-queries", "4", "--nu
              "--no-progress"]
 
 
-def _main_job(run_dir, cache_dir, kill_at_step=None):
+def _main_job(run_dir, kill_at_step=None):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    # a persistent compilation cache shared by the runs of one test: the same job launched again loads
-    # the first launch's executables instead of compiling them (what runs is the same program)
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     env.pop("RINGSPLASH_TEST_KILL_AT_STEP", None)
     if kill_at_step is not None:
         env["RINGSPLASH_TEST_KILL_AT_STEP"] = str(kill_at_step)
@@ -144,20 +140,19 @@ def _records(run_dir):
 
 
 def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
-    full_dir, cut_dir, cache = tmp_path / "full", tmp_path / "cut", tmp_path / "jax_cache"
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     # The uninterrupted run, then the run killed (SIGKILL, no clean-up) when step 6 is logged,
-    # i.e. after the periodic checkpoint of step 4 and the metrics of step 5: one after the other,
-    # so the later runs reuse the first one's compiles.
-    full = _main_job(full_dir, cache)
+    # i.e. after the periodic checkpoint of step 4 and the metrics of step 5.
+    full = _main_job(full_dir)
     full_out, full_err = full.communicate(timeout=240)
     assert full.returncode == 0, full_out + full_err
-    cut = _main_job(cut_dir, cache, kill_at_step=6)
+    cut = _main_job(cut_dir, kill_at_step=6)
     cut_out, cut_err = cut.communicate(timeout=240)
     assert cut.returncode == -signal.SIGKILL, cut_out + cut_err
     assert [r["step"] for r in _records(cut_dir) if r["split"] == "train"] == [1, 2, 3, 4, 5]
     assert os.path.isdir(cut_dir / "checkpoints" / "4")
 
-    resumed = _main_job(cut_dir, cache)
+    resumed = _main_job(cut_dir)
     out, err = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, out + err
     assert "resuming from its checkpoint" in out
