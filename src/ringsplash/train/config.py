@@ -53,6 +53,17 @@ class TrainConfig:
             check_bool(name, getattr(self, name))
 
 
+#: fields of ``TrainConfig`` that never enter a compiled program (nor the check of a resumed run's config)
+BOOKKEEPING_FIELDS = ("log_every", "checkpoint_every", "progress")
+
+
+def program_config(tc: TrainConfig) -> TrainConfig:
+    """``tc`` with its bookkeeping fields at their defaults: equal for two runs whose programs are
+    the same, so it keys the caches of a run's jitted programs."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in BOOKKEEPING_FIELDS}
+    return dataclasses.replace(tc, **defaults)
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW on a linear-warmup + cosine-decay schedule (to ``min_lr_ratio * learning_rate``)."""
     return optax.chain(

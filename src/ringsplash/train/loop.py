@@ -3,6 +3,7 @@ run's config, steps with the next batch drawn on the host while the device works
 and checkpoints; a resumed run is bit-identical to an uninterrupted one."""
 
 import dataclasses
+import functools
 import os
 import time
 import warnings
@@ -17,7 +18,13 @@ from ringsplash.data import DataStream, Loader
 from ringsplash.distributed import is_main_process
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.train.batches import place_rows, process_rows, stream_batch
-from ringsplash.train.config import TrainConfig, learning_rate_schedule, make_optimizer
+from ringsplash.train.config import (
+    BOOKKEEPING_FIELDS,
+    TrainConfig,
+    learning_rate_schedule,
+    make_optimizer,
+    program_config,
+)
 from ringsplash.train.mesh import make_mesh
 from ringsplash.train.metrics import MetricsLog, max_logit_metrics
 from ringsplash.train.state import (
@@ -84,6 +91,15 @@ class _LoaderBatches:
         return place_rows(next(self.iterator), self.rows, self.loader.batch_size, self.mesh, self.model_config)
 
 
+# A run's train step, built once per process for equal configs and mesh: a resumed or repeated
+# ``fit`` (a notebook, a sweep over data seeds) reuses the traced and compiled program. Small:
+# each entry holds its executables.
+@functools.lru_cache(maxsize=4)
+def _train_step(model_config: TransformerConfig, tc: TrainConfig, mesh, plan):
+    return make_train_step(model_config, make_optimizer(tc), mesh, plan=plan, loss_chunk=tc.loss_chunk,
+                           max_logits=tc.log_max_logits)
+
+
 def fit(
     model_config: TransformerConfig,
     tc: TrainConfig,
@@ -126,6 +142,9 @@ def fit(
     ``model_config`` in anything but the parameter shapes, e.g. a new RoPE scaling or strategy);
     they are placed in the plan's shardings on ``mesh`` (multi-process: pass arrays on ``mesh``).
     A resumed run continues from its checkpoint and ignores it.
+
+    The jitted initialisation and train step are built once per process for equal ``model_config``,
+    ``tc`` (bookkeeping fields aside) and mesh: a second ``fit`` of the same run reuses them, compiled.
     """
     from tqdm.auto import tqdm
 
@@ -134,10 +153,8 @@ def fit(
         _check_loader(stream, model_config, tc)
     usp = model_config.attention == "usp" or tc.ulysses_parallel > 1
     mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel, ulysses=tc.ulysses_parallel if usp else None)
-    optimizer = make_optimizer(tc)
     plan = sharding_plan(model_config, mesh, tc.fsdp)
-    step_fn = make_train_step(model_config, optimizer, mesh, plan=plan, loss_chunk=tc.loss_chunk,
-                              max_logits=tc.log_max_logits)
+    step_fn = _train_step(model_config, program_config(tc), mesh, plan)
     ckpt = os.path.join(run_dir, "checkpoints")
     log = MetricsLog(run_dir)
     # A resumed run must be the run that wrote the checkpoint (checked before loading it);
@@ -149,7 +166,7 @@ def fit(
     run_config = {"model": model_config.to_dict(), "train": dataclasses.asdict(tc), "data_seed": stream.seed}
     if loader:
         run_config["data"] = stream.describe()
-    check_run_config(config_path, run_config, ignore=("train.progress", "train.checkpoint_every", "train.log_every"))
+    check_run_config(config_path, run_config, ignore=tuple(f"train.{name}" for name in BOOKKEEPING_FIELDS))
     resumed = resume and checkpoints.latest_step(ckpt) is not None
     if resumed:
         # straight into the plan's shardings: each device reads its shards, no host holds the whole state;

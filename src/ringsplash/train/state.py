@@ -17,7 +17,7 @@ from ringsplash import checkpoints, partitioning
 from ringsplash.distributed import is_main_process
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.train.batches import _global_array
-from ringsplash.train.config import TrainConfig, make_optimizer
+from ringsplash.train.config import TrainConfig, make_optimizer, program_config
 
 
 class TrainState(NamedTuple):
@@ -62,7 +62,14 @@ def sharded_init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.
                     plan: partitioning.ShardingPlan):
     """The jitted program ``init_sharded_state`` runs, ``fn(jax.random.key(tc.seed))``: it returns
     (parameters, AdamW state) with the shardings of ``abstract_state``. Lower it for a TPU topology to see the
-    per-device memory of a fresh initialisation (``ringsplash.aot.compile_report``)."""
+    per-device memory of a fresh initialisation (``ringsplash.aot.compile_report``). Built once per
+    process for equal arguments (bookkeeping fields of ``tc`` aside)."""
+    return _sharded_init_fn(model_config, program_config(tc), mesh, plan)
+
+
+@functools.lru_cache(maxsize=4)  # small: each entry holds its executables
+def _sharded_init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
+                     plan: partitioning.ShardingPlan):
     return jax.jit(functools.partial(_fresh, model_config, tc),
                    out_shardings=_state_shardings(model_config, tc, mesh, plan))
 
