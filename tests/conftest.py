@@ -39,6 +39,10 @@ jax.config.update("jax_enable_x64", False)
 # the test dispatched after the interpreted kernel), and the suite deadlocked. Inline dispatch
 # leaves nothing queued, so no test has to wait on an interpreted kernel by hand.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+# JAX starts now, with its 8 devices: a script's main() run in a test process (the main job, the
+# extension experiment), which sets the device count to its own mesh's when JAX has not started,
+# cannot leave the tests after it short of devices.
+jax.devices()
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -139,27 +139,25 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
+def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path, capsys):
+    job = _load("experiments/train_long_context.py", "train_long_context")
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
-    # The uninterrupted run, then the run killed (SIGKILL, no clean-up) when step 6 is logged,
-    # i.e. after the periodic checkpoint of step 4 and the metrics of step 5.
-    full = _main_job(full_dir)
-    full_out, full_err = full.communicate(timeout=240)
-    assert full.returncode == 0, full_out + full_err
+    # The uninterrupted run (here, in the test process), then the run killed (SIGKILL, no clean-up,
+    # a process of its own) when step 6 is logged, i.e. after the periodic checkpoint of step 4 and
+    # the metrics of step 5; then resumed here (the uninterrupted run's compiled step serves it).
+    full = job.main(job.parse_args([*MAIN_TINY, "--run-dir", str(full_dir)]))
     cut = _main_job(cut_dir, kill_at_step=6)
     cut_out, cut_err = cut.communicate(timeout=240)
     assert cut.returncode == -signal.SIGKILL, cut_out + cut_err
     assert [r["step"] for r in _records(cut_dir) if r["split"] == "train"] == [1, 2, 3, 4, 5]
     assert os.path.isdir(cut_dir / "checkpoints" / "4")
 
-    resumed = _main_job(cut_dir)
-    out, err = resumed.communicate(timeout=240)
-    assert resumed.returncode == 0, out + err
-    assert "resuming from its checkpoint" in out
+    capsys.readouterr()
+    resumed = job.main(job.parse_args([*MAIN_TINY, "--run-dir", str(cut_dir)]))
+    assert "resuming from its checkpoint" in capsys.readouterr().out
 
     # Parameters, optimiser state and step: identical bit for bit (sha256 over every array).
-    digest = lambda out: [ln for ln in out.splitlines() if ln.startswith("final state digest:")]
-    assert digest(out) and digest(out) == digest(full_out)
+    assert resumed["state_digest"] == full["state_digest"]
     # Metrics: step 5 (past the checkpoint) was dropped and written again, no step twice, and
     # every logged number (losses of each step's batch, held-out evaluations) as uninterrupted.
     key = lambda r: (r["step"], r["split"])
