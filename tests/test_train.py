@@ -61,6 +61,24 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_runs_that_differ_in_schedule_share_the_initialisation_program():
+    """A fresh state does not depend on the schedule or AdamW's hyper-parameters, so runs that differ
+    only there share one jitted initialisation; what it returns is each run's own optimiser's init."""
+    config, tc, _ = _setup(steps=3)
+    other = dataclasses.replace(tc, steps=9, learning_rate=0.5, warmup_steps=4, b1=0.5, weight_decay=0.3)
+    mesh = train.make_mesh(1, 1)
+    plan = train.sharding_plan(config, mesh, tc.fsdp)
+    assert train.sharded_init_fn(config, tc, mesh, plan) is train.sharded_init_fn(config, other, mesh, plan)
+    clipped_off = dataclasses.replace(tc, grad_clip=None)
+    assert train.sharded_init_fn(config, clipped_off, mesh, plan) is not train.sharded_init_fn(config, tc, mesh, plan)
+    for run in (other, clipped_off):
+        state = train.init_state(config, run)
+        own = train.make_optimizer(run).init(eqx.filter(state.model, eqx.is_array))
+        assert jax.tree.structure(state.opt_state) == jax.tree.structure(own)
+        for x, y in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(own), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.slow
 def test_resumed_run_equals_uninterrupted_and_drops_metrics_past_its_checkpoint(tmp_path):
     """One interrupted-and-resumed run feeds both checks (one test rather than a fixture shared

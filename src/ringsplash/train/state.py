@@ -17,7 +17,7 @@ from ringsplash import checkpoints, partitioning
 from ringsplash.distributed import is_main_process
 from ringsplash.model import Transformer, TransformerConfig
 from ringsplash.train.batches import _global_array
-from ringsplash.train.config import TrainConfig, make_optimizer, program_config
+from ringsplash.train.config import TrainConfig, make_optimizer
 
 
 class TrainState(NamedTuple):
@@ -54,7 +54,7 @@ def _state_shardings(model_config: TransformerConfig, tc: TrainConfig, mesh: jax
 def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
     """A fresh state on the default device: the model initialised from ``tc.seed``, AdamW state, step 0.
     The same jitted program as ``init_sharded_state``, so both draw the same bits."""
-    params, opt_state = jax.jit(functools.partial(_fresh, model_config, tc))(jax.random.key(tc.seed))
+    params, opt_state = _init_fn(model_config, _init_config(tc))(jax.random.key(tc.seed))
     return _start(model_config, tc, params, opt_state, data_seed)
 
 
@@ -63,15 +63,24 @@ def sharded_init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.
     """The jitted program ``init_sharded_state`` runs, ``fn(jax.random.key(tc.seed))``: it returns
     (parameters, AdamW state) with the shardings of ``abstract_state``. Lower it for a TPU topology to see the
     per-device memory of a fresh initialisation (``ringsplash.aot.compile_report``). Built once per
-    process for equal arguments (bookkeeping fields of ``tc`` aside)."""
-    return _sharded_init_fn(model_config, program_config(tc), mesh, plan)
+    process for equal model configs, meshes and plans."""
+    return _init_fn(model_config, _init_config(tc), mesh, plan)
+
+
+def _init_config(tc: TrainConfig) -> TrainConfig:
+    """``tc`` reduced to what a fresh state may depend on: AdamW's initial state (zero moments, step
+    counts) is the same tree and values for any schedule and hyper-parameters (tested); ``grad_clip``
+    stays, as it chooses a link of the optimiser chain."""
+    return TrainConfig(grad_clip=tc.grad_clip)
 
 
 @functools.lru_cache(maxsize=4)  # small: each entry holds its executables
-def _sharded_init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
-                     plan: partitioning.ShardingPlan):
-    return jax.jit(functools.partial(_fresh, model_config, tc),
-                   out_shardings=_state_shardings(model_config, tc, mesh, plan))
+def _init_fn(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh | None = None,
+             plan: partitioning.ShardingPlan | None = None):
+    fresh = functools.partial(_fresh, model_config, tc)
+    if mesh is None:
+        return jax.jit(fresh)
+    return jax.jit(fresh, out_shardings=_state_shardings(model_config, tc, mesh, plan))
 
 
 def init_sharded_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,

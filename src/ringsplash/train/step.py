@@ -5,6 +5,8 @@ mean. Parameters may be FSDP-sharded (``sharding_plan``) and are gathered inside
 Batches come laid out by ``train.batches`` (padded to a length the strategy tiles, the padding
 unscored), so the steps take any sequence length and their losses count real tokens only."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -272,9 +274,11 @@ def _sharded_apply(model_config: TransformerConfig, mesh, plan: partitioning.Sha
     return apply
 
 
+@functools.lru_cache(maxsize=8)  # one program per (config, mesh, plan) in a process; each entry holds its executables
 def make_eval_step(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None,
                    loss_chunk: int = 0):
-    """``evaluate(model, batch) -> (loss_sum, weight, correct)`` summed over the mesh (jitted).
+    """``evaluate(model, batch) -> (loss_sum, weight, correct)`` summed over the mesh (jitted; built once
+    per process for equal arguments).
 
     Args:
         model_config: the model's config (checked against ``mesh``).
@@ -294,10 +298,12 @@ def make_eval_step(model_config: TransformerConfig, mesh, *, plan: partitioning.
     return _sharded_apply(model_config, mesh, plan, body, P())
 
 
+@functools.lru_cache(maxsize=8)  # as make_eval_step
 def make_logits_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.ShardingPlan | None = None):
-    """``logits(model, batch) -> [batch, seq, vocab]`` in the layout order of ``batch`` (jitted), at its
-    (padded) length: ``train.unlayout(logits, model_config, S)`` gives the caller's ``S`` positions in
-    original order. ``plan``: the parameters' layout, as for ``make_eval_step`` (sharded: never replicated)."""
+    """``logits(model, batch) -> [batch, seq, vocab]`` in the layout order of ``batch`` (jitted; built once
+    per process for equal arguments), at its (padded) length: ``train.unlayout(logits, model_config, S)``
+    gives the caller's ``S`` positions in original order. ``plan``: the parameters' layout, as for
+    ``make_eval_step`` (sharded: never replicated)."""
 
     def body(model, batch, gather_layer, schedule):
         hidden = lambda t, q, s: model.hidden(t, q, s, gather_layer=gather_layer, schedule=schedule)
