@@ -20,6 +20,14 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # v5e:2x2 compile). Inherited by the scripts and processes the tests start; export
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite with full optimisation.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# No persistent compilation cache, even if the environment asks for one: with jax/jaxlib 0.10.2 an
+# XLA:CPU executable of a multi-device program read back from the cache can pair the wrong
+# collectives across devices. Measured: the model's logits + gradient program with the 4-device ring
+# (test_model_masks), read back from the cache in another process or the same one, hung in XLA:CPU's
+# rendezvous (one device in an all-reduce, three in a collective-permute) in 12 of 14 runs and returned
+# gradients off by 1e29 once in the suite; compiled afresh it is right every time. Inherited by the scripts and processes the tests start.
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import jax  # after the environment above
 
@@ -31,8 +39,6 @@ jax.config.update("jax_enable_x64", False)
 # the test dispatched after the interpreted kernel), and the suite deadlocked. Inline dispatch
 # leaves nothing queued, so no test has to wait on an interpreted kernel by hand.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
-import ringsplash  # noqa: E402, F401  (sets its XLA:CPU flag, ringsplash/_xla_cpu.py, before JAX starts)
-
 # JAX starts now, with its 8 devices: a script's main() run in a test process (the main job, the
 # extension experiment), which sets the device count to its own mesh's when JAX has not started,
 # cannot leave the tests after it short of devices.

@@ -11,7 +11,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 #: layer of each top-level unit (a module, or a subpackage as a whole); imports go to the same
 #: layer's unit itself or to a lower layer
 LAYERS = {
-    "_types": 0, "_xla_cpu": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0, "mask_base": 0,
+    "_types": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0, "mask_base": 0,
     "function_mask": 1, "layouts": 1, "segment_ids": 1,
     "masks": 2,
     "_checks": 3,

@@ -39,25 +39,19 @@ def _batch():
     return data.pack_documents(docs, S, 1)
 
 
-def _run(config, model, batch, repeats: int = 1):
-    """(logits in original order, grads) through the trainer's mesh for ``config``; with ``repeats``
-    the one program (logits and gradients) runs that many times, each result bit for bit the first's."""
+def _run(config, model, batch):
+    """(logits in original order, grads) through the trainer's mesh for ``config``."""
     mesh = train.mesh_for(config)
     sharded = train.shard_batch(batch, mesh, config)
     params, static = eqx.partition(model, eqx.is_array)
     params = train.replicate(params, mesh)
     logits_fn, grad_fn = train.make_logits_fn(config, mesh), train.make_grad_fn(config, mesh)
     schedule = train.batch_ring_schedule(config, mesh, sharded)  # ring / USP: per-device rows, a jit argument
-    both = jax.jit(lambda p, b, sc: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b, None, sc)))  # one compile
-    logits, (grads, _) = jax.device_get(both(params, sharded, schedule))
-    for _ in range(repeats - 1):
-        again, (again_grads, _) = jax.device_get(both(params, sharded, schedule))
-        for x, y in zip(jax.tree.leaves((logits, grads)), jax.tree.leaves((again, again_grads)), strict=True):
-            np.testing.assert_array_equal(x, y)
+    logits, (grads, _) = jax.jit(lambda p, b, sc: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b, None, sc)))(params, sharded, schedule)  # one compile for both
     logits = np.asarray(logits)
     if config.context_shards > 1:
         logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
-    return logits, grads
+    return logits, jax.device_get(grads)
 
 
 @pytest.fixture(scope="module")

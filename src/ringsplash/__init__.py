@@ -4,11 +4,7 @@ Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash k
 (``splash_attention``) -> ring attention over a mesh axis (``ring_attention``) -> model.
 """
 
-from ringsplash import (
-    _xla_cpu,  # noqa: F401  (first: sets an XLA:CPU flag before JAX starts its backends)
-    layouts,
-    masks,
-)
+from ringsplash import layouts, masks
 from ringsplash._softmax import MASKED_LSE
 from ringsplash.mask_info import BlockSchedule, MaskInfo, build_mask_info
 from ringsplash.reference import reference_attention
