@@ -20,12 +20,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # v5e:2x2 compile). Inherited by the scripts and processes the tests start; export
 # JAX_DISABLE_MOST_OPTIMIZATIONS=0 to run the suite with full optimisation.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# No persistent compilation cache, even if the environment asks for one: with jax/jaxlib 0.10.2 an
-# XLA:CPU executable of a multi-device program read back from the cache can pair the wrong
-# collectives across devices. Measured: the model's logits + gradient program with the 4-device ring
-# (test_model_masks), read back from the cache in another process or the same one, hung in XLA:CPU's
-# rendezvous (one device in an all-reduce, three in a collective-permute) in 12 of 14 runs and returned
-# gradients off by 1e29 once in the suite; compiled afresh it is right every time. Inherited by the scripts and processes the tests start.
+# No persistent compilation cache, even if the environment asks for one. XLA:CPU (jax 0.10.2) can
+# run a program's independent collectives in different orders on different devices (every
+# shard_map collective carries channel id 1), and the program then hangs in XLA's rendezvous or
+# pairs the wrong buffers. Read back from the cache, the model's 4-device logits + gradient program
+# (two independent rings, test_model_masks) hung in 12 of 14 loads; compiled afresh in a fresh
+# process it had run right every time, though in the suite it also failed fresh (its test now runs
+# the two rings as two programs). Inherited by the scripts and processes the tests start.
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
