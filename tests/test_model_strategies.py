@@ -50,7 +50,7 @@ def _run(config, model, batch):
     # two programs: one holding both rings (the logits' and the gradient's, independent of each other)
     # can hang on XLA:CPU or return garbage gradients (its collectives ran in different orders on
     # different devices: seen 2 suite runs in 3 in test_model_masks); each alone ran 60 times the same
-    logits = np.asarray(jax.jit(lambda p, b: logits_fn(eqx.combine(p, static), b))(params, sharded))
+    logits = np.asarray(logits_fn(eqx.combine(params, static), sharded))  # jitted, built once per config and mesh
     grads, _ = jax.jit(lambda p, b, sc: grad_fn(p, static, b, None, sc))(params, sharded, schedule)
     if config.context_shards > 1:
         logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
