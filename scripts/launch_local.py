@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from ringsplash.distributed import HEARTBEAT_TIMEOUT, local_launch_env
+from ringsplash.distributed import HEARTBEAT_TIMEOUT, inherited_xla_flags, local_launch_env
 
 GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping the other processes
 
@@ -106,8 +106,8 @@ def _is_stopped(pid: int) -> bool:
 def launch(args) -> int:
     port = free_port(args.port)
     coordinator = f"localhost:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env = {**os.environ, "XLA_FLAGS": inherited_xla_flags(os.environ.get("XLA_FLAGS")),
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     # libtpu (the tpu extra) probes for TPU metadata on import; on a CPU host there is none
     env.setdefault("TPU_SKIP_MDS_QUERY", "1")
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from support.processes import child_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -33,8 +35,7 @@ def test_bench_hf_tiny_prints_tables(tmp_path):
     """scripts/bench_hf.py --tiny: the write, load (whole, 4 devices in one process, 2 processes
     via the launcher) and forward sections run; each sharded process reads its share; the two
     forwards' logits agree; the checkpoint is deleted at the end."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_hf.py"), "--tiny", "--seq-lens", "256", "--repeats", "1",
          "--layouts", "whole", "1x4", "2x1", "--dir", str(tmp_path)],
@@ -55,8 +56,7 @@ def test_bench_hf_tiny_prints_tables(tmp_path):
 def test_bench_inference_tiny_prints_tables():
     """scripts/bench_inference.py --tiny: the prefill and decode tables, transformers side by side and the
     sharded-cache column."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_inference.py"), "--tiny"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -11,6 +11,7 @@ import pytest
 
 from ringsplash import data
 from support.corpus import make_corpus
+from support.processes import child_env
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 WORKERS = os.path.join(ROOT, "tests", "multiprocess")
@@ -23,8 +24,7 @@ def test_two_processes_read_disjoint_rows_whose_union_is_the_batch(tmp_path):
     import loader_rows as worker
 
     corpus = make_corpus(str(tmp_path / "c"), np.random.default_rng(), n=50, hi=120)
-    env = {**os.environ}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes", "2",
                         "--devices", "2", os.path.join(WORKERS, "loader_rows.py"), "--", corpus.path, str(tmp_path)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -22,6 +22,13 @@ def test_local_launch_env_names_every_variable():
                    "RINGSPLASH_HEARTBEAT_TIMEOUT": str(distributed.HEARTBEAT_TIMEOUT)}
 
 
+def test_a_started_process_keeps_every_xla_flag_but_the_device_count():
+    flags = "--xla_dump_to=/tmp/d --xla_force_host_platform_device_count=8  --xla_cpu_use_fusion_emitters=false"
+    assert distributed.inherited_xla_flags(flags) == "--xla_dump_to=/tmp/d --xla_cpu_use_fusion_emitters=false"
+    assert distributed.inherited_xla_flags("--xla_force_host_platform_device_count=4") == ""
+    assert distributed.inherited_xla_flags(None) == ""
+
+
 def test_timeouts_come_from_the_environment_and_are_checked(monkeypatch):
     monkeypatch.setenv(distributed.ENV_HEARTBEAT_TIMEOUT, "7")
     monkeypatch.delenv(distributed.ENV_SHUTDOWN_TIMEOUT, raising=False)

@@ -20,6 +20,7 @@ from ringsplash import layouts, train
 from ringsplash.hf import io as hf_io
 from ringsplash.model import RopeScaling, TransformerConfig
 from ringsplash.splash import SplashConfig
+from support.processes import child_env
 
 SEQ = 512  # tokens per test sequence
 # measured max |ours - transformers'| logits (float32, CPU, these tiny models, logits up to ~3-6 in magnitude):
@@ -564,7 +565,7 @@ def test_preflight_hf_config_compiles_for_v5e(tmp_path):
 
     transformers.Gemma3TextConfig(**G3_PREFLIGHT).save_pretrained(tmp_path)
     root = os.path.join(os.path.dirname(__file__), "..")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     r = subprocess.run([sys.executable, "scripts/aot_preflight.py", "--hf-config", str(tmp_path), "--topology",
                         "v5e:2x2", "--seq-len", "2048", "--block", "256"], cwd=root, env={**env, "JAX_PLATFORMS": "cpu"},
                        capture_output=True, text=True, timeout=900)

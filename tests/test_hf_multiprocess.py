@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import transformers
 
+from support.processes import child_env
 from test_hf import FAMILIES, _tokens, make_hf_model, torch_logits
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 def test_sharded_load_reads_only_local_slices_and_sharded_save_round_trips(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     original = make_hf_model("qwen3", FAMILIES["qwen3"], str(ckpt))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes", "2",
                         "--devices", "2", os.path.join(ROOT, "tests", "multiprocess", "hf_load.py"), "--",
                         str(ckpt), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -13,6 +13,8 @@ import equinox as eqx
 import numpy as np
 import pytest
 
+from support.processes import child_env
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
 WORKERS = os.path.join(ROOT, "tests", "multiprocess")
@@ -21,8 +23,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _launch(*args, timeout=300, env=None):
-    env = {**os.environ, **(env or {})}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(**(env or {}))
     return subprocess.run([sys.executable, LAUNCH, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -254,7 +255,7 @@ def _start_pair(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env.update(JAX_PLATFORMS="cpu", PID_DIR=str(tmp_path), PYTHONUNBUFFERED="1")
     procs = [subprocess.Popen([sys.executable, "-m", "ringsplash.distributed",
                                os.path.join(WORKERS, "collectives_forever.py")], cwd=ROOT,

@@ -1,13 +1,14 @@
 """Every ```python block of README.md (and of docs/INTERNALS.md) runs as pasted, in a fresh interpreter,
 and exits 0."""
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+
+from support.processes import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -23,8 +24,7 @@ def test_readme_has_python_blocks():
 @pytest.mark.e2e
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index, tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # a fresh process: the block sets its own simulated devices
+    env = child_env(JAX_PLATFORMS="cpu")  # a fresh process: the block sets its own simulated devices
     proc = subprocess.run(
         [sys.executable, "-c", BLOCKS[index]],
         cwd=tmp_path,

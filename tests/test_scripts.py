@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from support.processes import child_env
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 TINY = ["--seq-len", "2048", "--d-model", "256", "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1",
         "--vocab-size", "512", "--block", "256"]
@@ -20,8 +22,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _run(args, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -125,8 +126,7 @@ MAIN_TINY = ["--seq-len", "512", "--num-pairs", "4", "--num-queries", "4", "--nu
 
 
 def _main_job(run_dir, kill_at_step=None):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_PLATFORMS="cpu")
     env.pop("RINGSPLASH_TEST_KILL_AT_STEP", None)
     if kill_at_step is not None:
         env["RINGSPLASH_TEST_KILL_AT_STEP"] = str(kill_at_step)

@@ -52,6 +52,14 @@ def local_launch_env(coordinator: str, num_processes: int, process_id: int, loca
     }
 
 
+def inherited_xla_flags(xla_flags: str | None) -> str:
+    """``XLA_FLAGS`` for a process this one starts: the caller's flags without
+    ``--xla_force_host_platform_device_count`` (a launched process sets its own device count,
+    ``jax_num_cpu_devices``); every other flag (compile options, dumps) reaches it."""
+    kept = [f for f in (xla_flags or "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(kept)
+
+
 def timeouts() -> dict[str, int]:
     """``jax.distributed.initialize``'s timeout arguments, from ``RINGSPLASH_HEARTBEAT_TIMEOUT`` /
     ``_INIT_TIMEOUT`` / ``_SHUTDOWN_TIMEOUT`` (seconds, positive ints) or the defaults."""
