@@ -43,14 +43,14 @@ jax.config.update("jax_enable_x64", False)
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 # Single-device CPU programs compile with XLA:CPU's classic elemental emitters instead of its MLIR
 # fusion emitters (jax 0.10.2's default), which take twice as long to compile the suite's programs
-# (measured: the extension experiment's two methods, 10.2 s -> 5.2 s of backend compile; the suite
-# ~1,860 s -> ~1,270 s of CPU). Same float32 operations; the tolerances hold unchanged. Not for
-# multi-device programs: XLA:CPU runs a program's independent collectives in data-dependency order,
-# which may differ per device, and every shard_map collective carries channel id 1, so two of them
-# can pair the wrong buffers; the emitter change shifts that timing enough that the FSDP training
-# step returned NaN in 1 of 4 runs (default emitters: 8 of 8 right). Scripts and processes the
-# tests start compile as a user's would.
-_cpu_compile_options = _jax_compiler.get_compile_options
+# (measured: the extension experiment's single-device programs 2x; the whole suite 1,866 s -> 1,507 s
+# of CPU). Same float32 operations; the tolerances hold unchanged. Not for multi-device programs:
+# XLA:CPU can run a program's independent collectives in different orders on different devices,
+# and every shard_map collective carries channel id 1, so two of them can pair the wrong buffers;
+# with the classic emitters the FSDP training step returned NaN in 1 of 4 runs (default emitters: 8
+# of 8 right) and failed across two processes (gloo: "Received data size doesn't match"). Scripts
+# and processes the tests start compile as a user's would. docs/training.md: "Compiling on CPU".
+_jax_get_compile_options = _jax_compiler.get_compile_options
 
 
 def _single_device_cpu_compile_options(num_replicas, num_partitions, *args, **kwargs):
@@ -58,7 +58,7 @@ def _single_device_cpu_compile_options(num_replicas, num_partitions, *args, **kw
     if num_replicas * num_partitions == 1 and backend is not None and backend.platform == "cpu":
         overrides = kwargs.get("env_options_overrides") or {}
         kwargs["env_options_overrides"] = {"xla_cpu_use_fusion_emitters": False, **overrides}
-    return _cpu_compile_options(num_replicas, num_partitions, *args, **kwargs)
+    return _jax_get_compile_options(num_replicas, num_partitions, *args, **kwargs)
 
 
 _jax_compiler.get_compile_options = _single_device_cpu_compile_options
