@@ -53,7 +53,7 @@ def _state_shardings(model_config: TransformerConfig, tc: TrainConfig, mesh: jax
 
 def init_state(model_config: TransformerConfig, tc: TrainConfig, data_seed: int = 0) -> TrainState:
     """A fresh state on the default device: the model initialised from ``tc.seed``, AdamW state, step 0.
-    The same jitted program as ``init_sharded_state``, so both draw the same bits."""
+    The same function as ``init_sharded_state``, jitted without its output shardings, so both draw the same bits."""
     params, opt_state = _init_fn(model_config, _init_config(tc))(jax.random.key(tc.seed))
     return _start(model_config, tc, params, opt_state, data_seed)
 
