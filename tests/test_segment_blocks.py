@@ -237,10 +237,13 @@ def test_kernels_compute_exactly_the_refined_entries(key):
     ref_out = rs.reference_attention(q, k, v, mask, segment_ids=rs.SegmentIds(seg, seg))
     assert max_err(out, ref_out) <= OUT_TOL
     delta = jnp.sum(out * d_out, axis=-1)
-    *_, count_dq, count_dkv = pallas_backend.backward(
-        BackwardInputs(q, k, v, d_out, lse, delta, sched, sched_dkv, pos, pos, seg, seg), static, count_steps=True)
+    grads_in = BackwardInputs(q, k, v, d_out, lse, delta, sched, sched_dkv, pos, pos, seg, seg)
+    _, count_dq = pallas_backend.backward(grads_in, static, count_steps=True, parts=("dq",))
+    *_, count_dkv = pallas_backend.backward(grads_in, static, count_steps=True, parts=("dkv",))
+    *_, count_fused = pallas_backend.backward(grads_in, static, count_steps=True)  # dq in the dK/dV kernel
     np.testing.assert_array_equal(np.asarray(count_dq), exact)
     np.testing.assert_array_equal(np.asarray(count_dkv), exact * heads // kv_heads)
+    np.testing.assert_array_equal(np.asarray(count_fused), exact * heads // kv_heads)
 
 
 # ----------------------------------------------------------------------------------------

@@ -73,8 +73,18 @@ def check_against_reference(key, mask, *, heads=2, kv_heads=2, q_len=256, kv_len
     assert max_err(jnp.where(live, lse, 0), jnp.where(live, ref_lse, 0)) <= tol, "lse"  # the main tolerance
     for name, g, r in zip(["dq", "dk", "dv", "dsinks"], grads, ref_grads):
         assert g.dtype == r.dtype, name
-        assert max_err(g, r) <= tol, (name, max_err(g, r))
+        assert max_err(g, r) <= tol + rounding_ulp(r), (name, max_err(g, r))
     return out, lse
+
+
+def rounding_ulp(ref) -> float:
+    """One unit in the last place of ``ref``'s largest magnitude when ``ref`` is bfloat16 (0
+    otherwise): both sides are rounded to bf16, so an entry near the peak may land one ulp
+    apart (|dv| ~ 4 at S=256: 0.03125) however small the float32 difference was."""
+    if ref.dtype != jnp.bfloat16:
+        return 0.0
+    peak = float(jnp.max(jnp.abs(ref.astype(jnp.float32))))
+    return 0.0 if peak == 0 else 2.0 ** (np.floor(np.log2(peak)) - 7)
 
 
 S = 256
@@ -295,12 +305,14 @@ def test_splash_computes_only_non_empty_blocks(key, mask):
         ForwardInputs(q, k, v, info.schedule(), pos, pos, None, None), static, count_steps=True)
     np.testing.assert_array_equal(np.asarray(count), non_empty)
     delta = jnp.sum(out * d_out, axis=-1)
-    *_, count_dq, count_dkv = pallas_backend.backward(
-        BackwardInputs(q, k, v, d_out, lse, delta, info.schedule(), info_dkv.schedule(), pos, pos, None, None),
-        static, count_steps=True)
+    grads_in = BackwardInputs(q, k, v, d_out, lse, delta, info.schedule(), info_dkv.schedule(), pos, pos, None, None)
+    _, count_dq = pallas_backend.backward(grads_in, static, count_steps=True, parts=("dq",))
+    *_, count_dkv = pallas_backend.backward(grads_in, static, count_steps=True, parts=("dkv",))
+    *_, count_fused = pallas_backend.backward(grads_in, static, count_steps=True)  # dq in the dK/dV kernel
     np.testing.assert_array_equal(np.asarray(count_dq), non_empty)
     # one dK/dV grid per kv head walks the blocks of every q head of its group
     np.testing.assert_array_equal(np.asarray(count_dkv), non_empty * heads // kv_heads)
+    np.testing.assert_array_equal(np.asarray(count_fused), non_empty * heads // kv_heads)
 
 
 # ----------------------------------------------------------------------------------------
@@ -388,10 +400,30 @@ def test_splash_config_rejects_bad_values(kwargs, error, match):
 
 def test_splash_config_is_frozen_and_hashable():
     cfg = SplashConfig()
-    assert cfg.block_kv_compute == cfg.block_kv == 512
+    assert cfg.tuned and cfg.block_q is None and cfg.block_kv_compute is None
+    assert SplashConfig(block_kv=1024).block_kv_compute == 1024  # an explicit block_kv: compute defaults to it
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_q = 128
     assert hash(cfg) == hash(SplashConfig())
+
+
+def test_tuned_blocks_follow_the_chip_length_head_size_and_dtype():
+    from ringsplash.splash.tuning import TunedBlocks, tuned_blocks
+
+    v5e = lambda kv_len, **kw: tuned_blocks(kv_len=kv_len, device_kind="TPU v5 lite", **kw)
+    assert v5e(1024) == TunedBlocks(512, 512, 512, 512, 512)
+    assert v5e(16384) == TunedBlocks(1024, 1024, 512, 1024, 1024)
+    assert v5e(32768) == v5e(65536) == TunedBlocks(2048, 2048, 512, 1024, 2048)
+    assert v5e(32768, head_dim=256) == v5e(32768, dtype=jnp.float32) == TunedBlocks(1024, 1024, 512, 1024, 1024)
+    assert tuned_blocks(kv_len=32768, device_kind="TPU v6 lite") == v5e(32768)  # 128 MiB of VMEM: v5e's rows
+    assert tuned_blocks(kv_len=32768, device_kind="TPU v4") == TunedBlocks(512, 512, 512, 512, 512)
+    assert tuned_blocks(kv_len=32768, device_kind="cpu") == v5e(32768)  # no TPU at trace time: v5e's table
+    # explicit blocks are honoured, the rest tuned; an explicit compute slice tiles the tuned block_kv
+    cfg = SplashConfig(block_q=256).with_tuned_blocks(kv_len=32768, device_kind="TPU v5 lite")
+    assert (cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.block_q_dkv) == (256, 2048, 512, 1024)
+    assert SplashConfig(block_kv=384).with_tuned_blocks(kv_len=32768).block_kv_compute == 384
+    cfg = SplashConfig(block_kv_compute=384).with_tuned_blocks(kv_len=32768, device_kind="TPU v5 lite")
+    assert (cfg.block_kv, cfg.block_kv_compute) == (1920, 384)
 
 
 def _bad_call(what):
@@ -466,10 +498,12 @@ def test_splash_backends_agree_in_bfloat16_under_the_same_probs_dtype(key, probs
             # The backends' float32 P / dS differ by summation-order noise, so an entry that
             # lies on a bf16 rounding boundary can round to the other neighbour: one such flip
             # moves an output by <= ulp_bf16(P) * |V| <= 2^-8 * 4 (dS: likewise * |K| * scale).
-            # Flips are rare: 99% of entries agree to float32 noise (measured q99 <= 4.8e-7, 6x
-            # headroom; before the option 7.6e-4..1.6e-3); the max over 7 seeds was 4.8e-4
-            # (one flip); 2e-3 = 4x.
-            assert float(jnp.quantile(err, 0.99)) <= 3e-6, (name, float(jnp.quantile(err, 0.99)))
+            # Flips are rare: 99% of entries agree to within a few flips' worth (q99 over 6 seeds:
+            # <= 1.2e-5 for dK, which sums ~256 rounded dS entries, both before and after the
+            # base-2 kernels; <= 4.8e-7 for the rest; before the option 7.6e-4..1.6e-3, so 3e-5 =
+            # 2.5x still tells the two rules apart by 25x); the max over 7 seeds was 7.9e-4
+            # (one flip); 2e-3 = 2.5x.
+            assert float(jnp.quantile(err, 0.99)) <= 3e-5, (name, float(jnp.quantile(err, 0.99)))
             assert float(err.max()) <= 2e-3, (name, float(err.max()))
 
 

@@ -16,6 +16,8 @@ from ringsplash import aot, masks
 pytestmark = pytest.mark.tpu_compile
 
 S, HEADS, D = 8192, 8, 128
+#: the blocks the work-list tests count entries with (the tuned default is larger from 4K)
+SMALL_BLOCKS = rs.SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="mosaic_tpu")
 
 
 def device(target: str):
@@ -102,10 +104,12 @@ def _prefetch_bytes(jaxpr, found):
 def test_splash_128k_causal_work_lists_fit_smem_and_compile():
     """Regression: at S=128K causal (blocks 512) the work lists once overflowed the 1 MiB of
     TPU SMEM (the dK/dV kernel prefetched one merged list per head, 5 MiB). Packed lists,
-    walked once per kv head, prefetch 2 int32 words per entry: 257 KiB per kernel."""
+    walked once per kv head, prefetch 2 int32 words per entry: 257 KiB per kernel (the
+    forward and the fused backward, which walks the transposed list). Explicit 512 blocks:
+    the tuned default at 128K (2048) makes the lists 16x shorter."""
     s, target = 131072, "v5e:2x2"
     mask = masks.CausalMask((s, s))
-    config = rs.SplashConfig(backend="mosaic_tpu")
+    config = SMALL_BLOCKS
     sharding = jax.sharding.SingleDeviceSharding(device(target))
     x = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=sharding)
 
@@ -118,7 +122,7 @@ def test_splash_128k_causal_work_lists_fit_smem_and_compile():
     steps = blocks * (blocks + 1) // 2  # one entry per non-empty block of the causal triangle
     expected = 2 * steps * 4 + HEADS * 4  # (blocks, kinds) words + the list of each (kv) head
     found = _prefetch_bytes(jax.make_jaxpr(grad)(x, x, x, x).jaxpr, {})
-    assert found == {"splash_forward": expected, "splash_dq": expected, "splash_dkv": expected}
+    assert found == {"splash_forward": expected, "splash_fused_bwd": expected}
     compiled = aot.compile_report(grad, x, x, x, x)
     assert "tpu_custom_call" in compiled.hlo_text
 
@@ -126,10 +130,11 @@ def test_splash_128k_causal_work_lists_fit_smem_and_compile():
 def test_splash_segment_skipping_kernels_compile_for_v5e_at_32k():
     """Segment-refined dynamic work lists (issue 13): forward + backward with segment ids at
     S=32K, bfloat16, on v5e. The refined lists are computed on device and walked on the static
-    grid: the kernels prefetch the static-length lists (2080 causal entries at blocks 512)."""
+    grid: the kernels prefetch the static-length lists (2080 causal entries at blocks 512,
+    explicit: the tuned default at 32K is 2048)."""
     s, target = 32768, "v5e:2x2"
     mask = masks.CausalMask((s, s))
-    config = rs.SplashConfig(backend="mosaic_tpu")
+    config = SMALL_BLOCKS
     assert config.segment_skipping
     sharding = jax.sharding.SingleDeviceSharding(device(target))
     x = jax.ShapeDtypeStruct((HEADS, s, D), jnp.bfloat16, sharding=sharding)
@@ -143,7 +148,7 @@ def test_splash_segment_skipping_kernels_compile_for_v5e_at_32k():
     blocks = s // 512
     expected = 2 * (blocks * (blocks + 1) // 2) * 4 + HEADS * 4
     found = _prefetch_bytes(jax.make_jaxpr(grad)(x, x, x, x, ids).jaxpr, {})
-    assert found == {"splash_forward": expected, "splash_dq": expected, "splash_dkv": expected}
+    assert found == {"splash_forward": expected, "splash_fused_bwd": expected}
     compiled = aot.compile_report(grad, x, x, x, x, ids)
     assert "tpu_custom_call" in compiled.hlo_text
     assert compiled.temp <= 2 * HEADS * s * D * 4  # as the 8K budget above

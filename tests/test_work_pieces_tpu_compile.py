@@ -21,6 +21,8 @@ from ringsplash.splash.config import SplashConfig
 pytestmark = pytest.mark.tpu_compile
 
 HEADS, D = 8, 128
+#: the blocks the piece counts below assume (the tuned default is larger from 4K tokens)
+BLOCKS = {"block_q": 512, "block_kv": 512, "block_q_dkv": 512, "block_kv_dkv": 512}
 
 
 def _kernel_calls(hlo: str, name: str) -> int:
@@ -41,7 +43,7 @@ def test_ring_compiles_in_pieces_with_per_device_schedule():
     mesh = aot.topology_mesh(topology, ("ctx",))
     n = mesh.size
     mask = masks.CausalMask((s, s))
-    config = SplashConfig(backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 24)  # 24 steps per call
+    config = SplashConfig(**BLOCKS, backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 24)  # 24 steps per call
     sched = rs.ring_schedule(mask, n, "zigzag", config, heads=HEADS, kv_heads=HEADS, mesh=mesh, axis_name="ctx",
                              shapes_only=True)
     whole = rs.ring_schedule(mask, n, "zigzag", config, heads=HEADS, kv_heads=HEADS)
@@ -70,13 +72,15 @@ def test_ring_compiles_in_pieces_with_per_device_schedule():
     bf16 = [shape for dt, shape in params if dt == "bf16"]
     assert len(params) == len(sched_params) + 4 and sum(2 * int(np.prod(x)) for x in bf16) == local_qkvd
     assert _kernel_calls(hlo, "splash_forward") >= len(sched.fwd_pieces)
+    # the ring's split backward (parallel/ring.py::_block_backward): dK/dV per transposed piece, no fused kernel
+    assert _kernel_calls(hlo, "splash_dkv") >= len(sched.dkv_pieces) and _kernel_calls(hlo, "splash_fused_bwd") == 0
 
 
 def test_single_device_splash_compiles_in_pieces():
     s = 4096
     mesh = jax.sharding.Mesh(aot.topology_devices("v5e:2x2")[:1], ("x",))
     mask = masks.CausalMask((s, s))
-    config = SplashConfig(backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 12)  # 8 blocks: 36 entries
+    config = SplashConfig(**BLOCKS, backend="mosaic_tpu", smem_budget_bytes=4 * HEADS + 8 * 12)  # 8 blocks: 36 entries
     info = rs.build_mask_info(mask, (512, 512))
     assert info.max_steps > 12
 
@@ -91,7 +95,8 @@ def test_single_device_splash_compiles_in_pieces():
     dkv = work_pieces.split_work_lists(info_t, work_pieces.dkv_max_steps(config.smem_budget_bytes, info_t, HEADS,
                                                                          HEADS))
     assert len(fwd.pieces) > 2 and len(dkv.pieces) > 2
-    # one Mosaic kernel per piece: forward and dq per q-block range, dK/dV per kv-block range
+    # one Mosaic kernel per piece: the forward per q-block range, the fused backward (dK/dV
+    # accumulating dq) per kv-block range; no separate dq or dK/dV kernel
     assert _kernel_calls(hlo, "splash_forward") == len(fwd.pieces)
-    assert _kernel_calls(hlo, "splash_dq") == len(fwd.pieces)
-    assert _kernel_calls(hlo, "splash_dkv") == len(dkv.pieces)
+    assert _kernel_calls(hlo, "splash_fused_bwd") == len(dkv.pieces)
+    assert _kernel_calls(hlo, "splash_dq") == 0 and _kernel_calls(hlo, "splash_dkv") == 0

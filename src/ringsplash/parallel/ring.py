@@ -90,9 +90,12 @@ def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, ma
 
 
 def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config, sched=None,
-                    accumulate=None):
+                    accumulate=None, parts=("dq", "dkv")):
     """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b`` (added into
-    ``accumulate``'s, piece by piece, when given)."""
+    ``accumulate``'s, piece by piece, when given). The ring runs the split backward (dq and dK/dV
+    kernels), not the fused one: with the fused kernel, compiled for v5p, XLA scheduled the
+    forward loop's K/V transfers after its kernel instead of behind it (tests/test_parallel_tpu_compile.py,
+    USP), a loss of overlap not yet understood."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
     pieces, pieces_dkv = (None, None) if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)
@@ -100,6 +103,7 @@ def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, sc
         q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
         q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
         logit_soft_cap=cap, config=config, pieces=pieces, pieces_dkv=pieces_dkv, accumulate=accumulate,
+        parts=parts, fused=False,
     )
 
 
@@ -249,7 +253,7 @@ def _ring_backward(st: _RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
     def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
         """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
         empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
-        the sums that are needed (XLA drops the other kernel). Where no pair is skipped the
+        the sums that are needed (only their kernel runs). Where no pair is skipped the
         kernels' pieces are added into the accumulators as they are produced (no
         whole-shard gradient temporaries); under a cond the received accumulators are added
         outside it instead, so their transfer only has to land after the kernel."""
@@ -257,7 +261,7 @@ def _ring_backward(st: _RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
 
         def compute(dq, dk, dv):
             new = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
-                                  sched=sched, accumulate=(dq, dk, dv))
+                                  sched=sched, accumulate=(dq, dk, dv), parts=parts)
             return keep(new, (dq, dk, dv))
 
         shares = _shares_segment(plan, me, src, q_seg, seg_t, config, sched)

@@ -27,6 +27,9 @@ from ringsplash.splash.config import NUM_LANES
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+TN_DIMS = (((0,), (0,)), ((), ()))  # a.T @ b
+LOG2E = float(np.log2(np.e))  # the kernels' softmax runs in base 2: exp(x) = exp2(x * LOG2E)
+LN2 = float(np.log(2.0))
 #: packed work-list layout (see the module docstring)
 BLOCK_BITS = 16
 BLOCK_FIELD = (1 << BLOCK_BITS) - 1
@@ -87,14 +90,23 @@ def pack_schedule(q_block, kv_block, kind, partial_index, *, q_blocks, kv_blocks
 # one tile: scores, mask, masked values
 
 
-def scores_and_tanh(a, b, *, scale, logit_soft_cap):
+def scores_and_tanh(a, b, *, scale, logit_soft_cap, precision=None):
     """Scaled (and soft-capped) float32 scores ``a @ b.T``, and the tanh the soft-cap
     derivative needs (None without a cap)."""
-    s = lax.dot_general(a, b, NT_DIMS, preferred_element_type=jnp.float32) * scale
+    s = lax.dot_general(a, b, NT_DIMS, precision=precision, preferred_element_type=jnp.float32) * scale
     if logit_soft_cap is None:
         return s, None
     t = jnp.tanh(s / logit_soft_cap)
     return logit_soft_cap * t, t
+
+
+def lane_tile(x, width):
+    """A lane-replicated ``(rows, 128)`` value widened to ``(rows, width)``: whole vregs
+    repeated when ``width`` is a multiple of 128 (no lane shuffles), else its first column
+    broadcast."""
+    if width % NUM_LANES == 0:
+        return x if width == NUM_LANES else jnp.tile(x, (1, width // NUM_LANES))
+    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
 
 
 def _eval_without_int_sign(closed, *args):

@@ -88,9 +88,11 @@ def _forward(static: BackendStatic, q, k, v, q_seg, kv_seg, *, q_shard=0, kv_sha
 def _backward(static: BackendStatic, q, k, v, d_out, lse, delta, q_seg, kv_seg, *, q_shard=0, kv_shard=0,
               q_positions=None, kv_positions=None, grad_dtype=jnp.float32,
               pieces: work_pieces.PieceSchedules | None = None,
-              pieces_dkv: work_pieces.PieceSchedules | None = None, accumulate=None):
+              pieces_dkv: work_pieces.PieceSchedules | None = None, accumulate=None, parts=("dq", "dkv"),
+              fused: bool = True):
     """``(dq, dk, dv)`` in ``grad_dtype`` of one shard pair through the backend of
-    ``static.config``, piece by piece (added into ``accumulate`` when given)."""
+    ``static.config``, piece by piece (added into ``accumulate`` when given); ``parts`` and
+    ``fused`` as in :func:`splash_backward`."""
     info, info_dkv, config = static.info, static.info_dkv, static.config
     if pieces is None:
         pieces = work_pieces.info_pieces(info, config, q.shape[0], q_shard, kv_shard)
@@ -113,9 +115,18 @@ def _backward(static: BackendStatic, q, k, v, d_out, lse, delta, q_seg, kv_seg, 
         run = functools.partial(pallas.backward, static=static, backend=backend, grad_dtype=grad_dtype)
         if pieces_dkv is None:
             return run  # raises: the Pallas backward needs the transposed MaskInfo
+
+        def fused_backward(x):  # dq accumulated by the dK/dV kernel, chained through its pieces
+            dq, dk, dv = work_pieces.fused_in_pieces(
+                x, pieces_dkv, info_dkv.block_shape[1], lambda s, dq: run(refine_kv(s), dq_init=dq), acc=accumulate)
+            return (dq if accumulate is not None else dq.astype(grad_dtype)), dk, dv
+
+        if parts == ("dq", "dkv") and fused:
+            return fused_backward
         return lambda x: work_pieces.kernels_in_pieces(
             x, pieces, pieces_dkv, info.block_shape[0], info_dkv.block_shape[1],
-            lambda s: run(refine_q(s), parts=("dq",)), lambda s: run(refine_kv(s), parts=("dkv",)), acc=accumulate)
+            (lambda s: run(refine_q(s), parts=("dq",))) if "dq" in parts else None,
+            (lambda s: run(refine_kv(s), parts=("dkv",))) if "dkv" in parts else None, acc=accumulate)
 
     return _dispatch(config.backend, inputs, xla_fn, pallas_fn)
 
@@ -202,6 +213,8 @@ def splash_backward(
     pieces: work_pieces.PieceSchedules | None = None,
     pieces_dkv: work_pieces.PieceSchedules | None = None,
     accumulate: tuple | None = None,
+    parts: tuple = ("dq", "dkv"),
+    fused: bool = True,
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard dv"]]:
     """float32 ``(dq, dk, dv)`` of one shard pair.
 
@@ -219,6 +232,11 @@ def splash_backward(
         pieces_dkv: likewise for ``info_dkv`` (None = ``info_dkv``'s, split under the budget).
         accumulate: float32 ``(dq, dk, dv)`` to add this pair's gradients into (each piece as it
             is computed: no whole-shard gradient temporaries); returned summed. None = fresh.
+        parts: the gradients needed: ``("dq", "dkv")`` (all), ``("dq",)`` or ``("dkv",)``. The
+            Pallas backends then run only that kernel (the fused one computes all three); the
+            parts not asked for are returned as ``accumulate``'s (zeros without it).
+        fused: the Pallas backends compute all three in one fused kernel (default) or, False, in the
+            dq and dK/dV kernels (the ring: see ``parallel/ring.py::_block_backward``).
 
     Returns:
         float32 ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])``.
@@ -231,7 +249,7 @@ def splash_backward(
     return _backward(BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config), q, k, v, d_out, lse,
                      delta, *_segments(call.segment_ids), q_shard=q_shard, kv_shard=kv_shard,
                      q_positions=q_positions, kv_positions=kv_positions, pieces=pieces, pieces_dkv=pieces_dkv,
-                     accumulate=accumulate)
+                     accumulate=accumulate, parts=parts, fused=fused)
 
 
 def _check_info(info, q_len, kv_len, *, transpose):
@@ -404,7 +422,8 @@ def splash_attention(
     if mask is None:
         mask = masks_lib.FullMask((q_len, kv_len))
     blocks = fit_blocks(config, q=Extent(q_len, q_len, "q_len"), kv=Extent(kv_len, kv_len, "kv_len"),
-                        what="splash_attention", length_hint=f"lengths divisible by {NUM_LANES}")
+                        what="splash_attention", length_hint=f"lengths divisible by {NUM_LANES}",
+                        head_dim=q.shape[-1], dtype=q.dtype)
     config = blocks.config
     info = build_mask_info(mask, blocks.block_shape)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True)

@@ -18,13 +18,17 @@ import dataclasses
 from typing import Any, Literal
 
 import numpy as np
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._scalar_checks import check_choice, check_positive_int, check_positive_multiple, literal_choices
+from ringsplash.splash.tuning import tuned_blocks
 
 Backend = Literal["auto", "mosaic_tpu", "interpret", "xla"]
 BACKENDS: tuple[str, ...] = literal_choices(Backend)
 ProbsDtype = Literal["input", "float32"]
+Precision = Literal["auto", "default", "highest"]
+PRECISIONS: tuple[str, ...] = literal_choices(Precision)
 GENERIC_INTERPRETER = "generic"
 PROBS_DTYPES: tuple[str, ...] = literal_choices(ProbsDtype)
 NUM_LANES = 128
@@ -34,6 +38,10 @@ NUM_SUBLANES = 8
 @dataclasses.dataclass(frozen=True)
 class SplashConfig:
     """Block sizes (tokens) of the Splash kernels and the backend that runs them.
+
+    Blocks left at None (the default) are tuned: filled, where blocks are fitted to a call,
+    from a table measured on the chip JAX computes on (``splash/tuning.py``: per generation,
+    kv length, head size and dtype); explicit blocks are honoured.
 
     ``block_q`` x ``block_kv`` is the forward / dq tile (one MaskInfo block); the forward
     walks each kv block in ``block_kv_compute`` slices to bound the size of the score tile.
@@ -61,21 +69,38 @@ class SplashConfig:
     * ``"float32"`` — P and dS stay float32 and the other operand is upcast: the numerics of
       the dense float32 oracle, at the float32 matmul rate on TPU.
 
+    ``vmem_limit_bytes`` is the scoped-VMEM limit the Mosaic kernels compile with: None (default)
+    sets each kernel's from an estimate of what it needs (``splash/vmem.py``), refusing at lowering
+    a configuration the chip cannot hold; an explicit limit is used as given (and refused if the
+    estimate exceeds it).
+
+    ``precision`` is the MXU precision of every matmul of the kernels and the xla backend:
+
+    * ``"auto"`` (default) — ``"highest"`` for float32 inputs, ``"default"`` otherwise: float32
+      gives float32 accuracy (about 1e-6 max abs at 2K on a v5e against the float32 oracle) and
+      bfloat16 runs at the MXU's bf16 rate. float32 costs about 3x bfloat16 time on a v5e
+      (``docs/tpu.md``);
+    * ``"default"`` — one bfloat16 pass per matmul: float32 inputs get bfloat16-level error
+      (~1e-2 max abs) at about bfloat16 speed;
+    * ``"highest"`` — float32 matmuls (several bf16 passes) whatever the input dtype (bfloat16
+      operands are exact in one pass, so this changes nothing for them).
+
     ``segment_skipping`` (default True; only acts when segment ids are given) refines the
     work lists per call from the segment ids: block pairs that share no segment are skipped
     (``splash/segment_blocks.py``), in the kernels, the xla backend and the ring. False runs
     the static lists (for comparison; results are equal either way).
     """
 
-    block_q: int = 512
-    block_kv: int = 512
-    block_kv_compute: int | None = None  # None = block_kv
-    block_q_dkv: int = 512
-    block_kv_dkv: int = 512
+    block_q: int | None = None
+    block_kv: int | None = None
+    block_kv_compute: int | None = None  # None = block_kv when block_kv is given, else tuned
+    block_q_dkv: int | None = None
+    block_kv_dkv: int | None = None
     backend: Backend = "auto"
     interpret_params: Any = None
     vmem_limit_bytes: int | None = None
     probs_dtype: ProbsDtype = "input"
+    precision: Precision = "auto"
     segment_skipping: bool = True
     #: bytes of scalar memory one kernel call's work list may take (longer lists run in pieces,
     #: ``splash/work_pieces.py``); None = from the chip generation (kernel backends) / unlimited (xla)
@@ -83,13 +108,15 @@ class SplashConfig:
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
-            object.__setattr__(self, name, check_positive_multiple(name, getattr(self, name), NUM_LANES))
-        if self.block_kv_compute is None:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_positive_multiple(name, getattr(self, name), NUM_LANES))
+        if self.block_kv_compute is None and self.block_kv is not None:
             object.__setattr__(self, "block_kv_compute", self.block_kv)
-        object.__setattr__(
-            self, "block_kv_compute", check_positive_multiple("block_kv_compute", self.block_kv_compute, NUM_LANES)
-        )
-        if self.block_kv % self.block_kv_compute:
+        if self.block_kv_compute is not None:
+            object.__setattr__(
+                self, "block_kv_compute", check_positive_multiple("block_kv_compute", self.block_kv_compute, NUM_LANES)
+            )
+        if self.block_kv is not None and self.block_kv % self.block_kv_compute:
             raise ValueError(
                 f"block_kv_compute={self.block_kv_compute} must divide block_kv={self.block_kv}"
             )
@@ -97,6 +124,7 @@ class SplashConfig:
         if self.vmem_limit_bytes is not None:
             object.__setattr__(self, "vmem_limit_bytes", check_positive_int("vmem_limit_bytes", self.vmem_limit_bytes))
         check_choice("probs_dtype", self.probs_dtype, PROBS_DTYPES)
+        check_choice("precision", self.precision, PRECISIONS)
         if not (self.interpret_params is None or self.interpret_params == GENERIC_INTERPRETER
                 or isinstance(self.interpret_params, pltpu.InterpretParams)):
             raise TypeError(f"interpret_params must be None, {GENERIC_INTERPRETER!r} or a "
@@ -111,10 +139,36 @@ class SplashConfig:
         """The dtype P and dS are rounded to before their matmuls (``probs_dtype``)."""
         return np.dtype(input_dtype) if self.probs_dtype == "input" else np.dtype(np.float32)
 
+    def matmul_precision(self, input_dtype) -> lax.Precision | None:
+        """The ``lax.Precision`` of the matmuls for inputs of ``input_dtype`` (``precision``);
+        None = the platform default (one bfloat16 pass on TPU)."""
+        if self.precision == "highest" or (self.precision == "auto" and np.dtype(input_dtype) == np.float32):
+            return lax.Precision.HIGHEST
+        return None
+
     @property
-    def block_shape(self) -> tuple[int, int]:
+    def tuned(self) -> bool:
+        """Whether some block is left to the tuned table (``splash/tuning.py``)."""
+        return None in (self.block_q, self.block_kv, self.block_kv_compute, self.block_q_dkv, self.block_kv_dkv)
+
+    def with_tuned_blocks(self, *, kv_len: int, head_dim: int | None = None, dtype=None,
+                          device_kind: str | None = None) -> "SplashConfig":
+        """This config with every block left at None taken from the tuned table for the chip
+        (``splash/tuning.py``); explicit blocks are kept (an explicit ``block_kv_compute`` with a tuned
+        ``block_kv``: the tuned block rounded down to a multiple of it)."""
+        if not self.tuned:
+            return self
+        tuned = tuned_blocks(kv_len=kv_len, head_dim=head_dim, dtype=dtype, device_kind=device_kind)._asdict()
+        values = {name: getattr(self, name) if getattr(self, name) is not None else tuned[name] for name in tuned}
+        compute = values["block_kv_compute"]
+        if self.block_kv is None and values["block_kv"] % compute:  # an explicit compute slice tiles the tuned block
+            values["block_kv"] = max(compute, values["block_kv"] // compute * compute)
+        return dataclasses.replace(self, **values)
+
+    @property
+    def block_shape(self) -> tuple[int | None, int | None]:
         return (self.block_q, self.block_kv)
 
     @property
-    def block_shape_dkv(self) -> tuple[int, int]:
+    def block_shape_dkv(self) -> tuple[int | None, int | None]:
         return (self.block_q_dkv, self.block_kv_dkv)

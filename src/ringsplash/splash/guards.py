@@ -3,8 +3,8 @@ platform knows.
 
 * ``mosaic_tpu_guard``: ``SplashConfig(backend="mosaic_tpu")`` lowered for anything but TPU
   raises a ValueError naming the backend (instead of Mosaic's own error deep inside the kernel).
-* ``vmem_guard``: lowered for TPU, it checks a forward kernel's scoped VMEM
-  (``splash/vmem.py``) against the chip being compiled for. The chip is known only then (an
+* ``vmem_guard``: lowered for TPU, it checks a kernel call's scoped VMEM (``splash/vmem.py``)
+  against the chip being compiled for. The chip is known only then (an
   ahead-of-time compile from a CPU host traces without it); an unknown chip lowers unchanged.
 
 An eager call compiles each primitive for the default device (jit), so it hits the lowering
@@ -18,7 +18,7 @@ import jax.extend.core as jex_core
 import numpy as np
 from jax.interpreters import batching, mlir
 
-from ringsplash.splash.vmem import ForwardVmem
+from ringsplash.splash.vmem import KernelVmem
 
 __all__ = ["mosaic_tpu_guard", "vmem_guard"]
 
@@ -59,7 +59,7 @@ batching.primitive_batchers[_vmem_guard_p] = lambda args, dims, *, need: (_vmem_
                                                                         dims[0])
 
 
-def vmem_guard(x, need: ForwardVmem):
+def vmem_guard(x, need: KernelVmem):
     """``x``, unchanged; lowering it for TPU raises when ``need`` exceeds the chip's VMEM limit."""
     return _vmem_guard_p.bind(x, need=need)
 

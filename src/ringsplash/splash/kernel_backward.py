@@ -1,12 +1,16 @@
-"""Splash backward: a dq kernel and a dK/dV kernel, both recomputing probabilities from lse.
+"""Splash backward: a dK/dV kernel (with dq fused in) and a dq kernel, recomputing probabilities from lse.
 
 With ``s`` the (scaled, soft-capped) scores, ``P = exp(s - lse)``, ``dP = dO @ V.T`` and
 ``delta = rowsum(dO * O)`` (computed outside), the score gradient is
 ``dS = P * (dP - delta)`` (times ``1 - tanh^2`` under a soft-cap); then
 ``dQ = scale * dS @ K``, ``dK = scale * dS.T @ Q`` and ``dV = P.T @ dO``.
 
+* dK/dV kernel, fused with dq by default (``dq_init``): each tile's ``scale * dS.T @ K`` is added
+  into a float32 dq in HBM (``_DqAccumulator``), so the backward is one pass over the transposed
+  work list (5 matmuls per tile) instead of two (7).
 * dq kernel: grid ``(heads, max_steps)`` over the forward work list (sorted by q block);
-  dq accumulates in float32 VMEM over a q block's run of steps.
+  dq accumulates in float32 VMEM over a q block's run of steps. Used alone (``parts=("dq",)``,
+  the ring's last step).
 * dK/dV kernel: grid ``(kv_heads, steps, inner)``; dK / dV of a kv block accumulate in
   float32 VMEM over every (q head of the group, q block) that attends it, and K / V are never
   repeated in memory. Two ways to walk a GQA group:
@@ -27,6 +31,7 @@ Nothing is materialised per kv block: temporaries are the outputs and the lse-sh
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -35,8 +40,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._softmax import MASK_VALUE
 from ringsplash.splash._kernel_common import (
+    LOG2E,
     NN_DIMS,
     NT_DIMS,
+    TN_DIMS,
     count_map,
     dispatch_kinds,
     drop_unattended,
@@ -87,7 +94,7 @@ def _dq_kernel(
     # scratch
     dq_scr, lse_scr, delta_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps, probs_dtype,
+    scale, logit_soft_cap, masks, num_steps, probs_dtype, precision,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
@@ -112,16 +119,16 @@ def _dq_kernel(
         mask = tile_mask(which, partial_of(kinds_ref[lst, i]), lst, pos_seg_refs, stored, masks=masks)
         if mask is not None:
             k, v = drop_unattended(mask, k, v, transposed=False)
-        s, t = scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
+        s, t = scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap, precision=precision)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp(s - lse_scr[:, :1])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
-        dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_scr[:, :1], t)
         dq_scr[...] += lax.dot_general(ds.astype(probs_dtype), k.astype(probs_dtype), NN_DIMS,
-                                       preferred_element_type=jnp.float32)
+                                       precision=precision, preferred_element_type=jnp.float32)
 
     dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
@@ -149,29 +156,38 @@ def _dkv_kernel(
     blocks_ref, kinds_ref, q_head_ref, list_ref,
     # inputs
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, mask_ref,
+    q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref, mask_ref, dq_init_ref,
     # outputs
-    dk_ref, dv_ref, count_ref,
+    dk_ref, dv_ref, count_ref, dq_hbm,
     # scratch
-    dk_scr, dv_scr,
+    dk_scr, dv_scr, dq_slots, dq_sems, dq_state,
     *,
-    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype,
+    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype, precision,
 ):
+    del dq_init_ref  # aliased to dq_hbm
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row, _, lst = _dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
+    row, h, lst = _dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
+    word = blocks_ref[row, i]
     kind = kind_of(kinds_ref[row, i])
     # a kv block's run: consecutive steps naming it, each over the `inner` q heads
     first, last = run_edges(blocks_ref, row, i, num_steps, kv_block_of)
     first, last = first & (j == 0), last & (j == inner - 1)
+    dq = None if dq_hbm is None else _DqAccumulator(
+        dq_hbm, dq_slots, dq_sems, dq_state, h=h, q_block=q_block_of(word),
+        next_entry=_next_dkv_entry(g, i, j, blocks_ref, q_head_ref, list_ref, group=group, inner=inner,
+                                   num_steps=num_steps))
 
     @pl.when(first)
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
+    if dq is not None:
+        dq.begin(start=(i == 0) & (j == 0))
     tally_step(count_ref, i, kind, j)
 
     pos_seg_refs = (q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref)
+    cap2 = None if logit_soft_cap is None else logit_soft_cap * LOG2E  # the cap in base-2 units
 
     def compute(which):
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
@@ -180,25 +196,121 @@ def _dkv_kernel(
         mask = tile_mask(which, partial_of(kinds_ref[row, i]), lst, pos_seg_refs, stored, masks=masks)
         if mask is not None:
             k, v = drop_unattended(mask, k, v, transposed=True)
-        s, t = scores_and_tanh(k, q, scale=scale, logit_soft_cap=logit_soft_cap)
+        # base-2 scores: s2 = log2(e) * scale * k.q, p = exp2(s2 - log2(e) * lse) (the lse rows
+        # arrive scaled). q is not pre-scaled as in the forward: it changes every step here, and
+        # a bf16 rounding of q * scale moved bf16 gradients by an ulp.
+        s = lax.dot_general(k, q, NT_DIMS, precision=precision, preferred_element_type=jnp.float32) * (
+            scale * LOG2E)
+        t = None
+        if cap2 is not None:
+            t = jnp.tanh(s * (1.0 / cap2))
+            s = cap2 * t
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
-        p = jnp.exp(s - lse_ref[...])
+        p = jnp.exp2(s - lse_ref[...])
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         dv_scr[...] += lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS,
+                                       precision=precision, preferred_element_type=jnp.float32)
+        dp = lax.dot_general(v, do, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+        ds = _score_grad(p, dp, delta_ref[...], t).astype(probs_dtype)
+        dk_scr[...] += lax.dot_general(ds, q.astype(probs_dtype), NN_DIMS, precision=precision,
                                        preferred_element_type=jnp.float32)
-        dp = lax.dot_general(v, do, NT_DIMS, preferred_element_type=jnp.float32)
-        ds = _score_grad(p, dp, delta_ref[...], t)
-        dk_scr[...] += lax.dot_general(ds.astype(probs_dtype), q.astype(probs_dtype), NN_DIMS,
-                                       preferred_element_type=jnp.float32)
+        if dq is not None:  # dS.T @ K: this tile's share of the q block's dq
+            dq.add(scale * lax.dot_general(ds, k.astype(probs_dtype), TN_DIMS, precision=precision,
+                                           preferred_element_type=jnp.float32))
 
     dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
+
+    if dq is not None:
+        dq.end()
 
     @pl.when(last)
     def _finalise():
         dk_ref[...] = (dk_scr[...] * scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _next_dkv_entry(g, i, j, blocks_ref, q_head_ref, list_ref, *, group, inner, num_steps):
+    """``(exists, q head, q block)`` of the dK/dV grid step after ``(g, i, j)`` (within kv head g)."""
+    wrap = j == inner - 1
+    i_next = jnp.where(wrap, i + 1, i)
+    exists = i_next < num_steps
+    i_next = jnp.minimum(i_next, num_steps - 1)
+    row, h, _ = _dkv_entry(g, i_next, jnp.where(wrap, 0, j + 1), q_head_ref, list_ref, group=group)
+    return exists, h, q_block_of(blocks_ref[row, i_next])
+
+
+class _DqAccumulator:
+    """dq of the fused backward, accumulated in float32 in HBM by the dK/dV kernel.
+
+    The dK/dV grid visits, per kv block, every q block that attends it, so one (q head, q block)
+    dq block is updated by many grid steps far apart. Each maximal run of consecutive steps on
+    one dq block adds into one of two VMEM slots; the run's block is read from HBM before it
+    (the DMA started at the end of the previous run, waited just before the first add) and
+    written back at its end (waited at the end of the next run, before that run's slot is
+    reused for the following read). A read never races a pending write of the same block:
+    neighbouring runs name different blocks, and the write two runs back is waited before the
+    read is started. The state lives in SMEM: ``[slot, read pending, write pending]``. Each kv
+    head (the parallel grid axis) starts and drains its own pipeline, so megacore halves never
+    share a dq block (a kv head's q heads are its own).
+    """
+
+    def __init__(self, hbm, slots, sems, state, *, h, q_block, next_entry):
+        self.hbm, self.slots, self.sems, self.state = hbm, slots, sems, state
+        self.h, self.q_block = h, q_block
+        self.has_next, self.next_h, self.next_q_block = next_entry
+        self.bq = slots.shape[1]
+
+    def _copy(self, slot, h, q_block, *, read):
+        rows = self.hbm.at[h, pl.ds(pl.multiple_of(q_block * self.bq, self.bq), self.bq), :]
+        if read:
+            return pltpu.make_async_copy(rows, self.slots.at[slot], self.sems.at[0, slot])
+        return pltpu.make_async_copy(self.slots.at[slot], rows, self.sems.at[1, slot])
+
+    def begin(self, *, start):
+        @pl.when(start)  # a kv head's first step: nothing pending, read its first block into slot 0
+        def _start():
+            self.state[0] = 0
+            self.state[2] = 0
+            self._copy(0, self.h, self.q_block, read=True).start()
+            self.state[1] = 1
+
+    def _wait_read(self):
+        @pl.when(self.state[1] == 1)
+        def _wait():
+            self._copy(self.state[0], self.h, self.q_block, read=True).wait()
+            self.state[1] = 0
+
+    def add(self, contribution):
+        self._wait_read()  # after the tile's matmuls, so the read overlaps them
+        slot = self.state[0]
+        self.slots[slot] = self.slots[slot] + contribution
+
+    def end(self):
+        self._wait_read()  # steps that computed nothing
+        slot = self.state[0]
+        same_next = self.has_next & (self.next_h == self.h) & (self.next_q_block == self.q_block)
+
+        @pl.when(jnp.logical_not(same_next))  # the run ends: write its block back, read the next one
+        def _end_of_run():
+            @pl.when(self.state[2] == 1)
+            def _wait_previous_write():  # it is the other slot's, which the next read fills
+                self._copy(1 - slot, self.h, self.q_block, read=False).wait()
+
+            self._copy(slot, self.h, self.q_block, read=False).start()
+            self.state[2] = 1
+
+            @pl.when(self.has_next)
+            def _read_next():
+                self._copy(1 - slot, self.next_h, self.next_q_block, read=True).start()
+                self.state[0] = 1 - slot
+                self.state[1] = 1
+
+            @pl.when(jnp.logical_not(self.has_next))
+            def _drain():  # the kv head's last step
+                self._copy(slot, self.h, self.q_block, read=False).wait()
+                self.state[2] = 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -281,16 +393,39 @@ def merge_group_lists(blocks, kinds, head_to_list, group):
 # pallas_call wrappers
 
 
+def _one_call_per_batch_element(call):
+    """``call`` whose ``vmap`` runs it once per batch element (``lax.map``): Pallas cannot add a
+    batch axis to an HBM (``memory_space=ANY``) operand such as the fused kernel's dq, and a
+    batched model (``jax.vmap`` over examples) reaches the kernel through ``vmap``."""
+
+    @jax.custom_batching.custom_vmap
+    def mapped(*args):
+        return call(*args)
+
+    @mapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        batched = [a for a, b in zip(args, in_batched) if b]
+
+        def one(xs):
+            it = iter(xs)
+            return mapped(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+        outs = lax.map(one, batched)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return mapped
+
+
 def splash_dq_kernel(
     q, k, v, d_out, lse, delta, schedule, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
-    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
 ):
     """dq over the forward work list. ``lse, delta: [heads, q_len]`` float32; the other
     arguments as in ``splash_forward_kernel`` (``probs_dtype``: operand dtype of ``dS @ K``).
     ``v`` and ``d_out`` have v's head size ``dv`` (which may differ from d). Returns ``dq [heads, q_len, d]`` in
-    ``out_dtype`` (and the per-head count of computing steps with ``count_steps``)."""
+    ``out_dtype`` (and the per-head count of computing steps with ``count_steps``); ``precision``: of every matmul."""
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
     dv = v.shape[-1]
@@ -321,7 +456,7 @@ def splash_dq_kernel(
 
     body = functools.partial(
         _dq_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks), num_steps=num_steps,
-        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
     )
     kernel = lambda *refs: body(*unpack_refs(refs, 3, 6, present, 1, count_steps))
     results = pl.pallas_call(
@@ -355,24 +490,29 @@ def splash_dkv_kernel(
     q, k, v, d_out, lse, delta, schedule_dkv, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks_t=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
-    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
+    probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False, dq_init=None,
 ):
-    """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``).
+    """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``), and with
+    ``dq_init`` also dq (the fused backward).
 
     ``head_to_list`` (``[heads]``) must be concrete: it picks, statically, the uniform-group
     walk (prefetched list ``[lists, steps]``) or the merged one (``[kv_heads, group *
     steps]``, for groups whose heads have different masks). Positions / segment ids: q side
     int32 ``[1, q_len]`` rows, kv side ``[kv_len, 1]`` columns. ``mask_blocks_t`` holds the
     partial blocks transposed, int8 ``[num_partials, bkv, bq]``. ``probs_dtype`` (None = q's
-    dtype) is the operand dtype of ``P.T @ dO`` and ``dS.T @ Q``. Returns ``dk [kv_heads,
-    kv_len, d]`` and ``dv [kv_heads, kv_len, dv]`` (v's head size) in ``out_dtype`` (and the
-    per-kv-head count of computing steps with ``count_steps``).
+    dtype) is the operand dtype of ``P.T @ dO``, ``dS.T @ Q`` and ``dS @ K``; ``precision``
+    that of every matmul. Returns ``dk [kv_heads, kv_len, d]`` and ``dv [kv_heads, kv_len,
+    dv]`` (v's head size) in ``out_dtype``, then with ``count_steps`` the per-kv-head count of
+    computing steps, then with ``dq_init`` (float32 ``[heads, q_len, d]``) float32 ``dq_init +
+    dq``: the kernel adds each tile's ``scale * dS @ K`` into it in HBM (``_DqAccumulator``),
+    so dq costs no second pass over the work list and no memory beyond its own.
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
     dv = v.shape[-1]
     group = heads // kv_heads
     bq, bkv = block_shape
+    fused = dq_init is not None
     blocks, kinds = pack_schedule(
         schedule_dkv.q_block, schedule_dkv.kv_block, schedule_dkv.kind, schedule_dkv.partial_index,
         q_blocks=q_len // bq, kv_blocks=kv_len // bkv,
@@ -406,17 +546,26 @@ def splash_dkv_kernel(
         (q_seg, pl.BlockSpec((1, bq), maps["q_row"])),
         (kv_seg, pl.BlockSpec((bkv, 1), maps["kv_col"])),
         (mask_blocks_t, pl.BlockSpec((1, bkv, bq), maps["mask"])),
+        (dq_init, pl.BlockSpec(memory_space=pl.ANY)),  # the dq accumulator, in HBM
     ])
     out_shape = [sds(q, (kv_heads, kv_len, d), out_dtype), sds(q, (kv_heads, kv_len, dv), out_dtype)]
     out_specs = [pl.BlockSpec((None, bkv, d), maps["kv"]), pl.BlockSpec((None, bkv, dv), maps["kv"])]
     if count_steps:
         out_shape.append(sds(q, (kv_heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
         out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _dkv_count_map))
+    scratch = [pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, dv), jnp.float32)]
+    aliases = {}
+    if fused:
+        out_shape.append(sds(q, (heads, q_len, d), jnp.float32))
+        out_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        scratch += [pltpu.VMEM((2, bq, d), jnp.float32), pltpu.SemaphoreType.DMA((2, 2)),
+                    pltpu.SMEM((3,), jnp.int32)]
+        aliases = {len(prefetched) + len(in_specs) + len(operands) - 1: len(out_shape) - 1}
 
     body = functools.partial(
         _dkv_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         num_steps=num_steps, group=group, inner=inner,
-        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
     )
     num_prefetch = len(prefetched)
 
@@ -424,29 +573,36 @@ def splash_dkv_kernel(
         args = unpack_refs(refs, num_prefetch, 6, present, 2, count_steps)
         if num_prefetch == 3:  # uniform: no per-entry q head
             args.insert(2, None)
+        if not fused:  # no dq output, slots, semaphores or state
+            args = args[:-2] + [None] + args[-2:] + [None, None, None]
         return body(*args)
 
     visits = kv_heads * num_steps * inner
-    results = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_prefetch,
             grid=(kv_heads, num_steps, inner),
             in_specs=in_specs + specs,
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, dv), jnp.float32)],
+            scratch_shapes=scratch,
         ),
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=semantics(interpret, arbitrary=2), vmem_limit_bytes=vmem_limit_bytes
         ),
         cost_estimate=pl.CostEstimate(
-            flops=8 * visits * bq * bkv * d, transcendentals=visits * bq * bkv,
-            bytes_accessed=int(2 * visits * bq * d * 2 * q.dtype.itemsize + 4 * k.size * k.dtype.itemsize),
+            flops=(10 if fused else 8) * visits * bq * bkv * d, transcendentals=visits * bq * bkv,
+            bytes_accessed=int(2 * visits * bq * d * 2 * q.dtype.itemsize + 4 * k.size * k.dtype.itemsize
+                               + (2 * visits * bq * d * 4 if fused else 0)),
         ),
         interpret=interpret,
-        name="splash_dkv",
-    )(*prefetched, q, k, v, d_out, rows(lse), rows(delta), *operands)
+        name="splash_fused_bwd" if fused else "splash_dkv",
+    )
+    if fused:
+        call = _one_call_per_batch_element(call)
+    results = list(call(*prefetched, q, k, v, d_out, rows(lse) * LOG2E, rows(delta), *operands))
     if count_steps:
-        return results[0], results[1], results[2][:, 0, 0]
-    return results[0], results[1]
+        results[2] = results[2][:, 0, 0]
+    return tuple(results)

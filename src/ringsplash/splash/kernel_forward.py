@@ -25,12 +25,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._softmax import MASK_VALUE, MASKED_LSE
 from ringsplash.splash._kernel_common import (
+    LN2,
+    LOG2E,
     NN_DIMS,
+    NT_DIMS,
     count_map,
     dispatch_kinds,
     drop_unattended,
     kind_of,
     kv_map,
+    lane_tile,
     mask_operand_specs,
     pack_schedule,
     partial_of,
@@ -38,7 +42,6 @@ from ringsplash.splash._kernel_common import (
     q_map,
     row_map,
     run_edges,
-    scores_and_tanh,
     sds,
     semantics,
     tally_step,
@@ -59,17 +62,25 @@ def _forward_kernel(
     # outputs
     out_ref, lse_ref, count_ref, max_ref,
     # scratch
-    m_scr, l_scr, acc_scr, raw_scr,
+    q_scr, m_scr, l_scr, acc_scr, raw_scr,
     *,
-    scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype,
+    scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype, precision,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
     kind = kind_of(kinds_ref[lst, i])
     first, last = run_edges(blocks_ref, lst, i, num_steps, q_block_of)
+    dv = acc_scr.shape[1]
+
+    # Scores in base 2: s2 = log2(e) * scale * q.k, p = exp2(s2 - m2). float32 q is scaled once
+    # per q block (a float32 rounding); bfloat16 q is not: a bf16 rounding of q * scale moved
+    # lse by ~1e-2, so bf16 scores are scaled per tile instead (one multiply per score).
+    prescaled = q_scr is not None
 
     @pl.when(first)
     def _init():
+        if prescaled:
+            q_scr[...] = (q_ref[...].astype(jnp.float32) * (scale * LOG2E)).astype(q_scr.dtype)
         m_scr[...] = jnp.full(m_scr.shape, MASK_VALUE, jnp.float32)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
@@ -79,14 +90,15 @@ def _forward_kernel(
     tally_step(count_ref, i, kind)
 
     block_kv = k_ref.shape[0]
-    q = q_ref[...]
     pos_seg_refs = (q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref)
+    cap2 = None if logit_soft_cap is None else logit_soft_cap * LOG2E  # the cap in base-2 units
 
     def compute(which):
         partial = partial_of(kinds_ref[lst, i])
-
-        def body(c, carry):
-            cols = pl.ds(pl.multiple_of(c * block_kv_compute, block_kv_compute), block_kv_compute)
+        q = q_scr[...] if prescaled else q_ref[...]
+        # statically unrolled slices of the kv block (a rolled loop with dynamic slices ran at half speed)
+        for c in range(block_kv // block_kv_compute):
+            cols = pl.ds(c * block_kv_compute, block_kv_compute)
             k, v = k_ref[cols, :], v_ref[cols, :]
             stored = None
             if which == "partial" and mask_ref is not None:
@@ -94,32 +106,31 @@ def _forward_kernel(
             mask = tile_mask(which, partial, lst, pos_seg_refs, stored, masks=masks, kv_cols=cols)
             if mask is not None:
                 k, v = drop_unattended(mask, k, v, transposed=False)
-            if raw_scr is None:
-                s, _ = scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap)
-            else:  # max logits under a soft-cap: keep the raw scores' row maxima too
-                s, _ = scores_and_tanh(q, k, scale=scale, logit_soft_cap=None)
+            s = lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+            if not prescaled:
+                s = s * (scale * LOG2E)
+            if raw_scr is not None:  # max logits under a soft-cap: the raw scores' row maxima too
                 raw = s if mask is None else jnp.where(mask, s, MASK_VALUE)
                 raw_scr[...] = jnp.maximum(raw_scr[...], jnp.max(raw, axis=1, keepdims=True))
-                s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)  # as scores_and_tanh
+            if cap2 is not None:
+                s = cap2 * jnp.tanh(s * (1.0 / cap2))
             if mask is not None:
                 s = jnp.where(mask, s, MASK_VALUE)
-            # Online softmax: m = running row max, l = running sum of exp(s - m), acc =
-            # running sum of exp(s - m) @ v; rescale both by exp(m_old - m_new) when m grows.
-            # m and l are kept replicated across the 128 lanes (native TPU tile layout).
+            # Online softmax in base 2: m = running row max, l = running sum of exp2(s - m),
+            # acc = running sum of exp2(s - m) @ v, both rescaled by exp2(m_old - m_new).
+            # m and l are replicated over the 128 lanes (the native tile), so they broadcast
+            # over the tile by repeating whole vregs.
             m_prev, l_prev = m_scr[...], l_scr[...]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - m_next[:, :1])
+            alpha = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(s - lane_tile(m_next, block_kv_compute))
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)  # a fully masked tile row must add nothing
             m_scr[...] = m_next
             l_scr[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(probs_dtype), v.astype(probs_dtype), NN_DIMS,
+            pv = lax.dot_general(p.astype(probs_dtype), v.astype(probs_dtype), NN_DIMS, precision=precision,
                                  preferred_element_type=jnp.float32)
-            acc_scr[...] = alpha[:, :1] * acc_scr[...] + pv
-            return carry
-
-        lax.fori_loop(0, block_kv // block_kv_compute, body, 0, unroll=block_kv == block_kv_compute)
+            acc_scr[...] = lane_tile(alpha, dv) * acc_scr[...] + pv
 
     dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
@@ -128,11 +139,12 @@ def _forward_kernel(
         l = l_scr[...]
         empty = l == 0.0
         l_safe = jnp.where(empty, 1.0, l)
-        out_ref[...] = (acc_scr[...] / l_safe[:, :1]).astype(out_ref.dtype)  # acc = 0 if empty
-        lse = jnp.where(empty, MASKED_LSE, m_scr[...] + jnp.log(l_safe))
+        out_ref[...] = (acc_scr[...] * lane_tile(1.0 / l_safe, dv)).astype(out_ref.dtype)  # acc = 0 if empty
+        lse = jnp.where(empty, MASKED_LSE, (m_scr[...] + jnp.log2(l_safe)) * LN2)
         lse_ref[...] = jnp.transpose(lse)[:1, :]  # (bq, lanes) -> (1, bq) row
         if max_ref is not None:  # the block's max raw logit, replicated over the 128 lanes
             rows = m_scr[...] if raw_scr is None else raw_scr[...]
+            rows = jnp.where(rows > MASK_VALUE, rows * LN2, MASK_VALUE)  # base-2 units -> scale · q·k
             max_ref[...] = jnp.max(rows, axis=0, keepdims=True)
 
 
@@ -144,7 +156,8 @@ def splash_forward_kernel(
     q, k, v, schedule, head_to_list, *,
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, block_kv_compute, scale, logit_soft_cap=None, out_dtype=None,
-    probs_dtype=None, interpret=False, vmem_limit_bytes=None, count_steps=False, return_max_logits=False,
+    probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
+    return_max_logits=False,
 ):
     """Run the forward kernel on one shard pair.
 
@@ -158,10 +171,11 @@ def splash_forward_kernel(
     None. Returns ``out [heads, q_len, dv]`` (``out_dtype``, default q's), ``lse [heads,
     q_len]`` float32 and, with ``count_steps``, the number of computing steps per head
     ``[heads]``. ``probs_dtype`` (None = q's dtype) is the operand dtype of ``P @ V``
-    (``SplashConfig.probs_dtype``). The schedule is packed (``pack_schedule``) before scalar
-    prefetch. With ``return_max_logits`` a float32 ``[heads]`` max of the attended raw logits
-    ``scale · q·k`` (before the soft-cap; ``-inf`` for a head with nothing attended) follows
-    ``lse`` (before the count).
+    (``SplashConfig.probs_dtype``); ``precision`` that of both matmuls (``lax.Precision``; None =
+    the default: one bfloat16 pass for float32 operands on TPU). The schedule is packed
+    (``pack_schedule``) before scalar prefetch. With ``return_max_logits`` a float32 ``[heads]``
+    max of the attended raw logits ``scale · q·k`` (before the soft-cap; ``-inf`` for a head with
+    nothing attended) follows ``lse`` (before the count).
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
@@ -196,11 +210,12 @@ def splash_forward_kernel(
         out_shape.append(sds(q, (heads, 1, (q_len // bq) * NUM_LANES), jnp.float32))
         out_specs.append(pl.BlockSpec((None, 1, NUM_LANES), row_map))
     raw_max = return_max_logits and logit_soft_cap is not None
+    prescale = q.dtype == jnp.float32  # see _forward_kernel
 
     body = functools.partial(
         _forward_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         block_kv_compute=block_kv_compute, num_steps=num_steps,
-        probs_dtype=q.dtype if probs_dtype is None else probs_dtype,
+        probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
     )
 
     def kernel(*refs):
@@ -208,18 +223,20 @@ def splash_forward_kernel(
         split = 3 + 3 + len(present) + 3  # prefetched, inputs, (out, lse, count)
         head, rest = refs[:split], refs[split:]
         max_ref, rest = (rest[0], rest[1:]) if return_max_logits else (None, rest)
-        return body(*head, max_ref, *rest, *([] if raw_max else [None]))
+        return body(*head, max_ref, *([] if prescale else [None]), *rest, *([] if raw_max else [None]))
 
+    scratch = [
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # m
+        pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # l
+        pltpu.VMEM((bq, dv), jnp.float32),  # acc
+    ]
+    if prescale:
+        scratch.insert(0, pltpu.VMEM((bq, d), q.dtype))  # q * scale * log2(e)
+    if raw_max:
+        scratch.append(pltpu.VMEM((bq, NUM_LANES), jnp.float32))  # raw row max
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(heads, num_steps),
-        in_specs=in_specs + specs,
-        out_specs=out_specs,
-        scratch_shapes=[
-            pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # m
-            pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # l
-            pltpu.VMEM((bq, dv), jnp.float32),  # acc
-        ] + ([pltpu.VMEM((bq, NUM_LANES), jnp.float32)] if raw_max else []),  # raw row max
+        num_scalar_prefetch=3, grid=(heads, num_steps), in_specs=in_specs + specs, out_specs=out_specs,
+        scratch_shapes=scratch,
     )
     flops = 4 * heads * num_steps * bq * bkv * d
     results = pl.pallas_call(

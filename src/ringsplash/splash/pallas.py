@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
+from ringsplash._shard_map import varying, vma
 from ringsplash.mask_info import MaskInfo
 from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 from ringsplash.splash.guards import mosaic_tpu_guard, vmem_guard
-from ringsplash.splash.vmem import forward_vmem
+from ringsplash.splash.vmem import kernel_vmem
 
 __all__ = ["StaticOperands", "backward", "forward"]
 
@@ -109,53 +110,65 @@ def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "int
     """The forward kernel on one shard pair; with ``return_max_logits`` also the per-head max
     raw logit, with ``count_steps`` (last) the number of computing grid steps per head."""
     q, config, info = inputs.q, static.config, static.info
+    block_kv_compute = min(config.block_kv_compute, info.block_shape[1])
+    vmem = kernel_vmem("forward", q, inputs.k, inputs.v, info.block_shape, block_kv_compute=block_kv_compute,
+                       out_dtype=out_dtype, mask_blocks=_static_operands(info).blocks is not None,
+                       vmem_limit_bytes=config.vmem_limit_bytes)
     if backend == "mosaic_tpu":
-        q = mosaic_tpu_guard(q)
-        q = vmem_guard(q, forward_vmem(q, inputs.k, inputs.v, info.block_shape, out_dtype=out_dtype,
-                                       vmem_limit_bytes=config.vmem_limit_bytes,
-                                       mask_blocks=_static_operands(info).blocks is not None))
+        q = vmem_guard(mosaic_tpu_guard(q), vmem)
     return kernel_forward.splash_forward_kernel(
         q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
         **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
                          transposed=False),
-        block_shape=info.block_shape, block_kv_compute=min(config.block_kv_compute, info.block_shape[1]),
+        block_shape=info.block_shape, block_kv_compute=block_kv_compute,
         scale=static.scale, logit_soft_cap=static.logit_soft_cap, out_dtype=out_dtype,
-        probs_dtype=config.matmul_dtype(q.dtype), interpret=_interpret(config, backend),
-        vmem_limit_bytes=config.vmem_limit_bytes, count_steps=count_steps, return_max_logits=return_max_logits,
+        probs_dtype=config.matmul_dtype(q.dtype), precision=config.matmul_precision(q.dtype),
+        interpret=_interpret(config, backend), vmem_limit_bytes=vmem.limit, count_steps=count_steps,
+        return_max_logits=return_max_logits,
     )
 
 
 def backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "interpret",
-             grad_dtype=jnp.float32, count_steps: bool = False, parts: tuple = ("dq", "dkv")):
-    """The dq and dK/dV kernels on one shard pair: ``(dq, dk, dv)`` in ``grad_dtype`` (with
-    ``count_steps`` also the computing steps of each kernel). ``parts=("dq",)`` runs only the
-    dq kernel and returns ``dq``; ``parts=("dkv",)`` only the dK/dV kernel: ``(dk, dv)``."""
+             grad_dtype=jnp.float32, count_steps: bool = False, parts: tuple = ("dq", "dkv"), dq_init=None):
+    """The backward kernels on one shard pair.
+
+    ``parts=("dq", "dkv")`` (default) runs the fused kernel: the dK/dV kernel, which also adds
+    each tile's dq into a float32 dq in HBM (``kernel_backward._DqAccumulator``), starting from
+    ``dq_init`` (float32 ``[heads, q_len, d]``; None = zeros). Returns ``(dq, dk, dv)`` in
+    ``grad_dtype`` (dq float32 when ``dq_init`` is given, so pieces can chain through it), with
+    ``count_steps`` also the kernel's computing steps per kv head. ``parts=("dq",)`` runs only
+    the dq kernel (the forward work list) and returns ``dq``; ``parts=("dkv",)`` only the dK/dV
+    kernel: ``(dk, dv)`` (each with its count under ``count_steps``)."""
     q, config, info, info_dkv = inputs.q, static.config, static.info, static.info_dkv
-    if backend == "mosaic_tpu":
-        q = mosaic_tpu_guard(q)
+    if parts not in (("dq", "dkv"), ("dq",), ("dkv",)):
+        raise ValueError(f"parts must be ('dq', 'dkv'), ('dq',) or ('dkv',), got {parts=}")
     if "dkv" in parts and (info_dkv is None or inputs.schedule_dkv is None):
         raise ValueError("the Pallas backward needs the transposed MaskInfo (info_dkv) and its schedule")
     heads = q.shape[0]
     common = {
         "scale": static.scale, "logit_soft_cap": static.logit_soft_cap, "out_dtype": grad_dtype,
-        "probs_dtype": config.matmul_dtype(q.dtype), "interpret": _interpret(config, backend),
-        "vmem_limit_bytes": config.vmem_limit_bytes, "count_steps": count_steps,
+        "probs_dtype": config.matmul_dtype(q.dtype), "precision": config.matmul_precision(q.dtype),
+        "interpret": _interpret(config, backend), "count_steps": count_steps,
     }
     positions = (inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg)
-    operands = (q, inputs.k, inputs.v, inputs.d_out, inputs.lse, inputs.delta)
 
-    def kernel(fn, sched, view, transposed):
-        return fn(*operands, sched, _heads_to_list(view, heads),
-                  **_mask_operands(_static_operands(view), *positions, transposed=transposed),
-                  block_shape=view.block_shape, **common)
+    def kernel(name, fn, sched, view, transposed, **extra):
+        vmem = kernel_vmem(name, q, inputs.k, inputs.v, view.block_shape, out_dtype=grad_dtype,
+                           mask_blocks=_static_operands(view).blocks is not None,
+                           vmem_limit_bytes=config.vmem_limit_bytes)
+        guarded = vmem_guard(mosaic_tpu_guard(q), vmem) if backend == "mosaic_tpu" else q
+        return fn(guarded, inputs.k, inputs.v, inputs.d_out, inputs.lse, inputs.delta, sched,
+                  _heads_to_list(view, heads), **_mask_operands(_static_operands(view), *positions,
+                                                                transposed=transposed),
+                  block_shape=view.block_shape, vmem_limit_bytes=vmem.limit, **common, **extra)
 
-    if parts == ("dkv",):  # pieces of the transposed view (splash/work_pieces.py)
-        return kernel(kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True)
-    dq = kernel(kernel_backward.splash_dq_kernel, inputs.schedule, info, False)
     if parts == ("dq",):
-        return dq
-    dkv = kernel(kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True)
-    if count_steps:
-        (dq, count_dq), (dk, dv, count_dkv) = dq, dkv
-        return dq, dk, dv, count_dq, count_dkv
-    return dq, *dkv
+        return kernel("dq", kernel_backward.splash_dq_kernel, inputs.schedule, info, False)
+    if parts == ("dkv",):
+        return kernel("dkv", kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True)
+    # fresh zeros vary over the same manual mesh axes as q (shard_map): the kernel's aliased dq takes their type
+    init = varying(jnp.zeros(q.shape, jnp.float32), vma(q)) if dq_init is None else dq_init
+    dk, dv, *rest = kernel("fused", kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True,
+                           dq_init=init)
+    dq = rest[-1] if dq_init is not None else rest[-1].astype(grad_dtype)
+    return (dq, dk, dv, rest[0]) if count_steps else (dq, dk, dv)

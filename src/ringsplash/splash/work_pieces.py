@@ -339,15 +339,17 @@ def dq_in_pieces(inputs, pieces: PieceSchedules, block_q: int, run, acc=None):
 
 def kernels_in_pieces(inputs, pieces: PieceSchedules, pieces_dkv: PieceSchedules, block_q: int, block_kv: int,
                       run_dq, run_dkv, acc=None):
-    """The Pallas backward in pieces: ``run_dq(inputs) -> dq`` per forward-view piece on its
-    q rows, ``run_dkv(inputs) -> (dk, dv)`` per transposed piece on its kv rows; with ``acc``
-    as in :func:`dq_in_pieces`."""
+    """The split Pallas backward in pieces: ``run_dq(inputs) -> dq`` per forward-view piece on
+    its q rows, ``run_dkv(inputs) -> (dk, dv)`` per transposed piece on its kv rows; with
+    ``acc`` as in :func:`dq_in_pieces`. A ``run_*`` of None skips that kernel: its gradients
+    are ``acc``'s (float32 zeros without it)."""
     import jax.numpy as jnp
 
-    q_len, kv_len = inputs.q.shape[1], inputs.k.shape[1]
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    q_len = inputs.q.shape[1]
     dq, dk, dv = (None, None, None) if acc is None else acc
-    dqs, dks, dvs = [], [], []
-    for (m0, m1, _), sched in zip(pieces.pieces, pieces.schedules):
+    dqs = []
+    for (m0, m1, _), sched in zip(pieces.pieces, pieces.schedules) if run_dq is not None else ():
         a, b = m0 * block_q, m1 * block_q
         piece = run_dq(inputs._replace(schedule=sched) if (a, b) == (0, q_len) else _q_slice(inputs, a, b, sched))
         if acc is None:
@@ -356,25 +358,61 @@ def kernels_in_pieces(inputs, pieces: PieceSchedules, pieces_dkv: PieceSchedules
             dq = _add_rows(dq, piece, a, b)
             if len(pieces.pieces) > 1:
                 dq, inputs = _after(dq, inputs)
+    if acc is None:
+        dq = zeros(inputs.q) if not dqs else _cat(dqs)
+    if run_dkv is None:
+        return dq, (zeros(inputs.k) if acc is None else dk), (zeros(inputs.v) if acc is None else dv)
+    _, dk, dv = _over_kv_pieces(inputs, pieces_dkv, block_kv, lambda sub, carry: (carry, *run_dkv(sub)), None,
+                                None if acc is None else (dk, dv))
+    return dq, dk, dv
+
+
+def fused_in_pieces(inputs, pieces_dkv: PieceSchedules, block_kv: int, run_fused, acc=None):
+    """The fused Pallas backward in pieces: ``run_fused(inputs, dq) -> (dq, dk, dv)`` per
+    transposed piece on its kv rows, each piece adding its share of dq into the float32 dq the
+    previous one returned (starting from zeros, or ``acc``'s dq); dK / dV as in
+    :func:`kernels_in_pieces`."""
+    import jax.numpy as jnp
+
+    from ringsplash._shard_map import varying, vma
+
+    dq_acc, dk, dv = (None, None, None) if acc is None else acc
+    fresh = lambda: varying(jnp.zeros(inputs.q.shape, jnp.float32), vma(inputs.q))  # q's mesh axes (shard_map)
+    dq = fresh() if dq_acc is None else dq_acc.astype(jnp.float32)
+    dq, dk, dv = _over_kv_pieces(inputs, pieces_dkv, block_kv, run_fused, dq, None if acc is None else (dk, dv))
+    return (dq, dk, dv) if acc is None else (dq.astype(dq_acc.dtype), dk, dv)
+
+
+def _over_kv_pieces(inputs, pieces_dkv: PieceSchedules, block_kv: int, run, carry, acc_kv):
+    """``run(inputs, carry) -> (carry, dk, dv)`` per transposed piece on its kv rows: dK / dV
+    concatenated along kv, or added into ``acc_kv = (dk, dv)`` as each piece is computed."""
+    dk, dv = (None, None) if acc_kv is None else acc_kv
+    dks, dvs = [], []
     for (m0, m1, _), sched in zip(pieces_dkv.pieces, pieces_dkv.schedules):
         a, b = m0 * block_kv, m1 * block_kv
-        if (a, b) == (0, kv_len):
-            sub = inputs._replace(schedule_dkv=sched)
-        else:
-            sub = inputs._replace(k=inputs.k[:, a:b], v=inputs.v[:, a:b], kv_pos=inputs.kv_pos[a:b],
-                                  kv_seg=_slice_rows(inputs.kv_seg, a, b), schedule_dkv=sched)
-        dk_j, dv_j = run_dkv(sub)
-        if acc is None:
+        carry, dk_j, dv_j = run(_kv_slice(inputs, a, b, sched), carry)
+        if acc_kv is None:
             dks.append(dk_j)
             dvs.append(dv_j)
         else:
             dk, dv = _add_rows(dk, dk_j, a, b), _add_rows(dv, dv_j, a, b)
             if len(pieces_dkv.pieces) > 1:
-                (dk, dv), inputs = _after((dk, dv), inputs)
-    if acc is not None:
-        return dq, dk, dv
-    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
-    return cat(dqs), cat(dks), cat(dvs)
+                (carry, dk, dv), inputs = _after((carry, dk, dv), inputs)
+    return (carry, _cat(dks), _cat(dvs)) if acc_kv is None else (carry, dk, dv)
+
+
+def _cat(xs):
+    import jax.numpy as jnp
+
+    return xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+
+
+def _kv_slice(inputs, a, b, sched):
+    """``inputs`` on kv rows ``[a, b)`` with the transposed schedule ``sched``."""
+    if (a, b) == (0, inputs.k.shape[1]):
+        return inputs._replace(schedule_dkv=sched)
+    return inputs._replace(k=inputs.k[:, a:b], v=inputs.v[:, a:b], kv_pos=inputs.kv_pos[a:b],
+                           kv_seg=_slice_rows(inputs.kv_seg, a, b), schedule_dkv=sched)
 
 
 def info_pieces(info: MaskInfo, config, heads: int, q_shard=0, kv_shard=0, device_kind=None) -> PieceSchedules:

@@ -43,6 +43,9 @@ Design choices (see docs/INTERNALS.md for the MaskInfo contract and the numerics
   including a traced, per-device schedule in the ring.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -51,6 +54,7 @@ from ringsplash._checks import default_scale
 from ringsplash._shard_map import varying, vma
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
+from ringsplash.splash._kernel_common import LOG2E as _LOG2E
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 
 __all__ = ["backward", "forward"]
@@ -186,6 +190,17 @@ def _scores(qb, kb, scale, logit_soft_cap):
     return logit_soft_cap * t, t
 
 
+def _scores_base2(qb, kb, scale, logit_soft_cap):
+    """``_scores`` times log2(e) (soft-capped in base-2 units), with the tanh for the VJP: the
+    Pallas backward's operations (``kernel_backward._dkv_kernel``)."""
+    s = jnp.einsum("kgqd,kcd->kgqc", qb, kb, preferred_element_type=_F32) * (scale * _LOG2E)
+    if logit_soft_cap is None:
+        return s, None
+    cap2 = logit_soft_cap * _LOG2E
+    t = jnp.tanh(s * (1.0 / cap2))
+    return cap2 * t, t
+
+
 def _list_view(x, plan: _ListPlan):
     """``[heads, n, d] -> [kvh, group, n, d]`` (or ``[heads, n] -> [kvh, group, n]``)."""
     if not plan.all_heads:
@@ -223,6 +238,22 @@ def _walk(step, init, schedule, li):
 # --------------------------------------------------------------------------- forward
 
 
+def _with_precision(fn):
+    """Run ``fn(inputs, static, ...)`` with its matmuls at ``static.config``'s precision for
+    q's dtype (``SplashConfig.precision``; einsums pick it up from jax's default)."""
+
+    @functools.wraps(fn)
+    def wrapped(inputs, static, **kwargs):
+        precision = None if static.config is None else static.config.matmul_precision(inputs.q.dtype)
+        if precision is None:
+            return fn(inputs, static, **kwargs)
+        with jax.default_matmul_precision(str(precision.name).lower()):
+            return fn(inputs, static, **kwargs)
+
+    return wrapped
+
+
+@_with_precision
 def forward(
     inputs: ForwardInputs, static: BackendStatic, *, out_dtype=None, return_max_logits: bool = False,
 ) -> (tuple[Float[Array, "heads q_len dv"], Float[Array, "heads q_len"]]
@@ -329,6 +360,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
 # --------------------------------------------------------------------------- backward
 
 
+@_with_precision
 def backward(
     inputs: BackwardInputs, static: BackendStatic,
 ) -> tuple[
@@ -375,7 +407,9 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
                    q_pos, kv_pos, q_seg, kv_seg, scale, cap, axes, rnd):
     bq, bkv = info.block_shape
     ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
-    lsel, deltal = _list_view(lse, plan), _list_view(delta, plan)  # [kvh, g, q_len]
+    # base-2 exponent, as the Pallas backward: the same float32 operations give P (and its bf16
+    # rounding) to the last bit, so the backends agree to accumulation-order noise
+    lsel, deltal = _list_view(lse * _LOG2E, plan), _list_view(delta, plan)  # [kvh, g, q_len]
     kvh, g, q_len, d = ql.shape
     kv_len, d_v = k.shape[1], v.shape[-1]
     block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
@@ -391,9 +425,9 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         vb = _kv_block(v, plan, ks, bkv)
         mask = block_mask(kind, pidx, qs, ks)
         kb, vb = _drop_unattended(mask, kb, vb)
-        s, t = _scores(qb, kb, scale, cap)
+        s, t = _scores_base2(qb, kb, scale, cap)
         # Masked entries (and rows with lse = MASKED_LSE, which are fully masked) give P = 0.
-        p = jnp.where(mask, jnp.exp(jnp.where(mask, s, -jnp.inf) - lse_b[..., None]), 0.0)
+        p = jnp.where(mask, jnp.exp2(jnp.where(mask, s, -jnp.inf) - lse_b[..., None]), 0.0)
         dp = jnp.einsum("kgqd,kcd->kgqc", dob, vb, preferred_element_type=_F32)
         ds = p * (dp - delta_b[..., None])
         if t is not None:
