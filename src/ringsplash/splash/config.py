@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._scalar_checks import check_choice, check_positive_int, check_positive_multiple, literal_choices
+from ringsplash.splash.tpu_tiles import NUM_LANES
 from ringsplash.splash.tuning import tuned_blocks
 
 Backend = Literal["auto", "mosaic_tpu", "interpret", "xla"]
@@ -31,8 +32,6 @@ Precision = Literal["auto", "default", "highest"]
 PRECISIONS: tuple[str, ...] = literal_choices(Precision)
 GENERIC_INTERPRETER = "generic"
 PROBS_DTYPES: tuple[str, ...] = literal_choices(ProbsDtype)
-NUM_LANES = 128
-NUM_SUBLANES = 8
 
 
 @dataclasses.dataclass(frozen=True)

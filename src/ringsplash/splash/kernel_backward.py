@@ -66,7 +66,7 @@ from ringsplash.splash._kernel_common import (
     uniform_group_lists,
     unpack_refs,
 )
-from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
+from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 # ----------------------------------------------------------------------------------------
 # helpers

@@ -48,7 +48,7 @@ from ringsplash.splash._kernel_common import (
     tile_mask,
     unpack_refs,
 )
-from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
+from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 # ----------------------------------------------------------------------------------------
 # kernel body

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringsplash import aot
-
-NUM_LANES = 128  # the smallest block (config.NUM_LANES; config imports this module)
+from ringsplash.splash.tpu_tiles import NUM_LANES
+from ringsplash.splash.vmem import KernelVmem, usable_vmem_bytes
 
 __all__ = ["TunedBlocks", "trace_chip", "tuned_blocks"]
 
@@ -88,8 +88,6 @@ def tuned_blocks(*, kv_len: int, head_dim: int | None = None, dtype=None, device
 def _within_vmem(blocks: TunedBlocks, info, head_dim: int, dtype) -> TunedBlocks:
     """``blocks`` halved until the forward, the fused backward and the dq kernel fit the chip's VMEM
     (``splash/vmem.py``'s estimates; unchanged on an unknown chip)."""
-    from ringsplash.splash.vmem import KernelVmem, usable_vmem_bytes  # vmem imports config, which imports this
-
     if info is None:
         return blocks
     usable, name = usable_vmem_bytes(info), str(dtype)

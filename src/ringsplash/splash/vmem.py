@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from ringsplash import aot
-from ringsplash.splash.config import NUM_LANES, NUM_SUBLANES
+from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 __all__ = ["KernelVmem", "kernel_vmem", "usable_vmem_bytes"]
 
