@@ -49,9 +49,14 @@ _LARGE_VMEM = 64 << 20  # generations with at least this much VMEM per core take
 
 
 def trace_chip() -> str | None:
-    """The ``device_kind`` of JAX's default device when it is a TPU, else None."""
+    """The ``device_kind`` of JAX's default device when it is a TPU, else None; also None before
+    JAX has started its backends: blocks are fitted when a config is checked too, and starting
+    JAX there would fix the device count before a script sets it (a later trace sees the chip)."""
     import jax
+    from jax._src import xla_bridge  # no public way to ask without starting the backends
 
+    if not getattr(xla_bridge, "backends_are_initialized", lambda: True)():
+        return None
     try:
         device = jax.devices()[0]
     except RuntimeError:
