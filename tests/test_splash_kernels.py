@@ -721,3 +721,17 @@ def test_splash_bfloat16_gradients_within_the_rounding_bound_of_a_float64_oracle
     # max err / bound measured 0.21-0.66 over 6 seeds x both backends; on average well inside
     # (measured mean 0.008-0.048; 0.2 = 4x), so a systematic error of one bf16 unit fails here
     assert max(ratios) < 0.2, ratios
+
+
+def test_tuned_blocks_never_start_jax():
+    """Fitting the tuned blocks (a config check does) must not start JAX's backends: a script sets
+    its simulated device count after building its config."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import ringsplash as rs; from jax._src import xla_bridge as xb; "
+            "c = rs.SplashConfig().with_tuned_blocks(kv_len=32768); "
+            "assert c.block_q == 2048 and not xb.backends_are_initialized(), (c, xb.backends_are_initialized())")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
