@@ -20,13 +20,13 @@ It refuses to run without a TPU (CPU timings of these kernels mean nothing).
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from _bench import median_of
 
 HEADS, HEAD_DIM = 16, 128
 FWD_LENGTHS = (4096, 8192, 16384, 32768, 65536)
@@ -114,12 +114,7 @@ def inputs(row: Row):
 def timed(fn, args, repeats: int) -> float:
     """Median milliseconds of ``fn(*args)`` (compiled first; each call blocked on)."""
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_of(lambda: jax.block_until_ready(fn(*args)), repeats)[0]
 
 
 def with_grad(attn, bwd: bool):

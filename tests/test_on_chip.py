@@ -20,6 +20,7 @@ import pytest
 
 import ringsplash as rs
 from ringsplash import masks
+from support.attention_inputs import inputs
 
 pytestmark = pytest.mark.tpu
 
@@ -31,13 +32,8 @@ MOSAIC = rs.SplashConfig(backend="mosaic_tpu")
 
 
 def make_inputs(key, *, heads=4, kv_heads=4, d=128, dv=None, dtype=jnp.bfloat16, s=S):
-    dv = d if dv is None else dv
-    kq, kk, kv, kd = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (heads, s, d), dtype)
-    k = jax.random.normal(kk, (kv_heads, s, d), dtype)
-    v = jax.random.normal(kv, (kv_heads, s, dv), dtype)
-    do = jax.random.normal(kd, (heads, s, dv), dtype)
-    return q, k, v, do
+    """(q, k, v, d_out) of ``support.attention_inputs.inputs``, bf16 by default."""
+    return inputs(key, heads, kv_heads, s, s, d, dtype, dv)[:4]
 
 
 def errors(mask, q, k, v, do, *, fn=None, config=MOSAIC, sinks=None, **kw):

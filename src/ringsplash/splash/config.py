@@ -76,9 +76,10 @@ class SplashConfig:
     ``precision`` is the MXU precision of every matmul of the kernels and the xla backend:
 
     * ``"auto"`` (default) — ``"highest"`` for float32 inputs, ``"default"`` otherwise: float32
-      gives float32 accuracy (about 1e-6 max abs at 2K on a v5e against the float32 oracle) and
-      bfloat16 runs at the MXU's bf16 rate. float32 costs about 3x bfloat16 time on a v5e
-      (``docs/tpu.md``);
+      outputs get float32 accuracy (7.3e-7 max abs at 2K on a v5e against the float32 oracle;
+      gradients 1.5e-4, as the xla backend's there, ``docs/tpu.md``) and bfloat16 runs at the
+      MXU's bf16 rate. Full precision takes several MXU passes per float32 matmul; its time on
+      the chip is not measured yet;
     * ``"default"`` — one bfloat16 pass per matmul: float32 inputs get bfloat16-level error
       (~1e-2 max abs) at about bfloat16 speed;
     * ``"highest"`` — float32 matmuls (several bf16 passes) whatever the input dtype (bfloat16
