@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ringsplash._softmax import MASK_VALUE
 from ringsplash.splash.config import NUM_LANES
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -166,24 +167,27 @@ def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, mask
     return mask
 
 
-def drop_unattended(mask, k, v, *, transposed):
+def drop_unattended(s, k, v, *, transposed):
     """``k, v`` with the rows of kv positions that no row of the tile attends set to 0.
 
     This is the masked-values contract (``reference_attention``): a kv position that no
     query attends never reaches an output or gradient, even when its K / V are NaN or Inf.
-    The score ``where`` alone removes a masked K from the forward, but ``P @ V`` multiplies
+    The score ``where`` alone removes a masked K from the scores, but ``P @ V`` multiplies
     a masked V by P = 0 (0 * NaN = NaN) and ``dS @ K`` a masked K by dS = 0, so both are
-    zeroed before their matmuls. ``mask`` is the bool tile, ``(q, kv)`` or, ``transposed``,
-    ``(kv, q)``; ``k, v`` are ``[bkv, d]``.
+    zeroed before those matmuls. ``s`` is the tile's scores after the mask's ``where``
+    (``MASK_VALUE`` where masked: a kv position is attended iff some score of it is above),
+    ``(q, kv)`` or, ``transposed``, ``(kv, q)``; ``k, v`` are ``[bkv, d]`` (either may be None).
+    Reading the attended positions off the scores keeps the bool mask to one use (its
+    ``where``), so Mosaic need not keep it live across the matmuls.
     """
-    hit = mask.astype(jnp.float32)
     if transposed:
-        col = jnp.max(hit, axis=1, keepdims=True)  # (bkv, 1)
+        col = jnp.max(s, axis=1, keepdims=True)  # (bkv, 1)
     else:  # (1, bkv) row -> (bkv, 1) column through a lane-aligned transpose
-        row = jnp.max(hit, axis=0, keepdims=True)
+        row = jnp.max(s, axis=0, keepdims=True)
         col = jnp.transpose(jnp.broadcast_to(row, (NUM_LANES, row.shape[1])))[:, :1]
-    keep = col > 0.0
-    return jnp.where(keep, k, jnp.zeros_like(k)), jnp.where(keep, v, jnp.zeros_like(v))
+    keep = col > MASK_VALUE
+    zero = lambda x: None if x is None else jnp.where(keep, x, jnp.zeros_like(x))
+    return zero(k), zero(v)
 
 
 def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None):

@@ -117,14 +117,12 @@ def _dq_kernel(
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         stored = None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0
         mask = tile_mask(which, partial_of(kinds_ref[lst, i]), lst, pos_seg_refs, stored, masks=masks)
-        if mask is not None:
-            k, v = drop_unattended(mask, k, v, transposed=False)
         s, t = scores_and_tanh(q, k, scale=scale, logit_soft_cap=logit_soft_cap, precision=precision)
-        if mask is not None:
+        if mask is not None:  # masked scores MASK_VALUE: their p = exp(s - lse) is exactly 0
             s = jnp.where(mask, s, MASK_VALUE)
+            t = None if t is None else jnp.where(mask, t, 0.0)  # a masked NaN K's tanh
+            k, v = drop_unattended(s, k, v, transposed=False)
         p = jnp.exp(s - lse_scr[:, :1])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
         dp = lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_scr[:, :1], t)
         dq_scr[...] += lax.dot_general(ds.astype(probs_dtype), k.astype(probs_dtype), NN_DIMS,
@@ -194,8 +192,6 @@ def _dkv_kernel(
         # transposed tiles (kv, q): q-side rows (1, bq) broadcast over kv rows
         stored = None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0
         mask = tile_mask(which, partial_of(kinds_ref[row, i]), lst, pos_seg_refs, stored, masks=masks)
-        if mask is not None:
-            k, v = drop_unattended(mask, k, v, transposed=True)
         # base-2 scores: s2 = log2(e) * scale * k.q, p = exp2(s2 - log2(e) * lse) (the lse rows
         # arrive scaled). q is not pre-scaled as in the forward: it changes every step here, and
         # a bf16 rounding of q * scale moved bf16 gradients by an ulp.
@@ -205,11 +201,11 @@ def _dkv_kernel(
         if cap2 is not None:
             t = jnp.tanh(s * (1.0 / cap2))
             s = cap2 * t
-        if mask is not None:
+        if mask is not None:  # masked scores MASK_VALUE: their p = exp2(s - lse) is exactly 0
             s = jnp.where(mask, s, MASK_VALUE)
+            t = None if t is None else jnp.where(mask, t, 0.0)  # a masked NaN K's tanh
+            k, v = drop_unattended(s, k, v, transposed=True)
         p = jnp.exp2(s - lse_ref[...])
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
         dv_scr[...] += lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS,
                                        precision=precision, preferred_element_type=jnp.float32)
         dp = lax.dot_general(v, do, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)

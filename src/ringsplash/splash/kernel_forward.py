@@ -50,6 +50,9 @@ from ringsplash.splash._kernel_common import (
 )
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
+#: the running row max starts here: above MASK_VALUE (masked scores), below any real score
+M_START = 0.5 * MASK_VALUE
+
 # ----------------------------------------------------------------------------------------
 # kernel body
 
@@ -81,7 +84,7 @@ def _forward_kernel(
     def _init():
         if prescaled:
             q_scr[...] = (q_ref[...].astype(jnp.float32) * (scale * LOG2E)).astype(q_scr.dtype)
-        m_scr[...] = jnp.full(m_scr.shape, MASK_VALUE, jnp.float32)
+        m_scr[...] = jnp.full(m_scr.shape, M_START, jnp.float32)
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
         if raw_scr is not None:
@@ -104,8 +107,6 @@ def _forward_kernel(
             if which == "partial" and mask_ref is not None:
                 stored = mask_ref[0, :, cols] != 0
             mask = tile_mask(which, partial, lst, pos_seg_refs, stored, masks=masks, kv_cols=cols)
-            if mask is not None:
-                k, v = drop_unattended(mask, k, v, transposed=False)
             s = lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
             if not prescaled:
                 s = s * (scale * LOG2E)
@@ -114,18 +115,19 @@ def _forward_kernel(
                 raw_scr[...] = jnp.maximum(raw_scr[...], jnp.max(raw, axis=1, keepdims=True))
             if cap2 is not None:
                 s = cap2 * jnp.tanh(s * (1.0 / cap2))
-            if mask is not None:
+            if mask is not None:  # the mask's only use; masked scores are MASK_VALUE < M_START
                 s = jnp.where(mask, s, MASK_VALUE)
+                _, v = drop_unattended(s, None, v, transposed=False)
             # Online softmax in base 2: m = running row max, l = running sum of exp2(s - m),
             # acc = running sum of exp2(s - m) @ v, both rescaled by exp2(m_old - m_new).
+            # m starts at M_START, above MASK_VALUE, so a masked score's exp2(s - m) is exactly 0
+            # even in a row with nothing attended yet (no second where over p).
             # m and l are replicated over the 128 lanes (the native tile), so they broadcast
             # over the tile by repeating whole vregs.
             m_prev, l_prev = m_scr[...], l_scr[...]
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(s - lane_tile(m_next, block_kv_compute))
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)  # a fully masked tile row must add nothing
             m_scr[...] = m_next
             l_scr[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             pv = lax.dot_general(p.astype(probs_dtype), v.astype(probs_dtype), NN_DIMS, precision=precision,
@@ -144,7 +146,7 @@ def _forward_kernel(
         lse_ref[...] = jnp.transpose(lse)[:1, :]  # (bq, lanes) -> (1, bq) row
         if max_ref is not None:  # the block's max raw logit, replicated over the 128 lanes
             rows = m_scr[...] if raw_scr is None else raw_scr[...]
-            rows = jnp.where(rows > MASK_VALUE, rows * LN2, MASK_VALUE)  # base-2 units -> scale · q·k
+            rows = jnp.where(rows > M_START, rows * LN2, MASK_VALUE)  # base-2 units -> scale · q·k
             max_ref[...] = jnp.max(rows, axis=0, keepdims=True)
 
 

@@ -1,0 +1,120 @@
+"""Profile Splash attention on a TPU chip: where the device time of one call goes, op by op.
+
+Each row (the rows of ``bench_splash_tpu.py``: ``mask:S:fwd|bwd[:d=N][:group=G]``) runs ``--repeats`` times
+under ``jax.profiler.trace`` for ringsplash's default config (``--set`` overrides ``SplashConfig`` fields)
+and, with ``--peer``, JAX's splash at the given blocks. The Perfetto trace is read back and the device ops
+are printed by total time per call: the Pallas kernels by name (``splash_fwd``, ``splash_fused_bwd``, ...)
+beside XLA's own ops (work-list refinement, transposes, reductions).
+
+    python scripts/profile_splash_tpu.py --rows docs:32768:fwd,local:32768:fwd --peer 1024,1024,512
+    python scripts/profile_splash_tpu.py --rows docs:32768:fwd --set segment_skipping=false
+
+It refuses to run without a TPU.
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+import jax
+
+import bench_splash_tpu as bench
+
+
+def parse_overrides(text: str | None) -> dict:
+    """``key=value,...`` -> SplashConfig keyword arguments (ints, true/false, else strings)."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        key, value = item.split("=", 1)
+        low = value.lower()
+        out[key] = True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
+    return out
+
+
+def ringsplash_attn(row: bench.Row, overrides: dict):
+    import ringsplash as rs
+    from ringsplash import masks
+
+    s = row.seq_len
+    mask = masks.LocalMask((s, s), window=(bench.WINDOW, 0)) if row.mask == "local" else masks.CausalMask((s, s))
+    config = rs.SplashConfig(**{"backend": "mosaic_tpu", **overrides})
+    seg = rs.SegmentIds(q=bench.segment_ids(row), kv=bench.segment_ids(row)) if row.mask == "docs" else None
+    return lambda q, k, v: rs.splash_attention(q, k, v, mask, config=config, segment_ids=seg)
+
+
+def device_op_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
+    """``(op name, ms per call, occurrences per call)`` of the device ops in the Perfetto trace under
+    ``trace_dir``, longest first (ops of the TPU processes' "XLA Ops" threads, else every TPU thread)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(paths[0]) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    tpu = {pid for pid, name in procs.items() if "TPU" in name and "CPU" not in name}
+    ops_threads = {key for key, name in threads.items() if key[0] in tpu and "XLA Ops" in name}
+    if not ops_threads:
+        print(f"no 'XLA Ops' thread; every TPU thread counted: {sorted(set(threads.values()))}", file=sys.stderr)
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in tpu:
+            continue
+        if ops_threads and (e["pid"], e.get("tid")) not in ops_threads:
+            continue
+        total[e["name"]] += float(e.get("dur", 0.0))
+        count[e["name"]] += 1
+    return [(name, us / 1e3 / calls, count[name] / calls) for name, us in total.most_common()]
+
+
+def profile(label: str, fn, args, repeats: int, top: int):
+    jax.block_until_ready(fn(*args))  # compile outside the trace
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            for _ in range(repeats):
+                jax.block_until_ready(fn(*args))
+        ops = device_op_times(tmp, repeats)
+    print(f"\n{label}: device total {sum(ms for _, ms, _ in ops):.2f} ms per call")
+    print("| op | ms per call | per call |\n|---|---|---|")
+    for name, ms, n in ops[:top]:
+        print(f"| {name[:90]} | {ms:.3f} | {n:g} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--rows", required=True, help="mask:S:fwd|bwd[:d=N][:group=G], comma-separated")
+    parser.add_argument("--set", dest="overrides", help="SplashConfig overrides for ringsplash, key=value,...")
+    parser.add_argument("--peer", help="also profile JAX's splash at these blocks: bq,bkv,bkv_compute[,bq_dkv,bkv_dkv]")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12, help="ops printed per profile")
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "tpu":
+        sys.exit(f"profile_splash_tpu.py profiles TPU kernels; this process sees {jax.devices()[0].platform!r} devices")
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    overrides = parse_overrides(args.overrides)
+    for row in bench.parse_rows(args.rows):
+        q, k, v, do = bench.inputs(row)
+        call_args = (q, k, v, do) if row.bwd else (q, k, v)
+        fn = bench.with_grad(ringsplash_attn(row, overrides), row.bwd)
+        profile(f"{row.label} ringsplash {overrides or 'default'}", fn, call_args, args.repeats, args.top)
+        if args.peer:
+            cand = tuple(int(x) for x in args.peer.split(","))
+            profile(f"{row.label} jax {list(cand)}", bench.with_grad(bench.jax_fn(row, cand), row.bwd), call_args,
+                    args.repeats, args.top)
+
+
+if __name__ == "__main__":
+    main()
