@@ -5,6 +5,8 @@ previous good checkpoint and ends with the uninterrupted run's state, and with n
 checkpoint left the error names what is wrong. ``python -m ringsplash.checkpoints verify``
 checks a run's checkpoints without resuming."""
 
+import errno
+import logging
 import os
 import shutil
 import warnings
@@ -159,3 +161,114 @@ def test_resume_with_no_good_checkpoint_is_an_error_not_a_fresh_start(runs, tmp_
         with pytest.raises(checkpoints.CheckpointCorruptError, match=r"no checkpoint .* reads back intact.*/4'.*/2'"):
             train.fit(config, tc, stream, str(run))
     assert checkpoints.all_steps(ckpt) == [2, 4]  # nothing written, nothing moved
+
+
+# ----------------------------------------------------------------------------- the data-iterator state
+
+
+def _iterator(at: int):
+    """A Grain iterator standing at element ``at`` (its state: ``{"next_index": at}``)."""
+    import grain
+
+    it = iter(grain.MapDataset.range(100).to_iter_dataset())
+    for _ in range(at):
+        next(it)
+    return it
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+DATA_DAMAGE = {
+    "edited": lambda file: _write(file, '{"next_index": 7}'),
+    "truncated": _truncate,
+    "deleted": os.remove,
+}
+
+
+@pytest.mark.parametrize("damage", DATA_DAMAGE)
+def test_damaged_data_iterator_state_is_refused_verified_and_skipped(tmp_path, damage):
+    """The metadata records a checksum of each data-iterator state file: a damaged one fails
+    ``restore_state`` (so ``restore_newest_valid`` falls back), ``verify`` and the verify command,
+    and ``restore_data_iterator`` refuses it."""
+    root = str(tmp_path / "ckpt")
+    state = {"w": jnp.arange(4.0)}
+    for step in (1, 2):
+        checkpoints.save_state(root, state, step=step, data_iterator=_iterator(step))
+    assert set(checkpoints.read_metadata(root, 2).data_checksums) == {"process_0-of-1.json"}
+    assert checkpoints.verify(root, 2) is None
+    DATA_DAMAGE[damage](os.path.join(root, "2", "data", "process_0-of-1.json"))
+    message = r"checkpoint '.*/2'.*data-iterator state \(data/process_0-of-1.json\)"
+    with pytest.raises(checkpoints.CheckpointCorruptError, match=message):
+        checkpoints.restore_state(root, state, step=2)
+    assert "data-iterator state" in checkpoints.verify(root, 2) and checkpoints.verify(root, 1) is None
+    with pytest.raises(checkpoints.CheckpointCorruptError, match=message):
+        checkpoints.restore_data_iterator(root, 2, _iterator(0))
+    with pytest.warns(RuntimeWarning, match="skipping checkpoint step 2"):
+        _, step, _ = checkpoints.restore_newest_valid(root, state)
+    assert step == 1
+    it = _iterator(0)
+    assert checkpoints.restore_data_iterator(root, 1, it) and next(it) == 1
+
+
+def test_verify_command_catches_a_damaged_data_iterator_state(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2):
+        checkpoints.save_state(root, {"w": jnp.arange(4.0)}, step=step, data_iterator=_iterator(step))
+    _write(os.path.join(root, "2", "data", "process_0-of-1.json"), '{"next_index": 1}')  # JSON, wrong position
+    assert checkpoints.main(["verify", root]) == 1
+    out = capsys.readouterr().out
+    assert "step 1: ok" in out and "step 2: checkpoint" in out and "data/process_0-of-1.json" in out
+    assert "1 of 2 checkpoints verify; a resumed run starts from step 1" in out
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _tensorstore_enospc(*args, **kwargs):  # how tensorstore reports it (a ValueError)
+    raise ValueError('RESOURCE_EXHAUSTED: Error writing local file "x/_sharding": Failed to write 173 bytes to '
+                     "file 23: No space left on device [os_error_code='28']")
+
+
+@pytest.mark.parametrize("writer", ["data-iterator state", "arrays"])
+def test_a_full_disk_fails_a_save_with_one_clear_error(tmp_path, monkeypatch, caplog, capfd, writer):
+    """A save that runs out of space raises one ``OSError`` (ENOSPC) naming the step, the directory
+    and the newest checkpoint left, with no chained tracebacks and no logged ones; the partial save
+    is removed and the previous checkpoint still verifies."""
+    import grain.checkpoint
+    import orbax.checkpoint as ocp
+
+    root = str(tmp_path / "ckpt")
+    state = {"w": jnp.arange(4.0)}
+    checkpoints.save_state(root, state, step=1, data_iterator=_iterator(1))
+    if writer == "data-iterator state":
+        monkeypatch.setattr(grain.checkpoint.CheckpointHandler, "save", _enospc)
+    else:
+        monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", _tensorstore_enospc)
+    capfd.readouterr()
+    with pytest.raises(OSError, match=rf"checkpoint step 2 was not saved under '{root}': no space left on device "
+                                      r"\(.*\); the newest checkpoint is step 1; free space") as err:
+        checkpoints.save_state(root, state, step=2, data_iterator=_iterator(2))
+    assert err.value.errno == errno.ENOSPC
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # one error, not a chain
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "Traceback" not in "".join(capfd.readouterr())
+    assert sorted(os.listdir(root)) == ["1"] and checkpoints.verify(root, 1) is None
+
+
+def test_other_save_errors_are_not_reported_as_a_full_disk(tmp_path, monkeypatch):
+    import grain.checkpoint
+
+    def broken(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(grain.checkpoint.CheckpointHandler, "save", broken)
+    with pytest.raises(Exception, match="Permission denied") as err:
+        checkpoints.save_state(str(tmp_path / "ckpt"), {"w": jnp.arange(4.0)}, step=1, data_iterator=_iterator(1))
+    assert "no space left" not in str(err.value)

@@ -1,6 +1,9 @@
 """Packing plans and the Grain ``Loader``: pieces cover every document once, targets never cross
 a document boundary, shuffles and mixtures by seed, process-local rows, resumable iterators."""
 
+import json
+import os
+
 import jaxtyping
 import numpy as np
 import pytest
@@ -149,3 +152,126 @@ def test_loader_config_rejects_bad_values(corpus):
     loader = data.Loader(corpus.path, data.LoaderConfig(seq_len=64, batch_size=4))
     with pytest.raises(ValueError, match=r"rows must be in \[0, batch_size=4\), got \[4\]"):
         loader.batch(0, rows=[4])
+
+
+# ----------------------------------------------------------------------------- damaged or edited corpora
+
+
+def _own_corpus(tmp_path, n=40, hi=100):
+    return make_corpus(str(tmp_path / "c"), np.random.default_rng(0), n=n, hi=hi)
+
+
+def _tokens_file(corpus):
+    return os.path.join(corpus.path, corpus.manifest["shards"][0]["tokens"])
+
+
+def _edit_byte(file, at):
+    """Replace the byte at ``at`` by another letter (same size, new mtime)."""
+    with open(file, "r+b") as f:
+        f.seek(at)
+        old = f.read(1)
+        f.seek(at)
+        f.write(b"b" if old != b"b" else b"c")
+
+
+def test_a_shard_edited_in_place_is_refused_when_the_corpus_is_opened(tmp_path):
+    """Same size, same manifest: the sampled-chunk fingerprint (here the whole small file) differs."""
+    corpus = _own_corpus(tmp_path)
+    file = _tokens_file(corpus)
+    _edit_byte(file, os.path.getsize(file) - 3)  # a token of the last document
+    with pytest.raises(data.CorpusChangedError, match=rf"{file} was changed after tokenization: its sample .*"
+                                                      r"manifest .*manifest.json records"):
+        data.Loader(corpus.path, data.LoaderConfig(seq_len=64, batch_size=2))
+
+
+def test_an_edit_between_the_samples_is_caught_on_resume_by_its_mtime(tmp_path, monkeypatch):
+    """An edit the sampled chunks miss opens fine, but ``verify_sources`` (what ``fit`` runs when it
+    resumes) sees the new mtime and hashes the file whole; a copy (new mtime, same bytes) passes."""
+    import ringsplash.data.corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "SAMPLE_CHUNKS", 4)
+    monkeypatch.setattr(corpus_module, "SAMPLE_BYTES", 16)
+    corpus = _own_corpus(tmp_path)
+    file = _tokens_file(corpus)
+    size = os.path.getsize(file)
+    step = (size - 16) // 3  # chunks at 0, step, 2 * step, 3 * step (16 bytes each)
+    config = data.LoaderConfig(seq_len=64, batch_size=2)
+    os.utime(file, ns=(0, 10**18))  # touched (as a copy would be), same bytes
+    data.Loader(corpus.path, config).verify_sources()
+    middle = (step + 16 + 2 * step) // 2  # between chunks 1 and 2
+    _edit_byte(file, middle - middle % 2)  # the low byte of a uint16 token
+    loader = data.Loader(corpus.path, config)  # opening reads only the samples
+    with pytest.raises(data.CorpusChangedError, match=rf"{file} was changed after tokenization: its sha256"):
+        loader.verify_sources()
+
+
+@pytest.mark.parametrize("damage", ["last offset past the tokens", "decreasing offsets", "truncated tokens file",
+                                    "2-D offsets"])
+def test_offsets_inconsistent_with_the_tokens_are_refused_at_open(tmp_path, damage):
+    corpus = _own_corpus(tmp_path)
+    shard = corpus.manifest["shards"][0]
+    tokens_file, offsets_file = (os.path.join(corpus.path, shard[k]) for k in ("tokens", "offsets"))
+    offsets = np.load(offsets_file)
+    if damage == "last offset past the tokens":
+        offsets[-1] += 5
+        np.save(offsets_file, offsets)
+        message = rf"{offsets_file}: the document offsets do not fit {tokens_file} .*expected the last offset"
+    elif damage == "decreasing offsets":
+        offsets[3], offsets[4] = offsets[4], offsets[3]
+        np.save(offsets_file, offsets)
+        message = rf"{offsets_file}: .*expected non-decreasing offsets, got offsets\[3\]="
+    elif damage == "truncated tokens file":
+        with open(tokens_file, "r+b") as f:
+            f.truncate(os.path.getsize(tokens_file) // 2)
+        message = rf"corpus shard file {tokens_file} cannot be read as a .npy array"
+    else:
+        np.save(offsets_file, offsets[None])
+        message = rf"{offsets_file}: expected a 1-D integer array of document offsets"
+    with pytest.raises(ValueError, match=message):
+        data.TokenizedCorpus(corpus.path)
+
+
+def test_a_token_id_beyond_the_corpus_vocabulary_is_refused_naming_the_shard(tmp_path):
+    """A corrupt id the manifest's fingerprints cannot flag (the manifest rewritten after the
+    damage) is refused where rows are packed, naming the file, the id and the vocabulary."""
+    corpus = _own_corpus(tmp_path)
+    file = _tokens_file(corpus)
+    tokens = np.load(file)
+    tokens[5] = 300  # the bytes tokenizer's vocabulary is 256
+    np.save(file, tokens)
+    manifest_file = os.path.join(corpus.path, "manifest.json")
+    manifest = corpus.manifest
+    manifest["shards"][0]["files"]["tokens"] = data.corpus.file_fingerprint(file)
+    with open(manifest_file, "w") as f:
+        json.dump(manifest, f)
+    loader = data.Loader(corpus.path, data.LoaderConfig(seq_len=64, batch_size=1, seed=1))
+    with pytest.raises(ValueError, match=rf"{file}: token id 300 \(document 0, token 5, file offset 5\) is outside "
+                                         r"the corpus vocabulary \[0, vocab_size=256\)"):
+        for step in range(loader.sources[0].plan.num_rows):
+            loader.batch(step)
+
+
+def test_check_token_ids_refuses_ids_outside_the_vocabulary_on_the_host_and_under_jit():
+    import jax
+    from jax.experimental import checkify
+
+    good = data.pack_documents([np.arange(10)], 16, 1)
+    data.check_token_ids(good, 10, "ok")
+    bad = good._replace(tokens=good.tokens.copy())
+    bad.tokens[0, 3] = 12
+    with pytest.raises(ValueError, match=r"batch 7, tokens: token id 12 at index \(0, 3\) is outside the vocabulary "
+                                         r"\[0, vocab_size=10\)"):
+        data.check_token_ids(bad, 10, "batch 7")
+    with pytest.raises(ValueError, match=r"token id -1 at index \(1,\)"):
+        data.check_token_ids(np.array([0, -1]), 10, "x")
+
+    @jax.jit
+    def embed(tokens):
+        data.check_token_ids(tokens, 10, "the prompt")
+        return jax.numpy.eye(10)[tokens]
+
+    err, _ = checkify.checkify(embed)(np.asarray(bad.tokens))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"the prompt: token id 12 \(flat index 3\) is outside"):
+        err.throw()
+    err, _ = checkify.checkify(embed)(np.asarray(good.tokens))
+    assert err.get() is None

@@ -136,3 +136,77 @@ def test_checkpoint_stores_and_restores_the_loader_iterator(corpus, tmp_path):
     assert checkpoints.restore_data_iterator(str(tmp_path), 3, fresh)
     np.testing.assert_array_equal(next(fresh).tokens, loader.batch(3).tokens)
     assert not checkpoints.restore_data_iterator(str(tmp_path), 4, loader.iterator([0, 1, 2, 3]))
+
+
+def test_fit_refuses_a_stream_token_id_beyond_the_models_vocabulary(tmp_path):
+    """A ``DataStream`` id >= vocab_size would be clamped by the embedding and train silently: ``fit``
+    refuses the batch on the host, naming the id, the vocabulary and the batch."""
+    from support.training import setup
+
+    config, tc, stream = setup(steps=2)
+    make = stream.make
+
+    def bad(rng, n, step):
+        batch = make(rng, n, step)
+        batch.tokens[0, 4] = config.vocab_size + 3
+        return batch
+
+    with pytest.raises(ValueError, match=rf"batch 0 of the data stream \(seed 3\), tokens: token id "
+                                         rf"{config.vocab_size + 3} at index \(0, 4\) is outside the vocabulary "
+                                         rf"\[0, vocab_size={config.vocab_size}\)"):
+        train.fit(config, tc, dataclasses.replace(stream, make=bad), str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def loader_run(corpus, tmp_path_factory):
+    """A loader run of 4 steps with checkpoints at 2 and 4 (each with its data-iterator state)."""
+    root = tmp_path_factory.mktemp("loader_run")
+    tc = train.TrainConfig(steps=4, batch_size=4, learning_rate=3e-3, warmup_steps=2, log_every=2,
+                           checkpoint_every=2, progress=False)
+    loader = data.Loader(corpus.path, data.LoaderConfig(seq_len=S, batch_size=4, seed=5))
+    full = train.fit(_config(), tc, loader, str(root / "full"))
+    return root, tc, train.state_digest(full)
+
+
+@pytest.mark.slow  # resumes a tiny loader run (2 steps)
+def test_a_damaged_data_iterator_state_falls_back_to_the_previous_checkpoint(corpus, loader_run, tmp_path):
+    import shutil
+
+    from ringsplash import checkpoints
+
+    root, tc, want = loader_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "full", run)
+    ckpt = str(run / "checkpoints")
+    with open(os.path.join(ckpt, "4", "data", "process_0-of-1.json"), "w") as f:
+        f.write('{"next_index": 3}')
+    assert "data-iterator state" in checkpoints.verify(ckpt, 4)
+    loader = data.Loader(corpus.path, data.LoaderConfig(seq_len=S, batch_size=4, seed=5))
+    with pytest.warns(RuntimeWarning, match=r"skipping checkpoint step 4: .*data-iterator state"):
+        state = train.fit(_config(), tc, loader, str(run))
+    assert int(state.step) == 4 and train.state_digest(state) == want
+    assert checkpoints.all_steps(ckpt) == [2, 4] and all(checkpoints.verify(ckpt, s) is None for s in (2, 4))
+
+
+@pytest.mark.slow  # trains 2 steps and resumes
+def test_a_resumed_run_refuses_a_shard_edited_in_place(loader_run, tmp_path, monkeypatch):
+    """An edit the sampled chunks miss (same size, same manifest) opens fine but is caught when the
+    run resumes: the shard's mtime changed, so it is hashed whole against the manifest."""
+    import ringsplash.data.corpus as corpus_module
+
+    _, tc, _ = loader_run
+    monkeypatch.setattr(corpus_module, "SAMPLE_CHUNKS", 4)  # chunks at 0, step, 2 step, 3 step
+    monkeypatch.setattr(corpus_module, "SAMPLE_BYTES", 16)
+    path, run = str(tmp_path / "c"), str(tmp_path / "run")
+    c = make_corpus(path, np.random.default_rng(), n=60, hi=90)
+    config = data.LoaderConfig(seq_len=S, batch_size=4, seed=5)
+    train.fit(_config(), tc, data.Loader(path, config), run, stop_after=2)
+    file = os.path.join(path, c.manifest["shards"][0]["tokens"])
+    step = (os.path.getsize(file) - 16) // 3
+    middle = (step + 16 + 2 * step) // 2 // 2 * 2  # between chunks 1 and 2: the low byte of a uint16 token
+    with open(file, "r+b") as f:
+        f.seek(middle)
+        f.write(b"z" if f.read(1) != b"z" else b"y")
+    loader = data.Loader(path, config)  # opens: the size and the samples agree
+    with pytest.raises(data.CorpusChangedError, match=rf"{file} was changed after tokenization: its sha256"):
+        train.fit(_config(), tc, loader, run)

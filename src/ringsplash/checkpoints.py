@@ -21,7 +21,8 @@ Contract:
 - **Data iterator** (optional): ``save_state(..., data_iterator=it)`` also stores a Grain
   iterator's state (``it.get_state()``) under ``<step>/data/process_<i>-of-<n>.json``, one file per
   process, through Grain's orbax handler, inside the same atomic save; ``restore_data_iterator``
-  sets it back (``it.set_state``).
+  sets it back (``it.set_state``). The metadata records a checksum of each process's file, so a
+  damaged one is a damaged checkpoint like a damaged array (below).
 - Only array leaves are stored; every other leaf (equinox static fields, activation functions,
   python scalars) is taken from ``like``. Typed PRNG keys are stored as their key data
   (``ringsplash.checkpoint_leaves``: leaf records, restore targets, the structure check).
@@ -29,17 +30,28 @@ Contract:
   independent of the sharding, so it holds on any restore mesh); ``restore_state`` recomputes
   it on the restored arrays and refuses a mismatch with a ``CheckpointCorruptError`` naming the
   checkpoint and the array. Files that cannot be read (truncated data or metadata, a missing
-  process directory) raise the same error instead of orbax's / tensorstore's.
+  process directory) raise the same error instead of orbax's / tensorstore's, and so does a
+  data-iterator state file that is missing, unreadable or not the state saved.
   ``restore_newest_valid`` walks back to the newest checkpoint that verifies, saying which it
   skipped and why; ``python -m ringsplash.checkpoints verify RUN_DIR`` checks every checkpoint of
   a run (or checkpoint) directory without resuming anything.
+- **A full disk** fails a save with one ``OSError`` (``errno.ENOSPC``) naming the step, the
+  directory and the newest checkpoint left, instead of orbax's logged tracebacks of each writer
+  thread; the partial save is removed (one process) and the previous checkpoints are untouched.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import errno
+import hashlib
 import json
+import logging
 import os
+import shutil
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -84,6 +96,9 @@ class CheckpointMetadata:
     config_hash: str | None  # ``config_hash(config)``
     leaves: tuple[LeafInfo, ...]
     process_count: int  # processes that wrote it (restoring with another count is fine)
+    # sha256 of each data-iterator state file (``data/process_<i>-of-<n>.json``, its JSON in
+    # canonical form); None: saved without a data iterator, or before these were recorded
+    data_checksums: Mapping[str, str] | None = None
     format: str = FORMAT
 
 
@@ -201,14 +216,118 @@ def save_state(
         import grain.checkpoint
 
         args[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
-    with _manager(directory, keep=keep, create=True, data=data_iterator is not None) as mngr:
-        if step in mngr.all_steps():
-            raise FileExistsError(f"checkpoint step={step} already exists under {directory!r}")
-        # force: the steps are ours to choose (orbax would skip a step below its latest one)
-        mngr.save(step, args=ocp.args.Composite(**args),
-                  custom_metadata={_META_KEY: dataclasses.asdict(meta)}, force=True)
-        mngr.wait_until_finished()
+        meta = dataclasses.replace(meta, data_checksums=_data_checksums(data_iterator.get_state()))
+    if step in all_steps(directory):
+        raise FileExistsError(f"checkpoint step={step} already exists under {directory!r}")
+    with _held_logs() as held:
+        try:
+            with _manager(directory, keep=keep, create=True, data=data_iterator is not None) as mngr:
+                # force: the steps are ours to choose (orbax would skip a step below its latest one)
+                mngr.save(step, args=ocp.args.Composite(**args),
+                          custom_metadata={_META_KEY: dataclasses.asdict(meta)}, force=True)
+                mngr.wait_until_finished()
+        except Exception as err:
+            reason = _no_space(err)
+            if reason is None:
+                raise
+            _join_writers()  # orbax's other writer threads fail too: let them end while their logs are held
+            held.clear()  # orbax's tracebacks of each writer thread: the one line below says it
+            if process_count == 1:  # the partial save, out of the way (it holds the space)
+                for tmp in _path(directory).glob(f"{step}.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+            latest = latest_step(directory)
+            raise OSError(errno.ENOSPC, f"checkpoint step {step} was not saved under {directory!r}: no space left "
+                          f"on device ({reason}); the newest checkpoint is "
+                          + (f"step {latest}" if latest is not None else "none")
+                          + "; free space (or keep fewer checkpoints) and resume") from None
     return step
+
+
+def _data_digest(text: str) -> str:
+    """sha256 of a data-iterator state file's text: of its JSON in canonical form (independent of
+    how Grain formats the file), or of the text itself when it is not JSON."""
+    with contextlib.suppress(ValueError):
+        text = json.dumps(json.loads(text), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _data_checksums(state) -> dict[str, str]:
+    """``{file name: checksum}`` of every process's data-iterator state file (collective);
+    ``state``: this process's ``get_state()`` (a JSON-able dict, or the bytes of a legacy Grain
+    iterator, which Grain writes as they are)."""
+    n = jax.process_count()
+    text = state.decode() if isinstance(state, bytes | bytearray) else json.dumps(state)
+    digest = np.frombuffer(bytes.fromhex(_data_digest(text)), np.uint8)
+    if n > 1:
+        from jax.experimental import multihost_utils
+
+        digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(n, -1)
+    else:
+        digests = digest[None]
+    return {f"process_{i}-of-{n}.json": bytes(d.astype(np.uint8)).hex() for i, d in enumerate(digests)}
+
+
+def _no_space(err: BaseException) -> str | None:
+    """The first line of the error in ``err``'s chain that says the disk is full (an ``OSError``
+    ENOSPC from Python, or tensorstore's "No space left on device [os_error_code='28']"); None if
+    none does."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in text:
+            return (text.strip().splitlines() or [""])[0][:200]
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _join_writers(timeout: float = 60.0) -> None:
+    """Wait for orbax's writer threads still running after a failed save (each fails on its own)."""
+    try:
+        from orbax.checkpoint._src.futures.future import _SignalingThread
+    except ImportError:  # another orbax layout: nothing to wait for by name
+        return
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if isinstance(thread, _SignalingThread) and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Held(logging.Filter):
+    """Holds back, during a save, the ERROR records of orbax's writer threads (each with a
+    traceback) and the unraisable exceptions of tensorstore's callbacks into closed event loops;
+    they are emitted afterwards unless cleared (a full disk: one error says it all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.unraisable: list = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            self.records.append(record)
+            return False
+        return True
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.unraisable.clear()
+
+
+class _held_logs:
+    def __enter__(self) -> _Held:
+        self.held, self.logger, self.hook = _Held(), logging.getLogger("absl"), sys.unraisablehook
+        self.logger.addFilter(self.held)
+        sys.unraisablehook = self.held.unraisable.append
+        return self.held
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeFilter(self.held)
+        sys.unraisablehook = self.hook
+        for record in self.held.records:
+            self.logger.handle(record)
+        for unraisable in self.held.unraisable:
+            self.hook(unraisable)
 
 
 def _where(directory: str, step: int) -> str:
@@ -285,6 +404,12 @@ def restore_state(directory: str, like, *, step: int | None = None, config: Mapp
         differ = sorted(k for k in set(saved) | set(config) if saved.get(k) != config.get(k))
         raise ValueError(f"checkpoint {directory!r} step {step} was written with config hash {meta.config_hash}, "
                          f"the given config hashes to {config_hash(config)} (differing keys: {differ})")
+    error = None
+    try:
+        _verify_data(directory, step, meta)
+    except CheckpointCorruptError as err:
+        error = err
+    _agree(error, directory, step, "data-iterator state")
     leaves = array_leaves(like)
     check_compatible(meta.leaves, [leaf_info(p, x) for p, x in leaves], directory, step)
     targets = {f"{i:05d}": restore_target(p, x, s) for i, ((p, x), s) in enumerate(zip(leaves, meta.leaves))}
@@ -311,9 +436,20 @@ def data_state_file(directory: str, step: int) -> epath.Path:
 def restore_data_iterator(directory: str, step: int, iterator) -> bool:
     """Set ``iterator`` (``set_state``) to the data-iterator state this process saved with checkpoint
     ``step``; ``False`` (iterator untouched) when the checkpoint holds none for this process (saved
-    without one, or by another number of processes). Collective."""
+    without one, or by another number of processes). Collective. Raises ``CheckpointCorruptError``
+    when the file is missing, unreadable or not the state saved (its recorded checksum)."""
     step = _resolve_step(directory, step)
-    has = data_state_file(directory, step).exists()
+    file = data_state_file(directory, step)
+    error = None
+    try:  # the file this process reads, against the checksum recorded for it
+        meta = read_metadata(directory, step)
+        recorded = meta.data_checksums or {}
+        if file.name in recorded:
+            _verify_data(directory, step, dataclasses.replace(meta, data_checksums={file.name: recorded[file.name]}))
+    except CheckpointCorruptError as err:
+        error = err
+    _agree(error, directory, step, "data-iterator state")
+    has = file.exists()
     if jax.process_count() > 1:  # every process takes the same branch (the restore is collective)
         from jax.experimental import multihost_utils
 
@@ -347,6 +483,23 @@ def _verify(directory: str, step: int, saved: tuple[LeafInfo, ...], values: list
             raise CheckpointCorruptError(
                 f"{_where(directory, step)}: array {info.path} (shape {info.shape}, {info.dtype}) reads back with "
                 f"checksum {value}, but its metadata records {info.checksum}: the data files are corrupt")
+
+
+def _verify_data(directory: str, step: int, meta: CheckpointMetadata) -> None:
+    """Raise naming the first data-iterator state file that is missing, unreadable or whose
+    checksum differs from the recorded one; a no-op when none is recorded."""
+    for name, want in sorted((meta.data_checksums or {}).items()):
+        what = f"data-iterator state ({_DATA}/{name})"
+        try:
+            text = (_path(directory) / str(step) / _DATA / name).read_text()
+        except Exception as err:  # missing, unreadable
+            raise _unreadable(directory, step, what, err) from err
+        got = _data_digest(text)
+        if got != want:
+            shown = " ".join(text.split())[:200]
+            raise CheckpointCorruptError(
+                f"{_where(directory, step)}: its {what} reads back as {shown!r} with checksum "
+                f"{got[:16]}, but its metadata records {want[:16]}: the file is corrupt")
 
 
 def restore_newest_valid(directory: str, like, *, config: Mapping[str, Any] | None = None):
@@ -405,8 +558,12 @@ def verify(directory: str, step: int) -> str | None:
                 shape, dtype = s.shape + data.shape, data.dtype
             targets[f"{i:05d}"] = np.zeros(shape, dtype)
         _verify(directory, step, meta.leaves, _read_arrays(directory, step, targets))
+        _verify_data(directory, step, meta)
         if any(s.checksum is None for s in meta.leaves):
             return "readable, but its metadata records no checksums (written before they were recorded)"
+        if meta.data_checksums is None and (_path(directory) / str(step) / _DATA).exists():
+            return ("readable, but its metadata records no checksums of its data-iterator state (written "
+                    "before they were recorded)")
     except CheckpointCorruptError as err:
         return str(err)
     return None

@@ -12,8 +12,8 @@
 ``grain`` (the ``data`` extra); both are imported only when used.
 """
 
-from ringsplash.data.batch import Batch
-from ringsplash.data.corpus import TokenizedCorpus, read_manifest
+from ringsplash.data.batch import Batch, check_token_ids
+from ringsplash.data.corpus import CorpusChangedError, TokenizedCorpus, read_manifest
 from ringsplash.data.loader import Loader, LoaderConfig
 from ringsplash.data.packing import PackPlan, pack_row, plan_packing
 from ringsplash.data.stream import DataStream, heldout_stream
@@ -22,6 +22,7 @@ from ringsplash.data.tokenize import TokenizeOptions, input_files, tokenize_corp
 
 __all__ = [
     "Batch",
+    "CorpusChangedError",
     "DataStream",
     "Loader",
     "LoaderConfig",
@@ -29,6 +30,7 @@ __all__ = [
     "RecallTask",
     "TokenizeOptions",
     "TokenizedCorpus",
+    "check_token_ids",
     "heldout_stream",
     "input_files",
     "pack_documents",

@@ -16,6 +16,9 @@ of ``(seed, g)``: random access, so
   ``num_threads`` background threads ``prefetch`` batches ahead. Its state
   (``get_state()``, a small JSON dict) is what ``fit`` saves with each checkpoint, one file
   per process (Grain's orbax handler), and restores with ``set_state``.
+
+Every row is checked on the way out: a token id outside the corpus vocabulary (a corrupt
+shard) raises naming the shard file and the document (``TokenizedCorpus.check_document``).
 """
 
 import dataclasses
@@ -97,7 +100,13 @@ class _PackedRows:
     def __getitem__(self, i: int) -> Batch:
         epoch, k = divmod(int(i), self.plan.num_rows)
         row = int(self.order(epoch)[k])
-        return pack_row(self.corpus, self.corpus.lengths, self.plan, row, self.seq_len, self.pad_id)
+        out = pack_row(self.corpus, self.corpus.lengths, self.plan, row, self.seq_len, self.pad_id)
+        vocab = self.corpus.vocab_size
+        if (out.tokens[out.segment_ids > 0] >= vocab).any() or (out.labels >= vocab).any():
+            for p in range(self.plan.row_start[row], self.plan.row_start[row + 1]):  # name the document
+                d, s, n = int(self.plan.doc[p]), int(self.plan.start[p]), int(self.plan.length[p])
+                self.corpus.check_document(d, s, self.corpus[d][s : s + n + 1])
+        return out
 
 
 class _ProcessRows:
@@ -193,6 +202,13 @@ class Loader:
                 raise RuntimeError(f"unexpected Grain iterator state {state} (grain version?)")
             it.set_state({"next_index": int(step)})
         return it
+
+    def verify_sources(self) -> None:
+        """Check every source's shard files against its manifest, mtimes included (a file written
+        since tokenization is hashed whole): ``TokenizedCorpus.verify``. ``fit`` calls it when a
+        run resumes; raises ``CorpusChangedError`` naming the file."""
+        for corpus in self.corpora:
+            corpus.verify(thorough=True)
 
     def describe(self) -> dict:
         """What makes the batches (sources by fingerprint, not path: a corpus may move; the config

@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from ringsplash.data.corpus import FORMAT, MANIFEST
+from ringsplash.data.corpus import FORMAT, MANIFEST, file_fingerprint
 
 JSONL_SUFFIXES = (".jsonl",)
 
@@ -167,11 +167,14 @@ class _ShardWriter:
         name = f"shard_{len(self.shards):05d}"
         lengths = np.array([d.size for d in self._pending], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        np.save(os.path.join(self.directory, f"{name}.tokens.npy"),
+        files = {"tokens": f"{name}.tokens.npy", "offsets": f"{name}.offsets.npy"}
+        np.save(os.path.join(self.directory, files["tokens"]),
                 np.concatenate(self._pending).astype(self.dtype, copy=False))
-        np.save(os.path.join(self.directory, f"{name}.offsets.npy"), offsets)
-        self.shards.append({"tokens": f"{name}.tokens.npy", "offsets": f"{name}.offsets.npy",
-                            "documents": len(lengths), "num_tokens": int(offsets[-1])})
+        np.save(os.path.join(self.directory, files["offsets"]), offsets)
+        # what TokenizedCorpus checks the files against (size, mtime, sampled chunks, sha256)
+        fingerprints = {k: file_fingerprint(os.path.join(self.directory, f)) for k, f in files.items()}
+        self.shards.append({**files, "documents": len(lengths), "num_tokens": int(offsets[-1]),
+                            "files": fingerprints})
         self._pending, self._count = [], 0
 
 

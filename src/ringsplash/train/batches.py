@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash._checks import check_divides, check_positive_int
-from ringsplash.data import Batch, DataStream
+from ringsplash.data import Batch, DataStream, check_token_ids
 from ringsplash.model import PAD_SEGMENT, TransformerConfig
 from ringsplash.train.mesh import DATA, batch_spec
 
@@ -102,9 +102,12 @@ def stream_batch(stream: DataStream, step: int, mesh: jax.sharding.Mesh, model_c
     it, from this process's part only: the process draws (``stream.batch(step, rows=...)``) and
     lays out only the rows of ``process_rows`` and fills only its addressable shards. With a
     ``per_row`` stream no process touches another's rows; the global batch is the same whatever
-    the number of processes."""
+    the number of processes. A token id outside the model's vocabulary is refused here
+    (``data.check_token_ids``), naming the id and the batch."""
     rows = process_rows(mesh, stream.batch_size)
-    return place_rows(stream.batch(step, rows=rows), rows, stream.batch_size, mesh, model_config)
+    local = stream.batch(step, rows=rows)
+    check_token_ids(local, model_config.vocab_size, f"batch {step} of the data stream (seed {stream.seed})")
+    return place_rows(local, rows, stream.batch_size, mesh, model_config)
 
 
 def place_rows(local: Batch, rows: np.ndarray, batch_size: int, mesh: jax.sharding.Mesh,

@@ -82,6 +82,7 @@ class _LoaderBatches:
         self.loader, self.mesh, self.model_config = loader, mesh, model_config
         self.iterator = loader.iterator(self.rows, start)
         if resumed:  # the state saved with the checkpoint (absent when the process count changed)
+            loader.verify_sources()  # the shards are still the ones the manifests describe
             checkpoints.restore_data_iterator(ckpt, start, self.iterator)
 
     def __call__(self, step: int):
