@@ -206,7 +206,7 @@ def test_bad_input_errors():
             generate(model, prompts, 2, temperature=1.0, top_p=top_p, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"stop_tokens.*vocab_size=64.*\[64\]"):
         generate(model, prompts, 2, stop_tokens=(3, 64))
-    with pytest.raises(ValueError, match="prompt token ids"):
+    with pytest.raises(ValueError, match=r"prompts must hold token ids in \[0, vocab_size=64\), got ids in \[64, 64\]"):
         generate(model, prompts + 64, 2)
     cache = empty_cache(model.config, 1, 8)
     other = eqx.filter_eval_shape(Transformer, CONFIGS["llama"].replace(num_kv_heads=4), key=jax.random.key(0))

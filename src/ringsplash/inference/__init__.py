@@ -4,9 +4,9 @@ merged exactly), ``generate`` runs the loop (greedy or sampled)."""
 
 from ringsplash.inference.cache import KVCache, check_cache, empty_cache
 from ringsplash.inference.decode import decode_step
-from ringsplash.inference.generate import generate
+from ringsplash.inference.generate import bucket_length, generate
 from ringsplash.inference.prefill import Prefilled, cache_multiple, prefill
 from ringsplash.inference.sample import filter_logits, sample
 
-__all__ = ["KVCache", "Prefilled", "cache_multiple", "check_cache", "decode_step", "empty_cache", "filter_logits",
-           "generate", "prefill", "sample"]
+__all__ = ["KVCache", "Prefilled", "bucket_length", "cache_multiple", "check_cache", "decode_step", "empty_cache",
+           "filter_logits", "generate", "prefill", "sample"]

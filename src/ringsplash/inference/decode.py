@@ -17,14 +17,17 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental import checkify
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash._softmax import MASKED_LSE, fold_sinks, merge
-from ringsplash._types import Array, Float, Int
+from ringsplash._types import Array, Bool, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_cache
+from ringsplash.inference.checks import check_model
 from ringsplash.model import Transformer, layer_segments
 from ringsplash.model.transformer import run_segment
 
@@ -38,12 +41,20 @@ def decode_step(
     (``final_logit_soft_cap`` applied) and the cache with the token's keys and values written and
     ``lengths + 1``. Traceable (``jax.jit`` it; ``generate`` does); on the cache's mesh it runs
     inside ``shard_map`` over the cache's context axis. ``mesh``: the mesh the caller means (checked
-    against the cache's; the default takes the cache's). The caller keeps every row's
-    ``lengths`` below ``cache.max_len`` (``generate`` sizes the cache so)."""
+    against the cache's; the default takes the cache's).
+
+    A full cache (a row with ``lengths == cache.max_len``: no slot left for the token) is never
+    silently wrong: with concrete ``cache.lengths`` it is refused (``ValueError``); under ``jit``
+    that row's logits are NaN, and under ``jax.experimental.checkify.checkify`` the step reports a
+    failed check naming the lengths (``checkify.checkify(jax.jit(decode_step))``)."""
+    check_model(model, "decode_step")
     check_cache(cache, model.config, None if mesh == "cache" else mesh, check_mesh_arg=mesh != "cache")
-    if tokens.shape != (cache.batch,):
-        raise ValueError(f"tokens must be [batch={cache.batch}] (one new token per cached row), got "
-                         f"tokens.shape={tokens.shape}")
+    if getattr(tokens, "shape", None) != (cache.batch,):
+        raise ValueError(f"tokens must be int [batch={cache.batch}] (one new token per cached row), got "
+                         f"tokens.shape={getattr(tokens, 'shape', type(tokens).__name__)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer token ids, got tokens.dtype={tokens.dtype}")
+    room = _check_room(cache)
     params, static = eqx.partition(model, eqx.is_array)
     body = functools.partial(_local_step, static=static, layout=cache.layout, max_len=cache.max_len,
                              shards=cache.shards, axis_name=cache.axis_name)
@@ -55,7 +66,25 @@ def decode_step(
         in_specs = (jax.tree.map(lambda _: P(), params), kv, kv, lengths, slots, P())
         logits, k, v = jax.shard_map(body, mesh=cache.mesh, in_specs=in_specs, out_specs=(P(), kv, kv),
                                      check_vma=False)(*args)
+    logits = jnp.where(room[:, None], logits, jnp.nan)  # a full row's logits would be wrong: NaN, never silent
     return logits, dataclasses.replace(cache, k=k, v=v, lengths=cache.lengths + 1)
+
+
+def _check_room(cache: KVCache) -> Bool[Array, " batch"]:
+    """Whether each row has a free slot: refused if not when the lengths are concrete; under a trace a
+    ``checkify.debug_check`` (reported under ``checkify.checkify``, free otherwise)."""
+    if not isinstance(cache.lengths, jax.core.Tracer):
+        lengths = np.asarray(cache.lengths)
+        full = np.flatnonzero(lengths >= cache.max_len)
+        if full.size:
+            raise ValueError(f"decode_step: the cache is full: row(s) {full.tolist()} already hold "
+                             f"cache.max_len={cache.max_len} tokens (cache.lengths={lengths.tolist()}), no slot is "
+                             f"left for the new token; prefill with a larger max_len")
+    room = cache.lengths < cache.max_len
+    checkify.debug_check(jnp.all(room), f"decode_step: the cache is full: a row's cache.lengths reached "
+                         f"cache.max_len={cache.max_len} (no slot left for the new token; its logits are NaN): "
+                         "cache.lengths={lengths}", lengths=cache.lengths)
+    return room
 
 
 def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, static, layout: str, max_len: int,

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from ringsplash import layouts
 from ringsplash._types import Array, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_decodable, check_mesh, model_key, place
+from ringsplash.inference.checks import as_count, check_model
 from ringsplash.model import Transformer, TransformerConfig, attend, layer_segments
 from ringsplash.model.transformer import run_segment
 from ringsplash.splash.config import NUM_LANES
@@ -39,24 +40,34 @@ class Prefilled(NamedTuple):
     cache: KVCache
 
 
-def check_prompts(tokens, prompt_lengths, vocab_size: int) -> tuple[np.ndarray | jax.Array, jax.Array]:
-    """Validated ``tokens`` ``[batch, prompt_len]`` and int32 ``prompt_lengths`` ``[batch]`` (None: full rows)."""
+def check_prompts(tokens, prompt_lengths, vocab_size: int, name: str = "tokens"
+                  ) -> tuple[np.ndarray | jax.Array, jax.Array]:
+    """Validated ``tokens`` ``[batch, prompt_len]`` and int32 ``prompt_lengths`` ``[batch]`` (None: full rows);
+    ``name``: what the caller calls ``tokens`` (the errors name it)."""
     shape = getattr(tokens, "shape", None)
     if shape is None or len(shape) != 2 or shape[1] < 1:
-        raise ValueError(f"prompts must be int [batch, prompt_len] token ids with prompt_len >= 1, got shape {shape}")
+        given = f"shape {shape}" if shape is not None else f"a {type(tokens).__name__}"
+        raise ValueError(f"{name} must be an int array [batch, prompt_len] of token ids with prompt_len >= 1, got "
+                         f"{given}")
+    if shape[0] < 1:
+        raise ValueError(f"{name} must hold at least one row (batch >= 1), got {name}.shape={tuple(shape)}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"prompts must be integer token ids, got dtype {tokens.dtype}")
+        raise TypeError(f"{name} must be integer token ids, got {name}.dtype={tokens.dtype} (cast with "
+                        f".astype(jnp.int32) if the values are ids)")
     if not isinstance(tokens, jax.core.Tracer):
         ids = np.asarray(tokens)
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, vocab_size={vocab_size}), got ids in [{lo}, {hi}]")
+            raise ValueError(f"{name} must hold token ids in [0, vocab_size={vocab_size}), got ids in [{lo}, {hi}]")
     batch, prompt_len = shape
     if prompt_lengths is None:
         return tokens, jnp.full((batch,), prompt_len, jnp.int32)
     if getattr(prompt_lengths, "shape", None) != (batch,):
         raise ValueError(f"prompt_lengths must be int [batch={batch}], got shape "
                          f"{getattr(prompt_lengths, 'shape', type(prompt_lengths).__name__)}")
+    if not jnp.issubdtype(prompt_lengths.dtype, jnp.integer):
+        raise TypeError(f"prompt_lengths must be integers (the tokens of each row), got "
+                        f"prompt_lengths.dtype={prompt_lengths.dtype}: a fraction would be truncated")
     if not isinstance(prompt_lengths, jax.core.Tracer):
         lengths = np.asarray(prompt_lengths)
         if lengths.min() < 1 or lengths.max() > prompt_len:
@@ -100,7 +111,7 @@ def prefill(
     tokens: Int[Array, "batch prompt_len"],
     *,
     prompt_lengths: Int[Array, " batch"] | None = None,
-    max_len: int | None = None,
+    max_len: int | np.integer | None = None,
     mesh: Mesh | None = None,
     axis_name: str = "context",
     all_logits: bool = False,
@@ -112,19 +123,20 @@ def prefill(
             ``layer_types``).
         tokens: int ``[batch, prompt_len]``; row ``b``'s prompt is its first ``prompt_lengths[b]`` tokens.
         prompt_lengths: int ``[batch]`` in ``[1, prompt_len]``, or None (every row is ``prompt_len`` long).
-        max_len: cache slots per row (tokens the cache can ever hold), at least ``prompt_len``; None:
-            ``prompt_len`` rounded up to ``cache_multiple``. The forward pass runs over ``max_len`` tokens.
+        max_len: cache slots per row (tokens the cache can ever hold): an int (``np.int64`` too), at least
+            ``prompt_len``; None: ``prompt_len`` rounded up to ``cache_multiple``. The forward pass runs over
+            ``max_len`` tokens.
         mesh, axis_name: shard the cache (and the forward pass) along the sequence over this mesh axis.
         all_logits: return the logits of every prompt position, not only each row's last.
     """
+    check_model(model, "prefill")
     c = model.config
     check_decodable(c)
     tokens, lengths = check_prompts(tokens, prompt_lengths, c.vocab_size)
     prompt_len = tokens.shape[1]
     multiple = cache_multiple(c, mesh, axis_name)
-    if max_len is None:
-        max_len = -(-prompt_len // multiple) * multiple
-    if not isinstance(max_len, int) or max_len < prompt_len:
+    max_len = -(-prompt_len // multiple) * multiple if max_len is None else as_count("max_len", max_len, 1)
+    if max_len < prompt_len:
         raise ValueError(f"the prompt has prompt_len={prompt_len} tokens, more than the cache holds: "
                          f"max_len={max_len!r}; pass max_len >= {prompt_len}")
     if max_len % multiple:

@@ -5,13 +5,14 @@ import jax
 import jax.numpy as jnp
 
 from ringsplash._types import Array, Float, Int
+from ringsplash.inference.checks import is_int
 
 
 def check_sampling(temperature, top_k, top_p) -> None:
-    """``temperature >= 0``, ``top_k`` None or a positive int, ``top_p`` None or in ``(0, 1]``."""
+    """``temperature >= 0``, ``top_k`` None or a positive int (``np.int64`` too), ``top_p`` None or in ``(0, 1]``."""
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {temperature=}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k=}")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, int | float) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p=}")
