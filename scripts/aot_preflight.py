@@ -112,14 +112,15 @@ def build_model_config(config: Config, **run):
             raise SystemExit(f"--hf-config={config.hf_config!r} describes the model: drop {', '.join(given)} (or "
                              f"edit a copy of the config.json)")
         from ringsplash.hf import config_from_hf
+        from ringsplash.hf.config import max_position_embeddings
 
         model = config_from_hf(config.hf_config, **run)
         if not config.rope_scaling:
             return model
         # a context extension of the pretrained model: a new RoPE scaling; dynamic / yarn / llama3 start
         # from the length it was trained at (its max_position_embeddings) unless the flag says otherwise
-        trained = config.rope_original_max_len or (0 if config.rope_scaling == "linear" else config_from_hf(
-            config.hf_config).max_seq_len)
+        trained = config.rope_original_max_len or (0 if config.rope_scaling == "linear" else max_position_embeddings(
+            config.hf_config))
         return model.replace(rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, trained))
     return TransformerConfig(
         vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,

@@ -241,14 +241,30 @@ def test_cli_passkey_and_loss_write_results(hf_dir, tmp_path, capsys):
     from ringsplash.evals.cli import main
 
     out = tmp_path / "pk"
-    result = main(["passkey", "--model", hf_dir, "--lengths", "300", "--depths", "0,1", "--samples", "2",
-                   "--no-generate", "--attention", "reference", "--out", str(out)])
+    result = main(["passkey", "--model", hf_dir, "--tokenizer", "bytes", "--lengths", "300", "--depths", "0,1",
+                   "--samples", "2", "--no-generate", "--attention", "reference", "--out", str(out)])
     assert len(result["summary"]) == 2 and (out / "heatmap_symbol_accuracy.png").exists()
     assert len((out / "results.jsonl").read_text().splitlines()) == 4
-    main(["loss", "--model", hf_dir, "--lengths", "256", "--documents", "2", "--attention", "reference",
-          "--out", str(tmp_path / "loss"), "--no-generate"])
+    main(["loss", "--model", hf_dir, "--tokenizer", "bytes", "--lengths", "256", "--documents", "2",
+          "--attention", "reference", "--out", str(tmp_path / "loss"), "--no-generate"])
     assert (tmp_path / "loss" / "loss_by_position.png").exists()
     assert "| positions | loss (nats)" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_model_without_tokenizer_json_unless_told_the_tokenizer(hf_dir, tmp_path, capsys):
+    """A model directory without tokenizer.json is not silently read as bytes: the CLI stops with one
+    line naming --tokenizer, before loading anything; --tokenizer bytes says so explicitly."""
+    from ringsplash.evals.cli import main
+
+    args = ["loss", "--model", hf_dir, "--lengths", "256", "--documents", "2", "--attention", "reference",
+            "--no-generate", "--out", str(tmp_path / "loss")]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--model {hf_dir} has no tokenizer.json, so --tokenizer is required: --tokenizer bytes" in err
+    assert not (tmp_path / "loss").exists()
+    assert main([*args, "--tokenizer", "bytes"])["task"] == "loss"
 
 
 @pytest.mark.slow
@@ -261,8 +277,8 @@ def test_inference_generate_fn_equals_the_reference_greedy_decoder_and_drives_th
                                   greedy_generate_fn(model)(prompts, lengths, 6))
     from ringsplash.evals.cli import main
 
-    result = main(["passkey", "--model", hf_dir, "--lengths", "300", "--depths", "0.5", "--samples", "2",
-                   "--attention", "reference", "--out", str(tmp_path)])
+    result = main(["passkey", "--model", hf_dir, "--tokenizer", "bytes", "--lengths", "300", "--depths", "0.5",
+                   "--samples", "2", "--attention", "reference", "--out", str(tmp_path)])
     assert "generated_match" in result["summary"][0]
     assert all("generated" in json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
 
@@ -271,7 +287,8 @@ def test_generation_without_inference_module_is_a_clear_error(model, monkeypatch
     import ringsplash
 
     monkeypatch.setitem(sys.modules, "ringsplash.inference", None)  # import fails as if absent
-    monkeypatch.delattr(ringsplash, "inference", raising=False)
+    if "inference" in vars(ringsplash):  # hasattr would import it through ringsplash.__getattr__ (and fail here)
+        monkeypatch.delattr(ringsplash, "inference")
     with pytest.raises(ImportError, match="--no-generate"):
         evals.inference_generate_fn(model)
 
@@ -378,6 +395,78 @@ def test_lm_eval_adapter_runs_local_tasks_end_to_end(model, scorer, tmp_path, mo
     ids = tok.encode("The sky is blue")
     s = scorer.token_scores(np.asarray([ids]))
     assert greedy == bool(s.correct[0, len(tok.encode("The sky is")) - 1:].all())
+
+
+def test_lm_eval_adapter_refuses_unknown_model_args_by_name(model):
+    """--model_args reach the constructor as keywords (lm-eval's create_from_arg_string): a typo is
+    refused by name with the closest key, not ignored; lm-eval's own device / max_batch_size pass."""
+    from ringsplash.evals.lm_eval_adapter import RingsplashLM
+
+    with pytest.raises(ValueError, match=r"--model ringsplash got unknown model_args 'max_lenght' \(did you mean "
+                                         r"'max_length'\?\), 'temprature': the accepted keys are .*pretrained.*"
+                                         r"max_length.* \(and lm-eval's own device, max_batch_size\)"):
+        RingsplashLM(model, "bytes", max_lenght=128, temprature=0.5)
+    with pytest.raises(ValueError, match=r"unknown model_args 'pretraind' \(did you mean 'pretrained'\?\)"):
+        RingsplashLM.create_from_arg_string("pretraind=somewhere,batch_size=2", {"device": "cpu"})
+    lm = RingsplashLM.create_from_arg_obj({"model": model, "tokenizer": "bytes", "max_length": 128},
+                                          {"batch_size": 2, "max_batch_size": 4, "device": "cuda:0"})
+    assert (lm.max_length, lm.batch_size) == (128, 2)
+
+
+def test_lm_eval_finds_ringsplash_through_its_entry_point():
+    """The installed distribution advertises RingsplashLM in lm-eval's plugin group, and registering
+    that group (as lm-eval's plugin discovery and ``ringsplash.evals.lm_eval_cli`` do) makes
+    ``get_model("ringsplash")`` resolve without importing the adapter by hand."""
+    import importlib.metadata as md
+
+    from lm_eval.api import registry
+
+    from ringsplash.evals import lm_eval_cli
+
+    (ep,) = [ep for ep in md.entry_points(group=lm_eval_cli.ENTRY_POINT_GROUP) if ep.name == "ringsplash"]
+    assert ep.value == "ringsplash.evals.lm_eval_adapter:RingsplashLM"
+    with open(pathlib.Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        import tomllib
+
+        declared = tomllib.load(f)["project"]["entry-points"]["lm_eval.models"]
+    assert declared == {"ringsplash": ep.value}  # the installed metadata is the checkout's
+    saved = dict(registry.model_registry._objs)
+    try:
+        registry.model_registry._objs.pop("ringsplash", None)  # as in a fresh lm_eval process
+        assert "ringsplash" in lm_eval_cli.register_entry_points()
+        assert "hf" in registry.model_registry  # built-in names are kept
+        from ringsplash.evals.lm_eval_adapter import RingsplashLM
+
+        assert registry.get_model("ringsplash") is RingsplashLM
+    finally:
+        registry.model_registry._objs.clear()
+        registry.model_registry._objs.update(saved)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_lm_eval_cli_runs_model_ringsplash_on_a_local_task(hf_dir, tmp_path):
+    """lm-eval's own CLI (``run --model ringsplash --model_args ...``, through ``python -m
+    ringsplash.evals.lm_eval_cli``: lm-eval 0.4.13 reads no entry points) scores a local task; a
+    typo in --model_args fails naming it."""
+    import subprocess
+
+    src = pathlib.Path(__file__).parent / "support" / "lm_eval_tasks" / "rs_local_mc.yaml"
+    (tmp_path / "rs_local_mc.yaml").write_text(src.read_text().replace("DATA", str(tmp_path)))
+    _write_jsonl(tmp_path / "mc.jsonl", [{"question": "The sky is", "choices": ["blue", "green"], "answer": 0}])
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+
+    def run(model_args):
+        return subprocess.run([sys.executable, "-m", "ringsplash.evals.lm_eval_cli", "run", "--model", "ringsplash",
+                               "--model_args", model_args, "--tasks", "rs_local_mc", "--include_path",
+                               str(tmp_path), "--output_path", str(tmp_path / "out"), "--device", "cpu"],
+                              capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+
+    r = run(f"pretrained={hf_dir},tokenizer=bytes,attention=reference,max_length=256")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rs_local_mc" in r.stdout and "acc" in r.stdout
+    r = run(f"pretrained={hf_dir},tokenizer=bytes,max_lenght=256")
+    assert r.returncode != 0 and "unknown model_args 'max_lenght' (did you mean 'max_length'?)" in r.stderr
 
 
 def test_tokenizer_json_loads_and_builds_passkey_prompts(tmp_path):

@@ -6,6 +6,7 @@ must equal transformers'; saved with ``save_hf``, transformers must load them ba
 
 import json
 import os
+import re
 
 import equinox as eqx
 import jax
@@ -223,6 +224,26 @@ def test_config_from_hf_refuses_what_it_cannot_build(changes, message):
         rhf.config_from_hf(_config_dict(**changes))
 
 
+@pytest.mark.parametrize("key, value, expected", [
+    ("tie_word_embeddings", "false", "a bool"),  # a non-empty string is truthy: it used to load as tied
+    ("hidden_size", 64.7, "an int"),  # used to load as 64
+    ("hidden_size", 64.0, "an int"),
+    ("num_hidden_layers", "2", "an int"),
+    ("rms_norm_eps", "1e-5", "a number"),
+    ("attention_bias", 0, "a bool"),
+    ("eos_token_id", "2", "an int or a list of ints"),
+])
+def test_config_from_hf_refuses_values_of_the_wrong_type(key, value, expected):
+    """A config.json value of the wrong JSON type is refused by key, expected type and value, as
+    transformers' strict config classes refuse it; never coerced (int(64.7), bool("false"))."""
+    with pytest.raises(TypeError, match=rf"config.json has {key}={re.escape(repr(value))} \({type(value).__name__}\), "
+                                        rf"expected {expected}"):
+        rhf.config_from_hf(_config_dict(**{key: value}))
+    with pytest.raises(Exception, match=key):  # the oracle refuses the same value
+        transformers.LlamaConfig(**{**TINY, key: value})
+    assert rhf.config_from_hf(_config_dict(rms_norm_eps=1, hidden_size=64)).norm_eps == 1.0  # an int is an exact number
+
+
 def test_a_model_field_missing_from_the_installed_config_is_refused(monkeypatch):
     """A family whose model feature this ringsplash lacks is refused as not supported, never loaded
     without it (the mechanism that kept families off while their model fields were being added)."""
@@ -298,9 +319,8 @@ def test_save_hf_round_trip_transformers_loads_it(hf_models, tmp_path, kind):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(back) is type(original)
     for key, value in original.config.to_dict().items():
-        if key not in ("architectures", "transformers_version", "_name_or_path", "dtype", "bos_token_id",
-                       "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
-                       "max_window_layers"):  # qwen: unused when layer_types is written
+        if key not in ("architectures", "transformers_version", "_name_or_path", "dtype", "initializer_range",
+                       "use_cache", "max_window_layers"):  # qwen: unused when layer_types is written
             assert getattr(back.config, key, value) == value, key
     np.testing.assert_array_equal(torch_logits(back, _tokens()), expected)
     a, b = load_file(os.path.join(directory, "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
@@ -308,6 +328,76 @@ def test_save_hf_round_trip_transformers_loads_it(hf_models, tmp_path, kind):
     for k in a:
         assert a[k].dtype == b[k].dtype == np.float32
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("kind, spec", [
+    ("llama-ids", ("LlamaConfig", dict(TINY, bos_token_id=5, eos_token_id=[7, 9], pad_token_id=3))),
+    ("qwen2-defaults", FAMILIES["qwen2"]),  # no ids at all
+    ("gemma2-defaults", FAMILIES["gemma2"]),  # the family's bos 2, eos 1, pad 0
+])
+def test_save_hf_writes_token_ids_and_generation_config_as_transformers(tmp_path, kind, spec):
+    """config.json's bos / eos / pad ids and generation_config.json, as transformers' save_pretrained
+    writes them, survive load_hf -> save_hf -> load_hf, and transformers reads them back."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    original = make_hf_model(kind, spec, str(src))
+    model = rhf.load_hf(src)
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    expected = [getattr(original.config, k) for k in ids]
+    assert [model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id] == [
+        tuple(v) if isinstance(v, list) else v for v in expected]
+    rhf.save_hf(model, out)
+    ours, theirs = (json.loads((d / "config.json").read_text()) for d in (out, src))
+    assert [ours[k] for k in ids] == [theirs.get(k) for k in ids] == expected
+
+    def generation(d):
+        return {k: v for k, v in json.loads((d / "generation_config.json").read_text()).items()
+                if k != "transformers_version"}
+
+    assert generation(out) == generation(src)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert [getattr(back.config, k) for k in ids] == expected
+    assert back.generation_config.to_diff_dict() == original.generation_config.to_diff_dict()
+    assert rhf.load_hf(out).config == model.config
+
+
+QWEN_YARN = dict(TINY, max_position_embeddings=256, rope_parameters=dict(
+    rope_type="yarn", factor=4.0, original_max_position_embeddings=256, rope_theta=10000.0))
+
+
+def test_load_hf_runs_a_yarn_model_past_max_position_embeddings_as_transformers(tmp_path):
+    """Qwen's recipe for 128K (max_position_embeddings 32768, YaRN factor 4 from 32768), scaled down:
+    max_position_embeddings 256, factor 4 -> the model runs 600 tokens with transformers' logits."""
+    model_t = make_hf_model("qwen2-yarn", ("Qwen2Config", QWEN_YARN), str(tmp_path))
+    model = rhf.load_hf(tmp_path)
+    assert model.config.max_seq_len == 1024  # original_max_position_embeddings * factor
+    tokens = _tokens(n=600)
+    np.testing.assert_allclose(our_logits(model, tokens), torch_logits(model_t, tokens), rtol=0, atol=LOGITS_ATOL)
+    assert rhf.load_hf(tmp_path, max_seq_len=300).config.max_seq_len == 300  # the caller's length wins
+
+
+@pytest.mark.parametrize("max_pos, rope, expected", [
+    # Qwen2.5 / Qwen3 128K: max_position_embeddings stays at the original length, YaRN factor 4
+    (32768, dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768), 131072),
+    # DeepSeek-style YaRN: the scaled length already in max_position_embeddings
+    (163840, dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096), 163840),
+    # Llama 3.1: 8192 * 8 = 65536 < max_position_embeddings 131072, which stays
+    (131072, dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                  original_max_position_embeddings=8192), 131072),
+    (32768, dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=32768), 262144),
+    # dynamic NTK scales from max_position_embeddings itself
+    (4096, dict(rope_type="dynamic", factor=2.0), 8192),
+    # Phi-3 LongRoPE: factor = max_position_embeddings / original when absent
+    (131072, dict(rope_type="longrope", original_max_position_embeddings=4096, short_factor=[1.0] * 8,
+                  long_factor=[2.0] * 8), 131072),
+    (4096, dict(rope_type="linear", factor=4.0), 4096),  # not a scaled-length type: max_position_embeddings
+    (4096, None, 4096),
+])
+def test_config_from_hf_max_seq_len_is_the_scaled_length(max_pos, rope, expected):
+    c = rhf.config_from_hf(_config_dict(model_type="qwen2", max_position_embeddings=max_pos, rope_scaling=rope))
+    assert c.max_seq_len == expected
+    assert rhf.config_from_hf(_config_dict(model_type="qwen2", max_position_embeddings=max_pos, rope_scaling=rope),
+                              max_seq_len=40000).max_seq_len == 40000
 
 
 def test_save_hf_shards_with_an_index_and_load_hf_reads_them(hf_models, tmp_path):

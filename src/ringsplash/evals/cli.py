@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("task", choices=("loss", "passkey", "niah", "ruler"))
     p.add_argument("--model", required=True, help="Hugging Face checkpoint dir or ringsplash run dir")
     p.add_argument("--tokenizer", default=None,
-                   help="'bytes', a tokenizer.json or a dir holding one (default: the model dir's, else bytes)")
+                   help="'bytes', a tokenizer.json or a dir holding one (default: the model dir's tokenizer.json; "
+                        "a model dir without one needs --tokenizer)")
     p.add_argument("--haystack", default=None, help="a local text file (default: text shipped with Python)")
     p.add_argument("--out", default=None, help="output dir (default: evals/<task>-<time>)")
     p.add_argument("--lengths", default="1K,2K,4K", help="comma-separated lengths in tokens (K = 1024)")
@@ -52,14 +53,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    tok_spec = args.tokenizer
+    if tok_spec is None:
+        if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+            p.error(f"--model {args.model} has no tokenizer.json, so --tokenizer is required: --tokenizer bytes for "
+                    f"a byte-level model (token ids = UTF-8 bytes), or --tokenizer PATH (a tokenizer.json or a "
+                    f"directory holding one)")
+        tok_spec = args.model
     from ringsplash import evals
 
+    tokenizer = evals.load_tokenizer(tok_spec)
     out = args.out or os.path.join("evals", f"{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
-    tok_spec = args.tokenizer or (args.model if os.path.isfile(os.path.join(args.model, "tokenizer.json"))
-                                  else "bytes")
-    tokenizer = evals.load_tokenizer(tok_spec)
     text = evals.read_text(args.haystack)
     lengths = _ints(args.lengths)
     model = evals.load_model(args.model, attention=args.attention, param_dtype=args.dtype,

@@ -4,14 +4,21 @@
     lm = RingsplashLM(model, tokenizer, generate_fn=...)       # or RingsplashLM(pretrained="hf_dir")
     lm_eval.simple_evaluate(model=lm, tasks=["my_task"], task_manager=lm_eval.tasks.TaskManager(include_path=dir))
 
-or from the command line, once this module is imported (it registers the name ``"ringsplash"``):
-``lm_eval --model ringsplash --model_args pretrained=DIR,tokenizer=DIR/tokenizer.json ...``.
+or from lm-eval's command line, ``--model ringsplash --model_args pretrained=DIR,tokenizer=DIR/tokenizer.json``:
+ringsplash declares the ``lm_eval.models`` entry point ``ringsplash`` (pyproject.toml), which lm-eval
+versions with plugin discovery read; ``python -m ringsplash.evals.lm_eval_cli`` is lm-eval's own CLI
+with the installed ``lm_eval.models`` entry points registered first, for versions without it (0.4.13
+and older). Importing this module also registers the name. An unknown ``--model_args`` key is a
+``ValueError`` naming it (and the accepted keys).
 
 ``loglikelihood`` and ``loglikelihood_rolling`` are teacher-forced (``Scorer``); ``generate_until``
 calls ``generate_fn`` (default: ``rs.inference.generate``, greedy) and cuts at the first stop
 string. lm-eval is an optional test / evals dependency (``pip install -e .[evals]``), never
 needed by the rest of ringsplash.
 """
+
+import difflib
+import inspect
 
 import numpy as np
 from lm_eval.api.model import LM
@@ -23,14 +30,21 @@ from ringsplash.evals.scoring import GenerateFn, Scorer
 from ringsplash.evals.tokenizer import Tokenizer, load_tokenizer
 from ringsplash.model import Transformer
 
+#: what lm-eval passes every model besides ``--model_args`` (``simple_evaluate``'s ``additional_config``):
+#: accepted and not used (JAX places the model; batches are ``batch_size`` rows)
+LM_EVAL_EXTRA_ARGS = ("device", "max_batch_size")
+
 
 @register_model("ringsplash")
 class RingsplashLM(LM):
     def __init__(self, model: Transformer | None = None, tokenizer: Tokenizer | str | None = None, *,
                  pretrained: str | None = None, attention: str = "splash", generate_fn: GenerateFn | None = None,
                  batch_size: int | str = 8, max_length: int | None = None, max_gen_toks: int = 256,
-                 prefix_token_id: int | None = None, pad_multiple: int = 64, **_ignored):
+                 prefix_token_id: int | None = None, pad_multiple: int = 64, **lm_eval_args):
         super().__init__()
+        unknown = sorted(set(lm_eval_args) - set(LM_EVAL_EXTRA_ARGS))
+        if unknown:
+            raise ValueError(_unknown_args_message(unknown))
         if (model is None) == (pretrained is None):
             raise ValueError("pass exactly one of model (a Transformer) and pretrained (a model directory)")
         if model is None:
@@ -49,6 +63,12 @@ class RingsplashLM(LM):
         self.max_gen_toks, self.pad_multiple = int(max_gen_toks), int(pad_multiple)
         self.prefix_token_id = 0 if prefix_token_id is None else int(prefix_token_id)
         self._generate_fn = generate_fn
+
+    @classmethod
+    def model_args(cls) -> tuple[str, ...]:
+        """The ``--model_args`` keys this model accepts."""
+        params = inspect.signature(cls.__init__).parameters
+        return tuple(n for n, p in params.items() if n != "self" and p.kind is not p.VAR_KEYWORD)
 
     # ----------------------------------------------------------------------------- scoring
 
@@ -132,4 +152,12 @@ class RingsplashLM(LM):
         return out
 
 
-__all__ = ["RingsplashLM"]
+def _unknown_args_message(unknown: list[str]) -> str:
+    known = RingsplashLM.model_args()
+    hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, known, n=1)) else repr(k)
+             for k in unknown]
+    return (f"--model ringsplash got unknown model_args {', '.join(hints)}: the accepted keys are "
+            f"{', '.join(known)} (and lm-eval's own {', '.join(LM_EVAL_EXTRA_ARGS)})")
+
+
+__all__ = ["LM_EVAL_EXTRA_ARGS", "RingsplashLM"]

@@ -3,8 +3,10 @@
 ``config_from_hf`` reads a Hugging Face ``config.json`` (a checkpoint directory, the file, or the
 dict) into the ``TransformerConfig`` of the same function: every key that changes the model is
 either mapped or refused with a ``ValueError`` naming it (a rope type RopeScaling does not know,
-MoE, biases the model has no parameter for, ...), never silently dropped. Keys that only concern
-training or generation in transformers (dropout, initialisation, token ids, cache) are ignored.
+MoE, biases the model has no parameter for, ...), never silently dropped; a value of the wrong JSON type is
+refused by name (``check_types``), as transformers' strict config classes do. The special token
+ids are kept on the config (``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``); other keys that
+only concern training or generation in transformers (dropout, initialisation, cache) are ignored.
 
 ``hf_config_dict`` is the inverse, for ``save_hf``: the config.json transformers rebuilds the
 model from.
@@ -37,13 +39,14 @@ class Family:
 
 
 _COMMON = dict(rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", rope_theta=10_000.0,
-               attention_bias=False, mlp_bias=False)
+               attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _GEMMA = dict(_COMMON, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
-              sliding_window=4096)
+              sliding_window=4096, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+_LLAMA_IDS = dict(bos_token_id=1, eos_token_id=2)
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", "LlamaForCausalLM", dict(_COMMON, max_position_embeddings=2048)),
+    "llama": Family("llama", "LlamaForCausalLM", dict(_COMMON, max_position_embeddings=2048, **_LLAMA_IDS)),
     "mistral": Family("mistral", "MistralForCausalLM", dict(_COMMON, max_position_embeddings=131072,
-                                                            sliding_window=4096, num_key_value_heads=8)),
+                                                            sliding_window=4096, num_key_value_heads=8, **_LLAMA_IDS)),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", dict(_COMMON, max_position_embeddings=32768, sliding_window=4096,
                                                       max_window_layers=28, use_sliding_window=False)),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", dict(_COMMON, max_position_embeddings=32768, sliding_window=4096,
@@ -65,7 +68,76 @@ _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_interm
 #: the value every model field below has on a ``TransformerConfig`` that lacks the field (today's model)
 _IMPLICIT = dict(intermediate_size=None, mlp_activation="silu", attention_bias=False, qk_norm=False, norm_eps=1e-6,
                  norm_offset=0.0, post_norms=False, scale_embeddings=False, attention_scale=None,
-                 final_logit_soft_cap=None, layer_types=None, sliding_window=None, local_rope_theta=None)
+                 final_logit_soft_cap=None, layer_types=None, sliding_window=None, local_rope_theta=None,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+#: the JSON type of every config.json key read here (transformers' strict config classes refuse any other:
+#: ``"tie_word_embeddings": "false"`` is not false, ``"hidden_size": 64.7`` is not 64); null means absent
+_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings",
+             "sliding_window", "max_window_layers", "sliding_window_pattern", "_sliding_window_pattern",
+             "bos_token_id", "pad_token_id")
+_FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
+               "attn_logit_softcapping", "final_logit_softcapping", "partial_rotary_factor")
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+              "use_bidirectional_attention", "is_encoder_decoder")
+_STR_KEYS = ("hidden_act", "hidden_activation")
+#: rope types whose model runs past ``max_position_embeddings``: the scaled length is
+#: ``original_max_position_embeddings * factor`` (``dynamic``: ``max_position_embeddings * factor``)
+SCALED_ROPE_TYPES = ("dynamic", "yarn", "llama3", "longrope")
+
+
+def _type_error(key: str, value: Any, expected: str) -> TypeError:
+    return TypeError(f"config.json has {key}={value!r} ({type(value).__name__}), expected {expected}; "
+                     f"refusing to load it as another value (transformers' config classes refuse it too)")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_types(d: dict) -> None:
+    """A ``TypeError`` naming the first config.json key whose value has the wrong JSON type (an int
+    where a float is expected is accepted: it is exact)."""
+    for key in _INT_KEYS:
+        if d.get(key) is not None and not _is_int(d[key]):
+            raise _type_error(key, d[key], "an int")
+    for key in _FLOAT_KEYS:
+        if d.get(key) is not None and not (isinstance(d[key], float) or _is_int(d[key])):
+            raise _type_error(key, d[key], "a number")
+    for key in _BOOL_KEYS:
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            raise _type_error(key, d[key], "a bool (true / false)")
+    for key in _STR_KEYS:
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise _type_error(key, d[key], "a string")
+    eos = d.get("eos_token_id")
+    if eos is not None and not (_is_int(eos) or (isinstance(eos, list) and all(_is_int(t) for t in eos))):
+        raise _type_error("eos_token_id", eos, "an int or a list of ints")
+    types = d.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        raise _type_error("layer_types", types, "a list of strings")
+
+
+def max_position_embeddings(path_or_dict) -> int:
+    """config.json's ``max_position_embeddings`` (the family's default where absent): the length the
+    model was trained at, before any RoPE scaling's ``scaled_max_len``."""
+    d = read_config_json(path_or_dict)
+    fam = _family(d)
+    value = d.get("max_position_embeddings", fam.defaults.get("max_position_embeddings"))
+    if not _is_int(value):
+        raise _type_error("max_position_embeddings", value, "an int")
+    return value
+
+
+def scaled_max_len(max_position_embeddings: int, rope: RopeScaling) -> int:
+    """The longest sequence a model with this RoPE scaling runs: ``max_position_embeddings``, or for
+    ``SCALED_ROPE_TYPES`` the larger of it and ``original_max_position_embeddings * factor`` (a
+    Qwen-style config keeps ``max_position_embeddings`` at the original length and scales by the factor;
+    Llama 3.1 / DeepSeek / Phi-3 already write the scaled length there)."""
+    if rope.type not in SCALED_ROPE_TYPES:
+        return max_position_embeddings
+    return max(max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
 
 
 def read_config_json(path_or_dict) -> dict:
@@ -193,18 +265,22 @@ def hf_model_fields(d: dict) -> dict:
     """The ``TransformerConfig`` fields (some possibly not in the installed model yet, see
     ``_IMPLICIT``) of a config.json dict."""
     fam = _family(d)
+    check_types(d)
     _check_flags(d, fam)
     get = lambda key: d.get(key, fam.defaults.get(key))
     d_model, heads = int(_required(d, "hidden_size")), int(_required(d, "num_attention_heads"))
     num_layers = int(_required(d, "num_hidden_layers"))
     max_pos = int(get("max_position_embeddings"))
     theta, rope, local_theta = _rope(d, fam, max_pos)
+    eos = get("eos_token_id")
     fields = dict(
         vocab_size=int(_required(d, "vocab_size")), d_model=d_model, num_layers=num_layers, num_heads=heads,
         num_kv_heads=int(d.get("num_key_value_heads") or fam.defaults.get("num_key_value_heads") or heads),
         head_dim=int(d.get("head_dim") or d_model // heads), intermediate_size=int(_required(d, "intermediate_size")),
-        rope_theta=theta, rope_scaling=rope, max_seq_len=max_pos, norm_eps=float(get("rms_norm_eps")),
-        tie_embeddings=bool(get("tie_word_embeddings")),
+        rope_theta=theta, rope_scaling=rope, max_seq_len=scaled_max_len(max_pos, rope),
+        norm_eps=float(get("rms_norm_eps")), tie_embeddings=bool(get("tie_word_embeddings")),
+        bos_token_id=get("bos_token_id"), eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        pad_token_id=get("pad_token_id"),
     )
     if fam.model_type == "mistral":
         window = d.get("sliding_window", fam.defaults["sliding_window"])
@@ -260,10 +336,15 @@ def config_from_hf(path_or_dict, **overrides) -> TransformerConfig:
         **overrides: ``TransformerConfig`` fields set on top (``attention``, ``max_seq_len``,
             dtypes, ring sizes, ...), validated with the rest.
 
-    ``max_seq_len`` defaults to ``max_position_embeddings``; RoPE (``rope_scaling`` or the newer
-    ``rope_parameters``) becomes a ``RopeScaling`` (``"default"`` when unscaled: transformers'
-    numerics). Any config.json value that would change the model and is not supported raises a
-    ``ValueError`` naming it.
+    ``max_seq_len`` defaults to ``max_position_embeddings``, or with a ``dynamic`` / ``yarn`` /
+    ``llama3`` / ``longrope`` RoPE scaling to the scaled length (``scaled_max_len``: e.g. 131072 for
+    Qwen's ``max_position_embeddings`` 32768 with YaRN factor 4); pass ``max_seq_len=`` to choose
+    another. RoPE (``rope_scaling`` or the newer ``rope_parameters``) becomes a ``RopeScaling``
+    (``"default"`` when unscaled: transformers' numerics). ``bos_token_id`` / ``eos_token_id`` /
+    ``pad_token_id`` (or the family's defaults, as transformers) are kept on the config. Any
+    config.json value that would change the model and is not supported raises a ``ValueError``
+    naming it; a value of the wrong JSON type (``"tie_word_embeddings": "false"``, ``"hidden_size":
+    64.7``) a ``TypeError`` naming the key, the expected type and the value.
     """
     d = read_config_json(path_or_dict)
     return build_config(hf_model_fields(d), d.get("model_type", ""), **overrides)

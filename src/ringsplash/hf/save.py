@@ -1,5 +1,5 @@
-"""``save_hf``: a ``Transformer`` → a directory ``transformers`` loads (config.json + safetensors,
-sharded with an index above ``max_shard_size``).
+"""``save_hf``: a ``Transformer`` → a directory ``transformers`` loads (config.json,
+generation_config.json and safetensors, sharded with an index above ``max_shard_size``).
 
 From a sharded model (``load_hf(mesh=...)``, a trained FSDP state) every process takes part in
 gathering one layer's tensor at a time to process 0, which writes; no process ever holds more
@@ -44,6 +44,24 @@ def _rope_dict(c: TransformerConfig, scaling: RopeScaling | None, theta: float) 
     return (scaling or RopeScaling()).to_hf(rope_theta=theta)
 
 
+def _token_ids(c: TransformerConfig) -> dict:
+    """bos / eos / pad ids as config.json records them (null when unset, so a family default is not
+    substituted when the file is read back); several eos ids as a list."""
+    out = {}
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = _field(c, name)
+        out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def generation_config_dict(c: TransformerConfig) -> dict:
+    """The ``generation_config.json`` transformers' ``save_pretrained`` writes for a model whose
+    generation settings come from its config (``GenerationConfig.from_model_config``): the set token
+    ids and the defaults it copies from the model config (less ``transformers_version``)."""
+    ids = {k: v for k, v in _token_ids(c).items() if v is not None}
+    return dict(_from_model_config=True, **ids, output_attentions=False, output_hidden_states=False, use_cache=True)
+
+
 def hf_config_dict(c: TransformerConfig, model_type: str | None = None, *, dtype: str | None = None) -> dict:
     """The config.json of ``c`` as ``model_type`` (default: ``infer_model_type``); a ``ValueError``
     names any feature that family cannot express."""
@@ -84,7 +102,7 @@ def hf_config_dict(c: TransformerConfig, model_type: str | None = None, *, dtype
              intermediate_size=c.mlp_hidden, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
              num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=max_pos,
              rms_norm_eps=_field(c, "norm_eps"), tie_word_embeddings=c.tie_embeddings,
-             dtype=dtype or c.param_dtype, attention_dropout=0.0)
+             dtype=dtype or c.param_dtype, attention_dropout=0.0, **_token_ids(c))
     d["torch_dtype"] = d["dtype"]  # the key transformers < 4.56 reads (newer versions read dtype)
     if gemma:
         scalar = (_field(c, "attention_scale") or c.head_dim**-0.5) ** -2  # scale = query_pre_attn_scalar ** -0.5
@@ -114,7 +132,9 @@ def hf_config_dict(c: TransformerConfig, model_type: str | None = None, *, dtype
 
 def save_hf(model: Transformer, path, *, model_type: str | None = None, dtype=None,
             max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
-    """Write ``model`` to the directory ``path`` as a Hugging Face checkpoint: config.json and
+    """Write ``model`` to the directory ``path`` as a Hugging Face checkpoint: config.json (with the
+    config's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``), generation_config.json (those
+    ids, as transformers writes it for a model without its own generation settings) and
     safetensors (``model.safetensors``, or numbered shards of at most ``max_shard_size`` bytes and
     ``model.safetensors.index.json``), which ``transformers.AutoModelForCausalLM.from_pretrained``
     loads. Collective for a model sharded over several processes: every process calls it; process
@@ -158,7 +178,9 @@ def save_hf(model: Transformer, path, *, model_type: str | None = None, dtype=No
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump(generation_config_dict(c), f, indent=2, sort_keys=True)
     return write_checkpoint(path, sizes, produce, max_shard_size=max_shard_size, write=main)
 
 
-__all__ = ["hf_config_dict", "infer_model_type", "save_hf"]
+__all__ = ["generation_config_dict", "hf_config_dict", "infer_model_type", "save_hf"]

@@ -108,6 +108,10 @@ class TransformerConfig:
     sliding layers, unscaled: Gemma 3; None = theirs is the full layers' RoPE). ``tie_embeddings``: the
     unembedding is ``embedding.T`` itself (a fresh tied model draws the embedding with std
     d_model ** -0.5, so its logits start well scaled).
+
+    ``bos_token_id`` / ``eos_token_id`` (an int or several) / ``pad_token_id``: the tokenizer's special
+    ids as a Hugging Face config.json records them (``ringsplash.hf`` reads and writes them); the model
+    itself never reads them.
     """
 
     vocab_size: int
@@ -154,6 +158,10 @@ class TransformerConfig:
     layer_types: tuple[LayerType, ...] | None = None  # None = every layer uses mask
     sliding_window: int | None = None
     local_rope_theta: float | None = None  # None = sliding layers use the full layers' RoPE
+    # the tokenizer's special ids, as Hugging Face's config.json records them (the model ignores them)
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple",
@@ -212,6 +220,7 @@ class TransformerConfig:
                     f"{self.attention!r} cannot: use one of {MAX_LOGIT_STRATEGIES} or qk_clip_threshold=None"
                 )
         check_hf_features(self)
+        self._check_token_ids()
         if not isinstance(self.splash, SplashConfig):
             raise TypeError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
 
@@ -227,6 +236,17 @@ class TransformerConfig:
         # is rejected when lowered for that chip (ringsplash.splash.vmem), the chip being unknown here.
         if kernels:
             self._check_lengths()
+
+    def _check_token_ids(self) -> None:
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name == "eos_token_id" and isinstance(value, (list, tuple)):
+                value = tuple(check_int(f"eos_token_id[{i}]", t) for i, t in enumerate(value))
+            else:
+                value = check_int(name, value)
+            object.__setattr__(self, name, value)
 
     def _check_mask(self) -> None:
         if not isinstance(self.mask, str):
@@ -445,8 +465,9 @@ class TransformerConfig:
             d["splash"] = SplashConfig(**d["splash"])
         if isinstance(d.get("rope_scaling"), dict):
             d["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
-        if isinstance(d.get("layer_types"), list):  # JSON has no tuples
-            d["layer_types"] = tuple(d["layer_types"])
+        for name in ("layer_types", "eos_token_id"):
+            if isinstance(d.get(name), list):  # JSON has no tuples
+                d[name] = tuple(d[name])
         return cls(**d)
 
 
