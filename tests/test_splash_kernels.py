@@ -418,12 +418,32 @@ def test_tuned_blocks_follow_the_chip_length_head_size_and_dtype():
     assert tuned_blocks(kv_len=32768, device_kind="TPU v6 lite") == v5e(32768)  # 128 MiB of VMEM: v5e's rows
     assert tuned_blocks(kv_len=32768, device_kind="TPU v4") == TunedBlocks(512, 512, 512, 512, 512)
     assert tuned_blocks(kv_len=32768, device_kind="cpu") == v5e(32768)  # no TPU at trace time: v5e's table
+    # segment ids / banded masks (mostly partial tiles) keep the blocks below 32K
+    assert v5e(65536, sparse=True) == v5e(16384) and v5e(4096, sparse=True) == v5e(4096)
     # explicit blocks are honoured, the rest tuned; an explicit compute slice tiles the tuned block_kv
     cfg = SplashConfig(block_q=256).with_tuned_blocks(kv_len=32768, device_kind="TPU v5 lite")
     assert (cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.block_q_dkv) == (256, 2048, 512, 1024)
     assert SplashConfig(block_kv=384).with_tuned_blocks(kv_len=32768).block_kv_compute == 384
     cfg = SplashConfig(block_kv_compute=384).with_tuned_blocks(kv_len=32768, device_kind="TPU v5 lite")
     assert (cfg.block_kv, cfg.block_kv_compute) == (1920, 384)
+
+
+def test_splash_attention_tunes_sparse_calls_to_smaller_blocks(monkeypatch):
+    """splash_attention asks the table for ``sparse`` blocks when it has segment ids or a mask
+    other than causal / full (per head of a MultiHeadMask)."""
+    from ringsplash.splash import attention as attention_mod
+
+    seen = []
+    real = attention_mod.fit_blocks
+    monkeypatch.setattr(attention_mod, "fit_blocks", lambda *a, **kw: seen.append(kw["sparse"]) or real(*a, **kw))
+    x = jnp.zeros((2, 256, 64), jnp.float32)
+    causal, local = masks.CausalMask((256, 256)), masks.LocalMask((256, 256), window=(64, 0))
+    ids = jnp.zeros((256,), jnp.int32)
+    for mask, seg in [(causal, None), (None, None), (masks.MultiHeadMask([causal] * 2), None), (local, None),
+                      (masks.MultiHeadMask([causal, local]), None), (causal, rs.SegmentIds(ids, ids))]:
+        jax.eval_shape(functools.partial(rs.splash_attention, mask=mask, segment_ids=seg,
+                                         config=SplashConfig(backend="xla")), x, x, x)
+    assert seen == [False, False, False, True, True, True]
 
 
 def _bad_call(what):

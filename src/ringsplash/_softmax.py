@@ -10,6 +10,7 @@ Backward: with ``delta = rowsum(d_out * out)`` (minus the cotangent of a returne
 gradient is ``dS = P * (dP - delta)``, and a sink's gradient is ``-sum_rows exp(sink - lse) * delta``.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,18 +24,30 @@ _F32 = jnp.float32
 
 def merge(o, lse, o_t, lse_t):
     """``(o, lse)`` and ``(o_t, lse_t)`` over disjoint keys -> the partial over both:
-    ``lse' = logaddexp(lse, lse_t)``, ``o' = o exp(lse - lse') + o_t exp(lse_t - lse')``."""
-    new = jnp.logaddexp(lse, lse_t)
-    return o * jnp.exp(lse - new)[..., None] + o_t * jnp.exp(lse_t - new)[..., None], new
+    ``lse' = logaddexp(lse, lse_t)``, ``o' = o exp(lse - lse') + o_t exp(lse_t - lse')``.
+
+    The weights are computed as ``sigmoid(-/+ (lse_t - lse))``, not as ``exp`` of differences
+    with the rounded ``lse'``: float32 rounds ``lse'`` by up to half an ulp of its magnitude
+    (3.8e-6 at logits ~100), and both ``exp(lse - lse')`` and ``exp(lse_t - lse')`` would carry
+    that error in the same direction, rescaling ``o`` by ``1 +- 3.8e-6`` on every merge: an error
+    that grew with the number of merges (a ring's size; issue 39). The sigmoids sum to 1 to
+    float32 precision whatever the magnitude of the lse's; ``lse'`` itself is rounded once per
+    merge, as ``logaddexp`` rounds it (``lse - lse_t`` is exact for lse's within a factor 2).
+    """
+    d = lse_t - lse
+    new = jnp.maximum(lse, lse_t) + jnp.log1p(jnp.exp(-jnp.abs(d)))  # logaddexp (both MASKED_LSE: MASKED_LSE)
+    return o * jax.nn.sigmoid(-d)[..., None] + o_t * jax.nn.sigmoid(d)[..., None], new
 
 
 def fold_sinks(o, lse, sinks):
     """Sinks ``[heads]`` (or None: unchanged) join each row's denominator once: float32
-    ``(o exp(lse - lse_total), lse_total)`` with ``lse_total = logaddexp(lse, sink)``."""
+    ``(o exp(lse - lse_total), lse_total)`` with ``lse_total = logaddexp(lse, sink)``; the
+    weight is ``sigmoid(lse - sink)``, free of ``lse_total``'s rounding (see :func:`merge`)."""
     if sinks is None:
         return o, lse
-    lse_total = jnp.logaddexp(lse, sinks.astype(_F32)[:, None])
-    return o.astype(_F32) * jnp.exp(lse - lse_total)[..., None], lse_total
+    sinks = sinks.astype(_F32)[:, None]
+    lse_total = jnp.logaddexp(lse, sinks)
+    return o.astype(_F32) * jax.nn.sigmoid(lse - sinks)[..., None], lse_total
 
 
 def delta(d_out, out, d_lse=None):

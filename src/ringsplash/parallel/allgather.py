@@ -7,13 +7,19 @@ on (its q positions, all kv positions) of the layout: one MaskInfo built on the 
 ``layout="zigzag"`` or ``"striped"`` gives every device the same active-block work, as in the
 ring.
 
-Backward: the custom VJP is around the local Splash call only; JAX transposes the all-gather
-into a reduce-scatter (``psum_scatter``) of dK / dV, the optimal collective here, in the dtype
-of k / v. (libtpu lowers that reduce-scatter on v5p as an all-reduce + slice, checked on the
-compiled HLO in tests/test_parallel_tpu_compile.py; a custom-VJP ``psum_scatter`` compiles the
-same way, so there is nothing to gain from one.) The gathered K / V are residuals of the
-local call (``kv_heads x S x d`` each per device), which saves re-gathering them in the backward.
+Backward: the all-gather of K / V is part of the local Splash call's custom VJP
+(``splash_info_attention(kv_exchange=...)``), whose backward reduce-scatters (``psum_scatter``,
+the optimal collective here) the kernels' float32 dK / dV and casts once, to the dtype of k / v:
+the N devices' partial sums are added in float32, as the ring accumulates them. (JAX's own
+transpose of a bfloat16 all-gather summed bfloat16 partials, each rounded: bfloat16 dK 22% less
+accurate than the ring's on S = 4096, N = 8; issue 39.) The float32 reduce-scatter moves twice
+the bytes of a bfloat16 one, as the ring's float32 accumulators do. (libtpu lowers that
+reduce-scatter on v5p as an all-reduce + slice, checked on the compiled HLO in
+tests/test_parallel_tpu_compile.py.) The gathered K / V are residuals of the local call
+(``kv_heads x S x d`` each per device), which saves re-gathering them in the backward.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +43,20 @@ from ringsplash.splash.attention import splash_info_attention
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 __all__ = ["allgather_attention", "allgather_attention_sharded"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherSequence:
+    """The ``KvExchange`` of all-gather: local ``[kv_heads, S / N, d]`` -> ``[kv_heads, S, d]``
+    along the sequence; backward, the float32 partial gradients reduce-scattered, then cast."""
+
+    axis_name: object
+
+    def gather(self, x):
+        return lax.all_gather(x, self.axis_name, axis=1, tiled=True)
+
+    def reduce(self, dx, dtype):
+        return lax.psum_scatter(dx, self.axis_name, scatter_dimension=1, tiled=True).astype(dtype)
 
 
 def allgather_attention(
@@ -83,12 +103,12 @@ def allgather_attention(
     info = build_mask_info(mask, blocks.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True,
                                                                    **common)
-    gather = lambda x, axis: lax.all_gather(x, axis_name, axis=axis, tiled=True)
     if segment_ids is not None:
-        segment_ids = SegmentIds(q=segment_ids.q, kv=gather(segment_ids.kv, 0))
-    result = splash_info_attention(q, gather(k, 1), gather(v, 1), info, info_dkv, q_shard=lax.axis_index(axis_name),
+        segment_ids = SegmentIds(q=segment_ids.q, kv=lax.all_gather(segment_ids.kv, axis_name, axis=0, tiled=True))
+    result = splash_info_attention(q, k, v, info, info_dkv, q_shard=lax.axis_index(axis_name),
                                    segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
-                                   config=config, partial_dtype=jnp.float32, return_max_logits=return_max_logits)
+                                   config=config, partial_dtype=jnp.float32, return_max_logits=return_max_logits,
+                                   kv_exchange=_GatherSequence(axis_name))
     if return_max_logits:  # each device saw its own q rows against every key: one pmax
         out, mx = result
         return out, lax.pmax(mx, axis_name)

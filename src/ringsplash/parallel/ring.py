@@ -12,6 +12,9 @@ float32 state by online softmax in natural log:
 
     lse' = logaddexp(lse, lse_t),   o' = o * exp(lse - lse') + o_t * exp(lse_t - lse').
 
+(``_softmax.merge`` computes the two weights as ``sigmoid(-/+ (lse_t - lse))``, which sum to 1
+to float32 precision: with the rounded ``lse'`` every merge rescaled ``o`` by up to half an ulp
+of the lse, and the float32 error grew with N at large logits; issue 39.)
 Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
 so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
 and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see

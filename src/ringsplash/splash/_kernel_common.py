@@ -190,15 +190,22 @@ def drop_unattended(s, k, v, *, transposed):
     return zero(k), zero(v)
 
 
-def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None):
+def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None, transposed=False):
     """``block_mask`` of the current tile from its refs: ``pos_seg_refs`` is the ``(q_pos,
     kv_pos, q_seg, kv_seg)`` refs (None where absent); ``kv_cols`` slices the kv side (the
-    forward's compute slices, kv along lanes)."""
+    forward's compute slices, kv along lanes); ``transposed``: a (kv, q) tile."""
     q_pos, kv_pos, q_seg, kv_seg = pos_seg_refs
     load = lambda ref: None if ref is None else ref[...]
     load_kv = load if kv_cols is None else (lambda ref: None if ref is None else ref[:, kv_cols])
-    return block_mask(which, partial, lst, load(q_pos), load_kv(kv_pos), load(q_seg), load_kv(kv_seg), stored,
-                      masks=masks)
+    qp, kp, qs, ks = load(q_pos), load_kv(kv_pos), load(q_seg), load_kv(kv_seg)
+    # the column side (q of a (q, kv) tile, kv of a transposed (kv, q) one) arrives
+    # lane-replicated, (rows, 128): widen it to the row side's width by repeating whole vregs
+    widen = lambda col, row: None if col is None else lane_tile(col, row.shape[1])
+    if transposed:
+        kp, ks = widen(kp, qp), widen(ks, qs)
+    else:
+        qp, qs = widen(qp, kp), widen(qs, ks)
+    return block_mask(which, partial, lst, qp, kp, qs, ks, stored, masks=masks)
 
 
 # ----------------------------------------------------------------------------------------
@@ -284,11 +291,11 @@ def optional_specs(pairs):
 
 def mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv):
     """``optional_specs`` of the forward / dq kernels' positions, segment ids and partial
-    blocks, ``(q, kv)`` tiles: q side ``(bq, 1)`` columns, kv side ``(1, bkv)`` rows."""
+    blocks, ``(q, kv)`` tiles: q side lane-replicated ``(bq, 128)`` columns, kv side ``(1, bkv)`` rows."""
     return optional_specs([
-        (q_pos, pl.BlockSpec((bq, 1), q_col_map)),
+        (q_pos, pl.BlockSpec((bq, NUM_LANES), q_col_map)),
         (kv_pos, pl.BlockSpec((1, bkv), kv_row_map)),
-        (q_seg, pl.BlockSpec((bq, 1), q_col_map)),
+        (q_seg, pl.BlockSpec((bq, NUM_LANES), q_col_map)),
         (kv_seg, pl.BlockSpec((1, bkv), kv_row_map)),
         (mask_blocks, pl.BlockSpec((1, bq, bkv), mask_map)),
     ])
@@ -322,7 +329,7 @@ def kv_map(h, i, blocks, kinds, lists, *, group):
 
 
 def q_col_map(h, i, blocks, kinds, lists):
-    return q_block_of(blocks[lists[h], i]), 0  # positions / segment ids as a (bq, 1) column
+    return q_block_of(blocks[lists[h], i]), 0  # positions / segment ids as a (bq, 128) column
 
 
 def kv_row_map(h, i, blocks, kinds, lists):

@@ -8,6 +8,7 @@ The backends share the interface of ``splash/backend_interface.py`` (``ForwardIn
 
 import dataclasses
 import functools
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,12 @@ def _pair_positions(info: MaskInfo, q_len, kv_len, q_shard, kv_shard, q_position
 
     return (one(q_positions, info.q_positions, q_shard, info.q_shards, q_len),
             one(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len))
+
+
+def _dense(mask) -> bool:
+    """Whether ``mask`` (or every head of a ``MultiHeadMask``) is causal or full: few partial tiles."""
+    heads = mask.masks if isinstance(mask, masks_lib.MultiHeadMask) else (mask,)
+    return all(type(m) in (masks_lib.CausalMask, masks_lib.FullMask) for m in heads)
 
 
 def _segments(segment_ids):
@@ -266,6 +273,21 @@ def _check_info(info, q_len, kv_len, *, transpose):
 # the custom VJP over one q shard of a MaskInfo against all its kv columns, sinks included
 
 
+@runtime_checkable
+class KvExchange(Protocol):
+    """How a caller's local K / V reach :func:`splash_info_attention` and their gradients go back
+    (a strategy's collective, e.g. the all-gather; a hashable value, part of the custom VJP's
+    statics). ``gather`` maps the local k or v to the kernels' operand in the forward; ``reduce``
+    is its transpose, applied to the kernels' *unrounded* dK or dV (``partial_dtype``, float32
+    for the strategies) and returning the local gradient in ``dtype``: a sum across devices or
+    heads then happens in float32 with one final rounding, as the ring accumulates dK / dV
+    (JAX's own transpose of a bfloat16 all-gather sums bfloat16 partials)."""
+
+    def gather(self, x: Array) -> Array: ...
+
+    def reduce(self, dx: Array, dtype) -> Array: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class _VjpStatic:
     """Non-differentiable settings of ``_attention`` (hashable)."""
@@ -276,6 +298,7 @@ class _VjpStatic:
     sinks_vma: frozenset  # the manual mesh axes the sinks vary over
     return_residuals: bool
     return_max_logits: bool
+    kv_exchange: KvExchange | None = None  # K / V from the caller's shards (None: k, v as given)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -284,6 +307,8 @@ def _attention(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg, q_shard):
 
 
 def _attention_fwd(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg, q_shard):
+    if static.kv_exchange is not None:  # the gathered K / V are the residuals (no re-gather backward)
+        k, v = static.kv_exchange.gather(k), static.kv_exchange.gather(v)
     shard = static.q_shard if q_shard is None else q_shard
     out, lse, *mx = _forward(static.backend, q, k, v, q_seg, kv_seg, q_shard=shard, out_dtype=static.partial_dtype,
                              return_max_logits=static.return_max_logits)
@@ -311,7 +336,11 @@ def _attention_bwd(static: _VjpStatic, residuals, g):
         if extra:
             d_sinks = jax.lax.psum(d_sinks, extra)
         d_sinks = d_sinks.astype(sinks.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks, None, None, None
+    if static.kv_exchange is None:
+        dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)
+    else:  # reduced before the cast (float32 partials on the strategies)
+        dk, dv = static.kv_exchange.reduce(dk, k.dtype), static.kv_exchange.reduce(dv, v.dtype)
+    return dq.astype(q.dtype), dk, dv, d_sinks, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -333,13 +362,15 @@ def splash_info_attention(
     partial_dtype=None,
     return_residuals: bool = False,
     return_max_logits: bool = False,
+    kv_exchange: KvExchange | None = None,
 ):
     """Attention of q shard ``q_shard`` of ``info`` against every kv column of it (one kv
     shard), sinks included: the custom VJP behind :func:`splash_attention` and the
     all-gather and Ulysses strategies, on inputs their entry points have validated.
 
     Args:
-        q, k, v: the q shard and all keys / values of ``info``'s (laid-out) frame.
+        q, k, v: the q shard and all keys / values of ``info``'s (laid-out) frame (with
+            ``kv_exchange``: the caller's local k, v, which ``kv_exchange.gather`` maps to them).
         info: forward ``MaskInfo`` with one kv shard; ``info_dkv``: its transposed view with
             ``config.block_shape_dkv`` (None for the xla backend).
         q_shard: which q shard of ``info`` (int or traced int).
@@ -351,18 +382,22 @@ def splash_info_attention(
             the sink fold and the cast to the input dtypes; None = q's dtype.
         return_residuals, return_max_logits: as in :func:`splash_attention` (max logits of
             these rows only: a sharded caller reduces them).
+        kv_exchange: a :class:`KvExchange` (a strategy's collective) inside the custom VJP,
+            whose ``reduce`` sees the gradients in ``partial_dtype``; None = k, v used as given.
 
     Returns:
         ``out``, or a tuple ``(out, [lse], [max_logits])`` as in :func:`splash_attention`.
     """
-    _check_info(info, q.shape[1], k.shape[1], transpose=False)
+    kv_len = k.shape[1] if kv_exchange is None else jax.eval_shape(kv_exchange.gather, k).shape[1]
+    _check_info(info, q.shape[1], kv_len, transpose=False)
     if info_dkv is not None:
-        _check_info(info_dkv, q.shape[1], k.shape[1], transpose=True)
+        _check_info(info_dkv, q.shape[1], kv_len, transpose=True)
     backend = BackendStatic(info, info_dkv, default_scale(scale, q.shape[-1]),
                             None if logit_soft_cap is None else float(logit_soft_cap), config)
     traced = None if isinstance(q_shard, int) else jnp.asarray(q_shard, jnp.int32)
     static = _VjpStatic(backend, q_shard if traced is None else 0, partial_dtype,
-                        frozenset() if sinks is None else vma(sinks), bool(return_residuals), bool(return_max_logits))
+                        frozenset() if sinks is None else vma(sinks), bool(return_residuals), bool(return_max_logits),
+                        kv_exchange)
     return _attention(static, q, k, v, sinks, *_segments(segment_ids), traced)
 
 
@@ -423,7 +458,8 @@ def splash_attention(
         mask = masks_lib.FullMask((q_len, kv_len))
     blocks = fit_blocks(config, q=Extent(q_len, q_len, "q_len"), kv=Extent(kv_len, kv_len, "kv_len"),
                         what="splash_attention", length_hint=f"lengths divisible by {NUM_LANES}",
-                        head_dim=q.shape[-1], dtype=q.dtype)
+                        head_dim=q.shape[-1], dtype=q.dtype,
+                        sparse=call.segment_ids is not None or not _dense(mask))
     config = blocks.config
     info = build_mask_info(mask, blocks.block_shape)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True)

@@ -56,13 +56,14 @@ def fit_block(block: int, extent: Extent, *, tpu_tiling: bool = True) -> int | N
 
 
 def fit_blocks(config: SplashConfig, *, q: Extent, kv: Extent, what: str, length_hint: str = "",
-               head_dim: int | None = None, dtype=None) -> Blocks:
+               head_dim: int | None = None, dtype=None, sparse: bool = False) -> Blocks:
     """``config``'s four blocks fitted to the q and kv extents (:func:`fit_block`), blocks
     left at None first taken from the tuned table (``SplashConfig.with_tuned_blocks``).
 
     Args:
         config: the user's ``SplashConfig``.
         head_dim, dtype: q's head size and dtype, for the tuned table (None: 128, bfloat16).
+        sparse: the call has segment ids or a mask other than causal / full (tuned table).
         q, kv: the query and key/value dimensions the kernels tile.
         what: the caller, named first in errors (e.g. ``"ring_attention (layout 'zigzag', 4 devices)"``).
         length_hint: how to pick a sequence length that works, appended to errors.
@@ -71,7 +72,7 @@ def fit_blocks(config: SplashConfig, *, q: Extent, kv: Extent, what: str, length
         ValueError: naming the field, the part it cannot tile and, where one exists, a
             ``SplashConfig`` that works, then ``length_hint``.
     """
-    config = config.with_tuned_blocks(kv_len=kv.part, head_dim=head_dim, dtype=dtype)
+    config = config.with_tuned_blocks(kv_len=kv.part, head_dim=head_dim, dtype=dtype, sparse=sparse)
     fitted = {}
     for name, side in _FIELDS:
         extent = q if side == "q" else kv

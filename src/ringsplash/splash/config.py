@@ -152,13 +152,15 @@ class SplashConfig:
         return None in (self.block_q, self.block_kv, self.block_kv_compute, self.block_q_dkv, self.block_kv_dkv)
 
     def with_tuned_blocks(self, *, kv_len: int, head_dim: int | None = None, dtype=None,
-                          device_kind: str | None = None) -> "SplashConfig":
+                          device_kind: str | None = None, sparse: bool = False) -> "SplashConfig":
         """This config with every block left at None taken from the tuned table for the chip
-        (``splash/tuning.py``); explicit blocks are kept (an explicit ``block_kv_compute`` with a tuned
-        ``block_kv``: the tuned block rounded down to a multiple of it)."""
+        (``splash/tuning.py``; ``sparse``: a call with segment ids or a banded mask); explicit blocks
+        are kept (an explicit ``block_kv_compute`` with a tuned ``block_kv``: the tuned block rounded
+        down to a multiple of it)."""
         if not self.tuned:
             return self
-        tuned = tuned_blocks(kv_len=kv_len, head_dim=head_dim, dtype=dtype, device_kind=device_kind)._asdict()
+        tuned = tuned_blocks(kv_len=kv_len, head_dim=head_dim, dtype=dtype, device_kind=device_kind,
+                             sparse=sparse)._asdict()
         values = {name: getattr(self, name) if getattr(self, name) is not None else tuned[name] for name in tuned}
         compute = values["block_kv_compute"]
         if self.block_kv is None and values["block_kv"] % compute:  # an explicit compute slice tiles the tuned block

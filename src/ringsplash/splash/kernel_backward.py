@@ -191,7 +191,8 @@ def _dkv_kernel(
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
         # transposed tiles (kv, q): q-side rows (1, bq) broadcast over kv rows
         stored = None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0
-        mask = tile_mask(which, partial_of(kinds_ref[row, i]), lst, pos_seg_refs, stored, masks=masks)
+        mask = tile_mask(which, partial_of(kinds_ref[row, i]), lst, pos_seg_refs, stored, masks=masks,
+                         transposed=True)
         # base-2 scores: s2 = log2(e) * scale * k.q, p = exp2(s2 - log2(e) * lse) (the lse rows
         # arrive scaled). q is not pre-scaled as in the forward: it changes every step here, and
         # a bf16 rounding of q * scale moved bf16 gradients by an ulp.
@@ -344,7 +345,7 @@ def _dkv_q_row_map(g, i, j, *prefetched, group):
 
 def _dkv_kv_col_map(g, i, j, *prefetched, group):
     word, _, _ = _dkv_where(g, i, j, prefetched, group)
-    return kv_block_of(word), 0  # ... of the kv block as a (bkv, 1) column
+    return kv_block_of(word), 0  # ... of the kv block as a lane-replicated (bkv, 128) column
 
 
 def _dkv_mask_map(g, i, j, *prefetched, group):
@@ -494,7 +495,7 @@ def splash_dkv_kernel(
     ``head_to_list`` (``[heads]``) must be concrete: it picks, statically, the uniform-group
     walk (prefetched list ``[lists, steps]``) or the merged one (``[kv_heads, group *
     steps]``, for groups whose heads have different masks). Positions / segment ids: q side
-    int32 ``[1, q_len]`` rows, kv side ``[kv_len, 1]`` columns. ``mask_blocks_t`` holds the
+    int32 ``[1, q_len]`` rows, kv side lane-replicated ``[kv_len, 128]`` columns. ``mask_blocks_t`` holds the
     partial blocks transposed, int8 ``[num_partials, bkv, bq]``. ``probs_dtype`` (None = q's
     dtype) is the operand dtype of ``P.T @ dO``, ``dS.T @ Q`` and ``dS @ K``; ``precision``
     that of every matmul. Returns ``dk [kv_heads, kv_len, d]`` and ``dv [kv_heads, kv_len,
@@ -538,9 +539,9 @@ def splash_dkv_kernel(
     ]
     specs, operands, present = optional_specs([
         (q_pos, pl.BlockSpec((1, bq), maps["q_row"])),
-        (kv_pos, pl.BlockSpec((bkv, 1), maps["kv_col"])),
+        (kv_pos, pl.BlockSpec((bkv, NUM_LANES), maps["kv_col"])),
         (q_seg, pl.BlockSpec((1, bq), maps["q_row"])),
-        (kv_seg, pl.BlockSpec((bkv, 1), maps["kv_col"])),
+        (kv_seg, pl.BlockSpec((bkv, NUM_LANES), maps["kv_col"])),
         (mask_blocks_t, pl.BlockSpec((1, bkv, bq), maps["mask"])),
         (dq_init, pl.BlockSpec(memory_space=pl.ANY)),  # the dq accumulator, in HBM
     ])

@@ -166,7 +166,7 @@ def splash_forward_kernel(
     ``q: [heads, q_len, d]``, ``k: [kv_heads, kv_len, d]``, ``v: [kv_heads, kv_len, dv]`` (v's
     head size may differ from q's and k's). ``schedule`` holds int32
     ``q_block, kv_block, kind, partial_index`` of shape ``[lists, max_steps]``;
-    ``head_to_list`` is int32 ``[heads]``. ``q_pos / q_seg`` are int32 ``[q_len, 1]``,
+    ``head_to_list`` is int32 ``[heads]``. ``q_pos / q_seg`` are int32 ``[q_len, 128]`` (lane-replicated),
     ``kv_pos / kv_seg`` int32 ``[1, kv_len]`` (pass positions only when ``masks`` has a
     mask to evaluate in kernel). ``mask_blocks`` is int8 ``[num_partials, bq, bkv]`` or
     None. ``masks``: per list, the mask whose ``mask_function`` the kernel may evaluate, or

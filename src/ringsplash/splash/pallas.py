@@ -20,6 +20,7 @@ from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 from ringsplash.splash.guards import mosaic_tpu_guard, vmem_guard
+from ringsplash.splash.tpu_tiles import NUM_LANES
 from ringsplash.splash.vmem import kernel_vmem
 
 __all__ = ["StaticOperands", "backward", "forward"]
@@ -78,7 +79,13 @@ def _interpret(config: SplashConfig, backend: str):
 
 
 def _as_col(x):
-    return None if x is None else jnp.asarray(x, jnp.int32)[:, None]
+    """A column side replicated over the 128 lanes, ``[n, 128]``: the kernels widen a
+    ``(block, 128)`` tile to the tile's width by repeating whole vregs (a ``[n, 1]`` column
+    needs a lane broadcast per row; with segment ids that ran at ~4x the time per tile)."""
+    if x is None:
+        return None
+    x = jnp.asarray(x, jnp.int32)
+    return jnp.broadcast_to(x[:, None], (x.shape[0], NUM_LANES))
 
 
 def _as_row(x):

@@ -46,6 +46,10 @@ _MEASURED = {
     },
 }
 _LARGE_VMEM = 64 << 20  # generations with at least this much VMEM per core take v5e's rows
+#: ``sparse`` calls (segment ids, banded masks: mostly partial tiles) take no row from this kv
+#: length on: on v5e at 32K, 16 packed documents ran 41 ms at 2048-blocks and 7.8 ms at 1024 (a
+#: partial 2048 x 512 tile costs far more than four 1024 x 512 ones); window 4096: 11.5 vs 10.8
+_SPARSE_LAST_ROW = 32768
 
 
 def trace_chip() -> str | None:
@@ -73,11 +77,12 @@ def _table(device_kind: str | None):
     return _MEASURED["v5e"] if info.vmem_bytes >= _LARGE_VMEM else {1 << 30: ((0, _SMALL),)}
 
 
-def tuned_blocks(*, kv_len: int, head_dim: int | None = None, dtype=None, device_kind: str | None = None
-                 ) -> TunedBlocks:
+def tuned_blocks(*, kv_len: int, head_dim: int | None = None, dtype=None, device_kind: str | None = None,
+                 sparse: bool = False) -> TunedBlocks:
     """The tuned blocks for a kernel that sees ``kv_len`` keys with q's ``head_dim`` / ``dtype``
     (None: 128 / bfloat16) on ``device_kind`` (None: :func:`trace_chip`). Float32 inputs take
-    the rows of twice their head size (their blocks take twice the VMEM). On a known chip the
+    the rows of twice their head size (their blocks take twice the VMEM). ``sparse`` (segment
+    ids or a mask other than causal / full) keeps the blocks of the rows below 32K. On a known chip the
     blocks are halved until the forward and the fused backward fit its VMEM (``splash/vmem.py``),
     so the default configuration is never refused there."""
     head_dim = 128 if head_dim is None else int(head_dim)
@@ -86,7 +91,7 @@ def tuned_blocks(*, kv_len: int, head_dim: int | None = None, dtype=None, device
     table = _table(device_kind)
     row_dim = head_dim * 2 if dtype.itemsize >= 4 else head_dim
     rows = table[min(bound for bound in table if row_dim <= bound)]
-    blocks = [blocks for start, blocks in rows if kv_len >= start][-1]
+    blocks = [blocks for start, blocks in rows if kv_len >= start and not (sparse and start >= _SPARSE_LAST_ROW)][-1]
     return _within_vmem(blocks, aot.find_chip(device_kind), head_dim, dtype)
 
 
