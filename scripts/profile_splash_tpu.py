@@ -92,14 +92,20 @@ def profile(label: str, fn, args, repeats: int, top: int):
         print(f"| {name[:90]} | {ms:.3f} | {n:g} |")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--rows", required=True, help="mask:S:fwd|bwd[:d=N][:group=G], comma-separated")
+    parser.add_argument("--rows", default="causal:32768:fwd,local:32768:fwd,docs:32768:fwd",
+                        help="mask:S:fwd|bwd[:d=N][:group=G], comma-separated (default %(default)s)")
     parser.add_argument("--set", dest="overrides", help="SplashConfig overrides for ringsplash, key=value,...")
     parser.add_argument("--peer", help="also profile JAX's splash at these blocks: bq,bkv,bkv_compute[,bq_dkv,bkv_dkv]")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="traced calls per profile (times are per call)")
     parser.add_argument("--top", type=int, default=12, help="ops printed per profile")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "tpu":
         sys.exit(f"profile_splash_tpu.py profiles TPU kernels; this process sees {jax.devices()[0].platform!r} devices")
