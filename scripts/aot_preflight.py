@@ -181,7 +181,7 @@ def compile_step(config: Config):
 
     from ringsplash import partitioning, train
     from ringsplash.data import Batch
-    from ringsplash.model import Transformer
+    from ringsplash.model import abstract_model
     from ringsplash.model.schedule import schedule_bytes_per_device
 
     devices = aot.topology_devices(config.topology)
@@ -195,7 +195,7 @@ def compile_step(config: Config):
     plan = train.sharding_plan(model_config, mesh, tc.fsdp)
 
     is_abstract = lambda x: isinstance(x, jax.ShapeDtypeStruct)
-    model_abs = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(0))
+    model_abs = abstract_model(model_config)
     params_abs, static = eqx.partition(model_abs, is_abstract)
     opt_abs = jax.eval_shape(optimizer.init, params_abs)
     param_sh = partitioning.shardings(plan.specs, mesh)

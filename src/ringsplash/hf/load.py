@@ -12,7 +12,7 @@ from ringsplash import partitioning
 from ringsplash.hf.config import _family, build_config, hf_model_fields, read_config_json
 from ringsplash.hf.io import Checkpoint
 from ringsplash.hf.names import TensorName, abstract_params, name_map
-from ringsplash.model import Transformer
+from ringsplash.model import Transformer, abstract_model
 from ringsplash.model.config import DTYPES
 
 #: tensors a checkpoint may hold that no parameter reads (old checkpoints saved RoPE buffers)
@@ -146,9 +146,8 @@ def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32
 
 
 def _assemble(config, leaves: list) -> Transformer:
-    import equinox as eqx
 
-    like = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    like = abstract_model(config)
     structs, treedef = jax.tree_util.tree_flatten(like)
     arrays = [x for x in structs if isinstance(x, jax.ShapeDtypeStruct)]
     if len(arrays) != len(leaves) or len(arrays) != len(structs):

@@ -9,10 +9,9 @@ stores them, as ours does, so no head permutation is needed.
 
 import dataclasses
 
-import equinox as eqx
 import jax
 
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import TransformerConfig, abstract_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +66,7 @@ def path_name(path) -> str:
 
 def abstract_params(config: TransformerConfig) -> dict[str, jax.ShapeDtypeStruct]:
     """``{path: ShapeDtypeStruct}`` of every parameter of ``Transformer(config)``, in tree order."""
-    model = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    model = abstract_model(config)
     leaves = jax.tree_util.tree_flatten_with_path(model)[0]
     return {path_name(p): x for p, x in leaves if isinstance(x, jax.ShapeDtypeStruct)}
 

@@ -27,7 +27,7 @@ from ringsplash import layouts
 from ringsplash._types import Array, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_decodable, check_mesh, model_key, place
 from ringsplash.inference.checks import as_count, check_model
-from ringsplash.model import Transformer, TransformerConfig, attend, layer_segments
+from ringsplash.model import Transformer, TransformerConfig, abstract_model, attend, layer_segments
 from ringsplash.model.transformer import run_segment
 from ringsplash.splash.config import NUM_LANES
 
@@ -167,7 +167,7 @@ def _with_config(model: Transformer, config: TransformerConfig) -> Transformer:
 
 @functools.lru_cache(maxsize=32)
 def _treedef(config: TransformerConfig):
-    return jax.tree.structure(eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0)))
+    return jax.tree.structure(abstract_model(config))
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "mesh", "axis_name", "layout", "shards", "all_logits"))

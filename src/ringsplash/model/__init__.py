@@ -13,7 +13,7 @@ from ringsplash.model.rope_scaling import (
     rope_inv_freq,
     rope_scaling_from_flags,
 )
-from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, remat_policy
+from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, abstract_model, remat_policy
 
 __all__ = [
     "GATHERED",
@@ -33,6 +33,7 @@ __all__ = [
     "SwiGLU",
     "Transformer",
     "TransformerConfig",
+    "abstract_model",
     "apply_qk_clip",
     "attend",
     "layer_segments",

@@ -304,7 +304,7 @@ class Transformer(eqx.Module):
     def with_config(self, config: TransformerConfig) -> "Transformer":
         """These parameters under another config with the same parameter shapes (e.g. another
         attention strategy, ring size or remat setting)."""
-        like = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+        like = abstract_model(config)
         leaves, mine = jax.tree.leaves(like), jax.tree.leaves(self)
         shapes = [(x.shape, x.dtype) for x in leaves]
         if shapes != [(x.shape, x.dtype) for x in mine]:
@@ -356,3 +356,10 @@ def run_segment(seg, steps: dict, x, xs, num_layers: int):
 
     x, outs = jax.lax.scan(group, x, xs)
     return x, jax.tree.map(lambda o: o.reshape(seg.num_layers, *o.shape[2:]), outs)
+
+
+def abstract_model(config: TransformerConfig) -> Transformer:
+    """The ``Transformer`` of ``config`` with ``jax.ShapeDtypeStruct`` leaves: its structure,
+    shapes and dtypes without allocating or initialising anything (a restore target, a sharding
+    plan's input, the pytree structure of a cache)."""
+    return eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))

@@ -15,7 +15,7 @@ import optax
 
 from ringsplash import checkpoints, partitioning
 from ringsplash.distributed import is_main_process
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import Transformer, TransformerConfig, abstract_model
 from ringsplash.train.batches import _global_array
 from ringsplash.train.config import TrainConfig, make_optimizer
 
@@ -37,7 +37,7 @@ def _fresh(model_config: TransformerConfig, tc: TrainConfig, key: jax.Array):
 
 def _start(model_config: TransformerConfig, tc: TrainConfig, params, opt_state, data_seed: int) -> TrainState:
     """The step-0 ``TrainState`` of ``model_config``'s parameters and an optimiser state."""
-    _, static = eqx.partition(eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed)),
+    _, static = eqx.partition(abstract_model(model_config),
                               _is_struct)
     return TrainState(eqx.combine(params, static), opt_state, jnp.asarray(0, jnp.int32),
                       jnp.asarray(data_seed, jnp.int32))
@@ -46,7 +46,7 @@ def _start(model_config: TransformerConfig, tc: TrainConfig, params, opt_state, 
 def _state_shardings(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.sharding.Mesh,
                      plan: partitioning.ShardingPlan):
     """(parameter shardings, optimiser-state shardings) of ``plan`` on ``mesh``, as ``abstract_state``'s."""
-    params = eqx.filter(eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed)), _is_struct)
+    params = eqx.filter(abstract_model(model_config), _is_struct)
     param_sh = partitioning.shardings(plan.specs, mesh)
     return param_sh, partitioning.optimizer_shardings(make_optimizer(tc), params, param_sh, mesh)
 
@@ -140,7 +140,7 @@ def abstract_state(model_config: TransformerConfig, tc: TrainConfig, mesh: jax.s
     moments laid out by ``plan``, other optimiser leaves replicated), step and data seed as numpy
     scalars (every process holds them). The target of a sharded restore (``restore_sharded_state``)."""
     optimizer = make_optimizer(tc)
-    model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(tc.seed))
+    model = abstract_model(model_config)
     params, static = eqx.partition(model, _is_struct)
     param_sh, opt_sh = _state_shardings(model_config, tc, mesh, plan)
     with_sharding = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)

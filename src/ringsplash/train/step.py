@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from ringsplash import partitioning
 from ringsplash._types import Array, Float, Int
 from ringsplash.data import Batch, DataStream
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import Transformer, TransformerConfig, abstract_model
 from ringsplash.model.config import dtype_of
 from ringsplash.model.qk_clip import apply_qk_clip
 from ringsplash.model.schedule import model_ring_schedule, schedule_specs
@@ -122,7 +122,7 @@ def _device_key(key):
 def sharding_plan(model_config: TransformerConfig, mesh, fsdp: bool) -> partitioning.ShardingPlan:
     """How the model's parameters (and so the optimiser state) are laid out on ``mesh``: FSDP over
     every mesh axis (stacked layer axes kept whole) or replicated."""
-    model = eqx.filter_eval_shape(Transformer, model_config, key=jax.random.key(0))
+    model = abstract_model(model_config)
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     return partitioning.plan_model_sharding(params, mesh, fsdp=fsdp)
 
