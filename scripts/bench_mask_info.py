@@ -56,7 +56,8 @@ def run_row(name: str, seq_len: int, repeats: int) -> dict:
     import numpy as np
 
     import ringsplash as rs
-    from ringsplash import function_mask, masks
+    from ringsplash import masks
+    from ringsplash.masks import function as function_mask
 
     shape = (seq_len, seq_len)
     rss_before = peak_rss_mib()

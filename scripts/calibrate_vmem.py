@@ -22,7 +22,7 @@ import numpy as np
 
 import ringsplash as rs
 from ringsplash import aot, masks
-from ringsplash.mask_info import build_mask_info
+from ringsplash.blocksparse.mask_info import build_mask_info
 from ringsplash.splash.vmem import KernelVmem
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

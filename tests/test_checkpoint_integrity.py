@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ringsplash import checkpoints, train
-from ringsplash.checksums import array_checksums, checksum_of
+from ringsplash.checkpoints.checksums import array_checksums, checksum_of
 from support.training import setup as _setup
 
 

@@ -19,7 +19,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import checkpoint_leaves, checkpoints, partitioning, train
+from ringsplash import checkpoints, partitioning, train
+from ringsplash.checkpoints import leaves as checkpoint_leaves
 from support.training import setup as _setup
 
 # Leaf name -> (shape, PartitionSpec on the data 2 x context 4 mesh): a different spec per leaf.
@@ -243,7 +244,7 @@ def test_resumed_fit_equals_uninterrupted(tmp_path, monkeypatch):
         return out
 
     restore = checkpoints.restore_state
-    monkeypatch.setattr(checkpoints, "restore_state", spy)
+    monkeypatch.setattr(checkpoints.store, "restore_state", spy)
     resumed = train.fit(config, tc, stream, str(tmp_path / "resumed"))  # restores step 3
     mesh = train.make_mesh(2, 1)
     plan = train.sharding_plan(config, mesh, fsdp=True)

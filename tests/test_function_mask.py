@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 import ringsplash as rs
-from ringsplash import function_mask, layouts, mask_blocks, masks
-from ringsplash.mask_blocks import Blocking, summarise
+from ringsplash import layouts, masks
+from ringsplash.blocksparse import builder as mask_blocks
+from ringsplash.blocksparse.builder import Blocking, summarise
+from ringsplash.masks import function as function_mask
 from ringsplash.parallel.ring import ring_attention_sharded
 from support.attention_inputs import inputs, max_err
 from support.meshes import mesh

@@ -11,11 +11,12 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 #: layer of each top-level unit (a module, or a subpackage as a whole); imports go to the same
 #: layer's unit itself or to a lower layer
 LAYERS = {
-    "_types": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0, "mask_base": 0,
-    "function_mask": 1, "layouts": 1, "segment_ids": 1,
+    "_types": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0,
+    "layouts": 1,
     "masks": 2,
     "_checks": 3,
-    "mask_blocks": 4, "mask_info": 5, "reference": 4, "distributed": 4, "checksums": 4, "checkpoint_leaves": 4,
+    "reference": 4, "distributed": 4,
+    "blocksparse": 5,
     "splash": 6,
     "parallel": 7,
     "model": 8, "partitioning": 8, "data": 8, "checkpoints": 8,

@@ -12,8 +12,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import ringsplash as rs
-from ringsplash import build_mask_info, layouts, mask_blocks, masks
-from ringsplash import mask_info as mask_info_lib
+from ringsplash import build_mask_info, layouts, masks
+from ringsplash.blocksparse import builder as mask_blocks
+from ringsplash.blocksparse import mask_info as mask_info_lib
 from ringsplash.masks import EMPTY, FULL, PARTIAL
 from ringsplash.splash import work_pieces
 from support.attention_inputs import inputs, max_err

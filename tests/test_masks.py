@@ -190,7 +190,7 @@ def test_classify_blocks_arbitrary_position_sets_never_wrong(data):
 def _contains_numpy(mask):
     if isinstance(mask, masks.NumpyMask):
         return True
-    if isinstance(mask, masks._Binary):
+    if isinstance(mask, masks.base._Binary):
         return _contains_numpy(mask.left) or _contains_numpy(mask.right)
     return False
 

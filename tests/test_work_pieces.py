@@ -279,7 +279,7 @@ def test_ring_schedule_of_a_process_builds_only_its_rows(monkeypatch):
     """On a multi-host slice (simulated: this process "addresses" ring devices 1 and 2 only) the
     schedule's global shapes and pieces come from list-less plans, its arrays from plans of those
     rows; both equal the whole schedule's (every process must compile the same program)."""
-    from ringsplash import mask_info
+    from ringsplash.blocksparse import mask_info
     from ringsplash.parallel import ring_plan as plan_lib
 
     n, s, heads = 4, 4096, 2

@@ -6,9 +6,9 @@ Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash k
 
 from ringsplash import layouts, masks
 from ringsplash._softmax import MASKED_LSE
-from ringsplash.mask_info import BlockSchedule, MaskInfo, build_mask_info
+from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo, build_mask_info
+from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.reference import reference_attention
-from ringsplash.segment_ids import SegmentIds
 
 __all__ = [
     "MASKED_LSE",

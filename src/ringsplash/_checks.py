@@ -31,7 +31,7 @@ from ringsplash._scalar_checks import (
     literal_choices,
 )
 from ringsplash.masks import Mask, MultiHeadMask
-from ringsplash.segment_ids import SegmentIds
+from ringsplash.masks.segment_ids import SegmentIds
 
 __all__ = [
     "AttentionCall",

@@ -7,7 +7,7 @@ from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call, check_float
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
-from ringsplash.segment_ids import SegmentIds
+from ringsplash.masks.segment_ids import SegmentIds
 
 
 def reference_attention(

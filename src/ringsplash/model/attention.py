@@ -12,12 +12,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash import masks as masks_lib
 from ringsplash._types import Array, Float, Int
+from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.model.config import TransformerConfig, dtype_of
 from ringsplash.model.norm import RMSNorm
 from ringsplash.model.rope_scaling import RopeScaling, rope_attention_factor, rope_inv_freq
 from ringsplash.parallel.ring_plan import RingSchedule
 from ringsplash.reference import reference_attention
-from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import NUM_LANES
 
 #: checkpoint names of the attention output and its log-sum-exp (the ring names its residuals

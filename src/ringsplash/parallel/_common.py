@@ -10,7 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ringsplash._checks import check_attention_call
-from ringsplash.segment_ids import SegmentIds
+from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 

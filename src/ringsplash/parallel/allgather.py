@@ -29,7 +29,8 @@ from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
-from ringsplash.mask_info import build_mask_info
+from ringsplash.blocksparse.mask_info import build_mask_info
+from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
@@ -38,7 +39,6 @@ from ringsplash.parallel._common import (
     interpreter_for_mesh,
     run_sharded,
 )
-from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_info_attention
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 

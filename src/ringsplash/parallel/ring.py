@@ -54,6 +54,7 @@ from ringsplash._checks import check_attention_call, check_unroll
 from ringsplash._shard_map import axis_size, varying, vma
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
+from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import interpreter_for_mesh
 from ringsplash.parallel.ring_plan import (
     RingBlocks,
@@ -65,7 +66,6 @@ from ringsplash.parallel.ring_plan import (
     ring_plan,
     ring_schedule,
 )
-from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import SplashConfig
 from ringsplash.splash.segment_blocks import block_segments, refined_kinds

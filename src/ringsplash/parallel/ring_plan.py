@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_divides, check_positive_int
-from ringsplash.mask_info import MaskInfo, build_mask_info
+from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig

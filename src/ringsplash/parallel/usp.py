@@ -18,6 +18,7 @@ from ringsplash import masks as masks_lib
 from ringsplash._checks import check_positive_int, check_unroll
 from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
+from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import (
     check_global_inputs,
     check_local_inputs,
@@ -29,7 +30,6 @@ from ringsplash.parallel.heads import local_head_mask, ulysses_heads, usp_factor
 from ringsplash.parallel.ring import ring_attention
 from ringsplash.parallel.ring_plan import RingSchedule, fit_ring_blocks
 from ringsplash.parallel.ulysses import gather_head_maxima, heads_to_sequence, sequence_to_heads
-from ringsplash.segment_ids import SegmentIds
 from ringsplash.splash.config import SplashConfig
 
 __all__ = ["usp_attention", "usp_attention_sharded", "usp_mesh"]

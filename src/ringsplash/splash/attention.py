@@ -18,8 +18,8 @@ from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call, default_scale
 from ringsplash._shard_map import vma
 from ringsplash._types import Array, Float
-from ringsplash.mask_info import MaskInfo, build_mask_info
-from ringsplash.segment_ids import SegmentIds
+from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
+from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash import pallas, segment_blocks, work_pieces
 from ringsplash.splash import xla as xla_backend
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs

@@ -17,7 +17,7 @@ import dataclasses
 from typing import NamedTuple
 
 from ringsplash._types import Array, Float, Int
-from ringsplash.mask_info import BlockSchedule, MaskInfo
+from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo
 from ringsplash.splash.config import SplashConfig
 
 

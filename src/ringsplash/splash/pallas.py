@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._shard_map import varying, vma
-from ringsplash.mask_info import MaskInfo
+from ringsplash.blocksparse.mask_info import MaskInfo
 from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from ringsplash._types import Array, Int
-from ringsplash.mask_info import BlockSchedule
+from ringsplash.blocksparse.mask_info import BlockSchedule
 from ringsplash.masks import FULL
 
 __all__ = ["FULL_SAME", "BlockSegments", "block_segments", "compact", "one_segment", "refine_schedule",

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ringsplash import aot
-from ringsplash.mask_info import BlockSchedule, MaskInfo
+from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo
 from ringsplash.masks import EMPTY
 from ringsplash.splash._kernel_common import uniform_group_lists
 

@@ -1,6 +1,6 @@
 """Lazy, immutable, hashable attention masks (True = may attend): the structured masks (full,
 causal, sliding window, chunked, prefix-LM, global tokens), ``NumpyMask`` and ``FunctionMask``,
-on the interface and algebra of ``ringsplash.mask_base`` (``Mask``, ``&`` / ``|``,
+on the interface and algebra of ``ringsplash.masks.base`` (``Mask``, ``&`` / ``|``,
 ``MultiHeadMask``), all importable from here.
 """
 
@@ -8,7 +8,7 @@ on the interface and algebra of ``ringsplash.mask_base`` (``Mask``, ``&`` / ``|`
 import numpy as np
 
 from ringsplash._scalar_checks import check_int
-from ringsplash.mask_base import (  # noqa: F401  (re-exported: the one import path for masks)
+from ringsplash.masks.base import (  # noqa: F401  (re-exported: the one import path for masks)
     _HI,
     _LO,
     EMPTY,
@@ -313,7 +313,7 @@ class NumpyMask(Mask):
 
 
 # FunctionMask (a mask from a jnp predicate) lives in its own module on mask_base, importing JAX lazily
-from ringsplash.function_mask import FunctionMask  # noqa: E402
+from ringsplash.masks.function import FunctionMask  # noqa: E402
 
 __all__ = [
     "EMPTY", "FULL", "PARTIAL", "AnyMask", "CausalMask", "ChunkedCausalMask", "FullMask", "FunctionMask",

@@ -25,8 +25,8 @@ Contract:
   damaged one is a damaged checkpoint like a damaged array (below).
 - Only array leaves are stored; every other leaf (equinox static fields, activation functions,
   python scalars) is taken from ``like``. Typed PRNG keys are stored as their key data
-  (``ringsplash.checkpoint_leaves``: leaf records, restore targets, the structure check).
-- **Verified**: the metadata records a checksum of every array (``ringsplash.checksums``:
+  (``ringsplash.checkpoints.leaves``: leaf records, restore targets, the structure check).
+- **Verified**: the metadata records a checksum of every array (``ringsplash.checkpoints.checksums``:
   independent of the sharding, so it holds on any restore mesh); ``restore_state`` recomputes
   it on the restored arrays and refuses a mismatch with a ``CheckpointCorruptError`` naming the
   checkpoint and the array. Files that cannot be read (truncated data or metadata, a missing
@@ -62,7 +62,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ringsplash._checks import check_positive_int
-from ringsplash.checkpoint_leaves import (
+from ringsplash.checkpoints.checksums import array_checksums
+from ringsplash.checkpoints.leaves import (
     LeafInfo,
     array_leaves,
     check_compatible,
@@ -73,7 +74,6 @@ from ringsplash.checkpoint_leaves import (
     restore_target,
     savable,
 )
-from ringsplash.checksums import array_checksums
 from ringsplash.distributed import config_digest
 
 FORMAT = "ringsplash.checkpoints/1"

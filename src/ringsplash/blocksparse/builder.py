@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ringsplash import masks as masks_lib
-from ringsplash.mask_base import BoundIntervals, candidate_runs
 from ringsplash.masks import EMPTY, FULL, PARTIAL, Mask, NumpyMask
+from ringsplash.masks import base as mask_base
+from ringsplash.masks.base import BoundIntervals, candidate_runs
 
 __all__ = ["MAX_STORED_PARTIAL_BLOCKS", "Blocking", "assemble", "build_list", "smallest_int_dtype",
            "summarise"]
@@ -155,7 +155,7 @@ class _BoundNumpy(BoundIntervals, Mask):
         self._kv_block[kb.positions] = np.arange(kv_len) // bkv
         self._kinds = _dense_kinds(mask, qb, kb, bq, bkv)
         # per row / column (original positions): first and last attended position
-        lo_hi = masks_lib._LO, masks_lib._HI
+        lo_hi = mask_base._LO, mask_base._HI
         self._kv_lo, self._kv_hi = _block_intervals(arr, qb.positions, nq, *lo_hi)
         self._q_lo, self._q_hi = _block_intervals(arr.T, kb.positions, nk, *lo_hi)
 
@@ -217,7 +217,7 @@ def _content_key(mask: Mask, qb: _Blocks, kb: _Blocks, q_idx, kv_idx) -> list[np
     """Columns that determine the blocks' content (None: no analytic key): per leaf of an ``&`` /
     ``|`` tree its kind, and its ``block_key`` where that kind is PARTIAL (a FULL or EMPTY leaf's
     content is its kind), so a leaf that does not touch a block does not split equal blocks."""
-    if isinstance(mask, masks_lib._Binary):
+    if isinstance(mask, mask_base._Binary):
         a = _content_key(mask.left, qb, kb, q_idx, kv_idx)
         b = None if a is None else _content_key(mask.right, qb, kb, q_idx, kv_idx)
         return None if b is None else a + b

@@ -21,7 +21,7 @@ import numpy as np
 
 from ringsplash import masks as masks_lib
 from ringsplash._scalar_checks import check_bool, check_choice, check_divides, check_positive_int, literal_choices
-from ringsplash.mask_blocks import (
+from ringsplash.blocksparse.builder import (
     MAX_STORED_PARTIAL_BLOCKS,
     assemble,
     build_list,

@@ -30,7 +30,7 @@ class LeafInfo:
     shape: tuple[int, ...]
     dtype: str  # numpy dtype name, or the key dtype (e.g. ``key<fry>``) for typed PRNG keys
     key_impl: str | None = None  # PRNG implementation name for typed key leaves
-    checksum: str | None = None  # ``ringsplash.checksums`` of the saved value (None: not recorded)
+    checksum: str | None = None  # ``ringsplash.checkpoints.checksums`` of the saved value (None: not recorded)
 
 
 def _is_struct(x) -> bool:

@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ringsplash.mask_base import _HI, _LO, EMPTY, FULL, PARTIAL, BoundIntervals, Mask, _check_shape, candidate_runs
+from ringsplash.masks.base import _HI, _LO, EMPTY, FULL, PARTIAL, BoundIntervals, Mask, _check_shape, candidate_runs
 
 __all__ = ["TILE_CHUNK_ELEMENTS", "FunctionMask"]
 

@@ -1,0 +1,7 @@
+"""``python -m ringsplash.checkpoints verify DIR``: check every step of a checkpoint directory."""
+
+import sys
+
+from ringsplash.checkpoints.store import main
+
+sys.exit(main())
