@@ -1,7 +1,8 @@
 """``ringsplash.hf`` against transformers itself (the oracle; torch and transformers are test
 dependencies): tiny random models made by transformers (``XConfig(...) -> XForCausalLM ->
 save_pretrained``), float32, eager attention; loaded with ``load_hf``, their logits and gradients
-must equal transformers'; saved with ``save_hf``, transformers must load them back.
+must equal transformers'; saved with ``save_hf``, transformers must load them back. torch and
+transformers are imported inside the functions that use them, not at collection (they cost seconds there).
 """
 
 import json
@@ -13,8 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import ringsplash.hf as rhf
 from ringsplash import layouts, train
@@ -57,9 +56,11 @@ FAMILIES = {
 }
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
+def _randomise(model, seed: int) -> None:
     """Weights of unit-scale activations (transformers' 0.02 init gives near-constant logits), norm
     weights away from their init, so a transposed or misplaced tensor shows."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     gemma = "gemma" in type(model).__name__.lower()
     with torch.no_grad():
@@ -70,13 +71,17 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if gemma else 1.0))
 
 
-def make_hf_model(kind: str, spec: tuple, directory: str, seed: int = 0, dtype=torch.float32):
+def make_hf_model(kind: str, spec: tuple, directory: str, seed: int = 0, dtype: str = "float32"):
+    """A tiny random transformers model of ``spec`` saved to ``directory`` in ``dtype`` (a torch dtype name)."""
+    import torch
+    import transformers
+
     cls_name, kwargs = spec
     torch.manual_seed(seed)
     config = getattr(transformers, cls_name)(**kwargs, attn_implementation="eager")
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _randomise(model, seed)
-    model.to(dtype).save_pretrained(directory)
+    model.to(getattr(torch, dtype)).save_pretrained(directory)
     return model
 
 
@@ -85,6 +90,8 @@ def _tokens(seed=0, n=SEQ):
 
 
 def torch_logits(model, tokens) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         return model(torch.from_numpy(tokens.astype(np.int64))[None]).logits[0].float().numpy()
 
@@ -144,6 +151,8 @@ def test_config_from_hf_fields(hf_models):
 
 def test_config_from_hf_reads_the_older_rope_keys():
     """config.json of older transformers: rope_theta at the top, rope_scaling with 'type'."""
+    import transformers
+
     d = dict(model_type="llama", **TINY, rope_theta=500000.0,
              rope_scaling=dict(type="linear", factor=4.0))
     c = rhf.config_from_hf(d)
@@ -179,7 +188,7 @@ def test_config_from_hf_takes_numpy_dtypes_and_names(hf_models):
 @pytest.mark.slow  # a fresh interpreter importing jax: ~6-10 s here
 def test_importing_ringsplash_imports_no_torch_transformers_or_safetensors():
     """``rs.hf`` is imported on first use; config_from_hf needs none of them (a subprocess: this
-    process has torch loaded already)."""
+    process may have torch loaded already)."""
     import subprocess
     import sys
 
@@ -236,6 +245,8 @@ def test_config_from_hf_refuses_what_it_cannot_build(changes, message):
 def test_config_from_hf_refuses_values_of_the_wrong_type(key, value, expected):
     """A config.json value of the wrong JSON type is refused by key, expected type and value, as
     transformers' strict config classes refuse it; never coerced (int(64.7), bool("false"))."""
+    import transformers
+
     with pytest.raises(TypeError, match=rf"config.json has {key}={re.escape(repr(value))} \({type(value).__name__}\), "
                                         rf"expected {expected}"):
         rhf.config_from_hf(_config_dict(**{key: value}))
@@ -281,6 +292,8 @@ def test_load_hf_names_a_missing_or_misshaped_tensor(hf_models, tmp_path):
 
 
 def test_load_hf_refuses_pickles_and_directories_without_weights(hf_models, tmp_path, monkeypatch):
+    import torch
+
     directory, _, _ = hf_models("llama")
     with open(os.path.join(directory, "config.json")) as f:
         config = f.read()
@@ -312,6 +325,7 @@ def test_without_safetensors_the_error_says_how_to_install(hf_models, monkeypatc
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_save_hf_round_trip_transformers_loads_it(hf_models, tmp_path, kind):
     """save_hf(load_hf(p)) -> transformers loads it -> equal logits; every tensor bit-identical."""
+    import transformers
     from safetensors.numpy import load_file
 
     directory, original, expected = hf_models(kind)
@@ -338,6 +352,8 @@ def test_save_hf_round_trip_transformers_loads_it(hf_models, tmp_path, kind):
 def test_save_hf_writes_token_ids_and_generation_config_as_transformers(tmp_path, kind, spec):
     """config.json's bos / eos / pad ids and generation_config.json, as transformers' save_pretrained
     writes them, survive load_hf -> save_hf -> load_hf, and transformers reads them back."""
+    import transformers
+
     src, out = tmp_path / "src", tmp_path / "out"
     original = make_hf_model(kind, spec, str(src))
     model = rhf.load_hf(src)
@@ -401,6 +417,8 @@ def test_config_from_hf_max_seq_len_is_the_scaled_length(max_pos, rope, expected
 
 
 def test_save_hf_shards_with_an_index_and_load_hf_reads_them(hf_models, tmp_path):
+    import transformers
+
     directory, _, expected = hf_models("llama3.1-rope")
     model = rhf.load_hf(directory)
     files = rhf.save_hf(model, tmp_path, max_shard_size=100_000)  # 64 x 256 f32 embedding = 65536 bytes
@@ -430,7 +448,10 @@ def test_save_hf_refuses_what_a_family_cannot_express():
 
 def test_bf16_checkpoint_loads(tmp_path):
     """A bfloat16 checkpoint (as most on the Hub): read as bfloat16, converted to the requested dtype."""
-    model = make_hf_model("llama", FAMILIES["llama"], str(tmp_path), dtype=torch.bfloat16)
+    import torch
+    import transformers
+
+    model = make_hf_model("llama", FAMILIES["llama"], str(tmp_path), dtype="bfloat16")
     ours = rhf.load_hf(tmp_path, param_dtype="float32")
     expected = model.model.layers[1].mlp.down_proj.weight.detach().float().numpy()
     np.testing.assert_array_equal(np.asarray(ours.layers.mlp.w_down[1]), expected.T)
@@ -480,6 +501,8 @@ def test_load_hf_with_mesh_reads_each_slice_once_into_the_trainers_shardings(hf_
 def test_gradients_match_torch_autograd(hf_models, kind):
     """d(sum(logits * w)) / d(every parameter): ours (jax.grad) vs transformers' (torch autograd),
     each of our parameters matched to its HF tensors by the name map (stacked ones layer by layer)."""
+    import torch
+
     from ringsplash.hf.config import FAMILIES as HF_FAMILIES
     from ringsplash.hf.names import name_map, path_name
 
@@ -627,6 +650,8 @@ G3_PREFLIGHT = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_
 
 def test_preflight_hf_config_builds_the_model_from_the_file(tmp_path):
     """--hf-config: the model from config.json alone (no weights), the run flags on top; model flags refused."""
+    import transformers
+
     transformers.Gemma3TextConfig(**G3_PREFLIGHT).save_pretrained(tmp_path)
     preflight = _preflight()
     config = preflight.parse_args(["--hf-config", str(tmp_path), "--seq-len", "4096", "--remat", "full"])
@@ -652,6 +677,8 @@ def test_preflight_hf_config_compiles_for_v5e(tmp_path):
     """The whole preflight from a gemma3 config.json: ring over v5e:2x2 with sliding and full layers."""
     import subprocess
     import sys
+
+    import transformers
 
     transformers.Gemma3TextConfig(**G3_PREFLIGHT).save_pretrained(tmp_path)
     root = os.path.join(os.path.dirname(__file__), "..")

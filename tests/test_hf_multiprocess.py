@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-import transformers
 
 from support.processes import child_env
 from test_hf import FAMILIES, _tokens, make_hf_model, torch_logits
@@ -19,6 +18,8 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_sharded_load_reads_only_local_slices_and_sharded_save_round_trips(tmp_path):
+    import transformers
+
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     original = make_hf_model("qwen3", FAMILIES["qwen3"], str(ckpt))
     env = child_env()

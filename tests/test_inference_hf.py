@@ -4,8 +4,6 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from ringsplash.hf import load_hf
 from ringsplash.inference import generate
@@ -21,6 +19,9 @@ PROMPT, NEW = 10, 12
 
 
 def _hf_model(kind: str, directory: str):
+    import torch
+    import transformers
+
     cls_name, kwargs = FAMILIES[kind]
     torch.manual_seed(0)
     config = getattr(transformers, cls_name)(**kwargs, attn_implementation="eager")
@@ -39,6 +40,8 @@ def _hf_model(kind: str, directory: str):
 
 
 def _torch_greedy(model, prompt: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         ids = torch.from_numpy(prompt.astype(np.int64))[None]
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,

@@ -2,7 +2,10 @@
 transformers models (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3; float32, eager attention)
 copied into our model give transformers' logits on 512 tokens with windows shorter than the
 sequence; the defaults leave today's model bit for bit; a patterned model's program does not grow
-with depth and runs the same under the ring; bad values are rejected naming the field."""
+with depth and runs the same under the ring; bad values are rejected naming the field.
+
+torch and transformers (the oracle, test dependencies) are imported by the helpers that use them, not at
+collection (they cost seconds there)."""
 
 import json
 import os
@@ -13,8 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch  # the oracle (a test dependency), imported at collection as in test_rope.py
-import transformers
 
 from ringsplash import data, layouts, partitioning, train
 from ringsplash.model import RopeScaling, Transformer, TransformerConfig
@@ -25,10 +26,9 @@ from ringsplash.splash import SplashConfig
 
 S = 512
 V = 96
-#: transformers' classes per family, looked up at collection (the lazy modeling imports cost seconds)
-HF_CLASSES = {family: (getattr(transformers, f"{name}ForCausalLM"), getattr(transformers, f"{name}{cfg}Config"))
-              for family, name, cfg in [("llama", "Llama", ""), ("mistral", "Mistral", ""), ("qwen2", "Qwen2", ""),
-                                        ("qwen3", "Qwen3", ""), ("gemma2", "Gemma2", ""), ("gemma3", "Gemma3", "Text")]}
+#: transformers' class names per family (model class prefix, config class infix)
+HF_NAMES = {"llama": ("Llama", ""), "mistral": ("Mistral", ""), "qwen2": ("Qwen2", ""), "qwen3": ("Qwen3", ""),
+            "gemma2": ("Gemma2", ""), "gemma3": ("Gemma3", "Text")}
 
 
 # ------------------------------------------------------------------ transformers oracle
@@ -39,7 +39,11 @@ def _hf_model(family: str, **kw):
     (norms included) drawn at random so a wrong offset, bias or norm shows."""
     base = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=2 * S)
-    cls, cfg_cls = HF_CLASSES[family]
+    import torch
+    import transformers
+
+    name, infix = HF_NAMES[family]
+    cls, cfg_cls = getattr(transformers, f"{name}ForCausalLM"), getattr(transformers, f"{name}{infix}Config")
     config = cfg_cls(**{**base, **kw})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -57,6 +61,8 @@ def _hf_model(family: str, **kw):
 
 
 def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         return model(torch.tensor(tokens[None], dtype=torch.long)).logits[0].numpy()
 

@@ -6,6 +6,8 @@ bit-identical for every type; with ours (float64 power rounded to float32) they 
 torch's vectorised SLEEF ``powf`` is one ulp off: max relative error over ``GRID`` 0.9e-7
 (default) to 1.9e-7 (yarn) and 2.5e-7 (llama3, whose smooth blend cancels digits). Attention
 factors: bit-identical.
+
+torch and transformers are imported inside the tests that use them (not at collection: they cost seconds).
 """
 
 import dataclasses
@@ -19,10 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 import ringsplash.model.rope_scaling as rope_lib
 from ringsplash.model import (
@@ -60,7 +58,10 @@ def _cases(dim: int, factor: float) -> list[RopeScaling]:
     ]
 
 
-def _hf_config(s: RopeScaling, dim: int, theta: float) -> LlamaConfig:
+def _hf_config(s: RopeScaling, dim: int, theta: float):
+    """transformers' ``LlamaConfig`` for ``s``."""
+    from transformers import LlamaConfig
+
     # dynamic scales from max_position_embeddings; the others' factor matches max / original
     mpe = OMAX if s.type == "dynamic" else int(OMAX * s.factor) if s.factor else OMAX
     return LlamaConfig(hidden_size=2 * dim, num_attention_heads=2, head_dim=dim, max_position_embeddings=mpe,
@@ -68,6 +69,9 @@ def _hf_config(s: RopeScaling, dim: int, theta: float) -> LlamaConfig:
 
 
 def _hf_init(s: RopeScaling, dim: int, theta: float, seq_len=None) -> tuple[np.ndarray, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     config = _hf_config(s, dim, theta)
     if s.type == "default":
         inv, factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
@@ -80,6 +84,8 @@ def _hf_lengths(s: RopeScaling):
     """(our seq_len, the seq_len transformers' forward passes its init function) pairs: below, at and
     above original_max_position_embeddings; a forward pass passes ``max(position_ids) + 1``, a tensor,
     which changes dynamic's arithmetic (float32), and longrope's long factors come from ``omax + 1``."""
+    import torch
+
     if s.type == "dynamic":
         return [(17, None), (OMAX, None), (OMAX + 1, torch.tensor(OMAX + 1)), (1000, torch.tensor(1000))]
     if s.type == "longrope":
@@ -88,6 +94,8 @@ def _hf_lengths(s: RopeScaling):
 
 
 def _torch_pow(base, exponent):
+    import torch
+
     e = torch.from_numpy(np.atleast_1d(np.asarray(exponent, np.float32)).copy())
     out = (torch.tensor(float(np.float32(base)), dtype=torch.float32) ** e).numpy()
     return out if np.ndim(exponent) else out[0]
@@ -150,6 +158,9 @@ APPLY_ATOL = 4e-6
 
 @pytest.mark.parametrize("dim", [32, 128])
 def test_rope_applied_matches_transformers_rotary_embedding(dim):
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
     theta, seq = 10_000.0, 3 * OMAX
     rng = np.random.default_rng(dim)
     q = rng.standard_normal((1, 2, seq, dim)).astype(np.float32)
