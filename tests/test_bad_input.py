@@ -107,7 +107,7 @@ MASK_INFO_CASES = [
 
 @pytest.mark.parametrize("fn, exc, match", MASK_INFO_CASES)
 def test_bad_mask_info_input(fn, exc, match):
-    rs.build_mask_info.cache_clear()
+    rs.clear_caches()
     with pytest.raises(exc, match=match):
         fn()
 

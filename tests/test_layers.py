@@ -11,7 +11,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 #: layer of each top-level unit (a module, or a subpackage as a whole); imports go to the same
 #: layer's unit itself or to a lower layer
 LAYERS = {
-    "_types": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0,
+    "_types": 0, "_caches": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0,
     "layouts": 1,
     "masks": 2,
     "_checks": 3,
@@ -94,3 +94,25 @@ def test_no_import_cycles():
     for module in sorted(edges):
         if module != "ringsplash" and module not in state:
             visit(module, [])
+
+
+def test_clear_caches_empties_every_registered_cache():
+    """``ringsplash.clear_caches()`` is the one public way to drop host work: after it, the mask
+    metadata, ring plans and layouts are rebuilt (new objects), and no cache still holds entries."""
+    import ringsplash as rs
+    from ringsplash import _caches, layouts, masks
+    from ringsplash.blocksparse import mask_info
+    from ringsplash.parallel.ring_plan import ring_plan
+
+    mask = masks.CausalMask((512, 512))
+    info = rs.build_mask_info(mask, (128, 128))
+    plan = ring_plan(mask, 2, "zigzag", rs.SplashConfig(block_q=128, block_kv=128, backend="xla"))
+    perm = layouts.permutation("zigzag", 512, 2)
+    assert rs.build_mask_info(mask, (128, 128)) is info and len(mask_info._CACHE) > 0
+    rs.clear_caches()
+    assert len(mask_info._CACHE) == 0
+    lru = [c.__self__ for c in _caches._CLEARERS if hasattr(getattr(c, "__self__", None), "cache_info")]
+    assert len(lru) >= 3 and all(f.cache_info().currsize == 0 for f in lru)
+    assert rs.build_mask_info(mask, (128, 128)) is not info
+    assert ring_plan(mask, 2, "zigzag", rs.SplashConfig(block_q=128, block_kv=128, backend="xla")) is not plan
+    assert layouts.permutation("zigzag", 512, 2) is not perm

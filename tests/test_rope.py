@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ringsplash as rs
 import ringsplash.model.rope_scaling as rope_lib
 from ringsplash.model import (
     RopeScaling,
@@ -131,11 +132,11 @@ def test_rope_inv_freq_formulas_bit_identical_with_torch_pow(monkeypatch):
     """Our formulas repeat transformers' float32 steps exactly: with torch's pow in place of ours
     (the only operation whose rounding differs) every inverse frequency is bit-identical."""
     monkeypatch.setattr(rope_lib, "_pow", _torch_pow)
-    rope_lib._inv_freq_cached.cache_clear()
+    rs.clear_caches()
     try:
         _compare_grid(exact=True)
     finally:
-        rope_lib._inv_freq_cached.cache_clear()
+        rs.clear_caches()
 
 
 def test_rope_longrope_and_dynamic_switch_at_original_length():

@@ -5,6 +5,7 @@ Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash k
 """
 
 from ringsplash import layouts, masks
+from ringsplash._caches import clear_caches
 from ringsplash._softmax import MASKED_LSE
 from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
@@ -16,6 +17,7 @@ __all__ = [
     "MaskInfo",
     "SegmentIds",
     "build_mask_info",
+    "clear_caches",
     "layouts",
     "masks",
     "reference_attention",

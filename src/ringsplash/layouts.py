@@ -10,11 +10,11 @@ contiguous slice ``[s * L, (s + 1) * L)`` with ``L = seq_len // num_shards``.
 * ``"striped"``: token t goes to shard t mod N (round robin).
 """
 
-import functools
 from typing import Literal
 
 import numpy as np
 
+from ringsplash import _caches as caches
 from ringsplash._scalar_checks import check_choice, check_positive_int, literal_choices
 
 Layout = Literal["contiguous", "zigzag", "striped"]
@@ -41,7 +41,7 @@ def check_layout(layout: Layout, seq_len: int, num_shards: int) -> None:
         )
 
 
-@functools.lru_cache(maxsize=64)
+@caches.lru_cache(maxsize=64)
 def _permutation(layout: Layout, seq_len: int, num_shards: int) -> np.ndarray:
     if layout == "contiguous":
         perm = np.arange(seq_len, dtype=np.int32)

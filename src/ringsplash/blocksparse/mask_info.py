@@ -19,6 +19,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from ringsplash import _caches as caches
 from ringsplash import masks as masks_lib
 from ringsplash._scalar_checks import check_bool, check_choice, check_divides, check_positive_int, literal_choices
 from ringsplash.blocksparse.builder import (
@@ -360,6 +361,7 @@ def build_mask_info(
     return info
 
 
+@caches.register
 def _cache_clear() -> None:
     with _CACHE_LOCK:
         _CACHE.clear()

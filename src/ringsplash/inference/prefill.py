@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ringsplash import _caches as caches
 from ringsplash import layouts
 from ringsplash._types import Array, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_decodable, check_mesh, model_key, place
@@ -165,7 +166,7 @@ def _with_config(model: Transformer, config: TransformerConfig) -> Transformer:
     return jax.tree.unflatten(treedef, leaves)
 
 
-@functools.lru_cache(maxsize=32)
+@caches.lru_cache(maxsize=32)
 def _treedef(config: TransformerConfig):
     return jax.tree.structure(abstract_model(config))
 

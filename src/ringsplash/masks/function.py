@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 
+from ringsplash import _caches as caches
 from ringsplash.masks.base import _HI, _LO, EMPTY, FULL, PARTIAL, BoundIntervals, Mask, _check_shape, candidate_runs
 
 __all__ = ["TILE_CHUNK_ELEMENTS", "FunctionMask"]
@@ -182,6 +183,12 @@ def _digest(pos: np.ndarray) -> bytes:
 _BOUND: "collections.OrderedDict[tuple, _BoundFunction]" = collections.OrderedDict()
 _BOUND_SIZE = 16
 _BOUND_LOCK = threading.Lock()
+
+
+@caches.register
+def _clear_bound() -> None:
+    with _BOUND_LOCK:
+        _BOUND.clear()
 
 
 # ----------------------------------------------------------------------------------------

@@ -5,11 +5,11 @@ A config that constructs is a config that runs: each rejected combination raises
 """
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Literal
 
+from ringsplash import _caches as caches
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import (
@@ -471,7 +471,7 @@ class TransformerConfig:
         return cls(**d)
 
 
-@functools.lru_cache(maxsize=256)
+@caches.lru_cache(maxsize=256)
 def _padded_seq_len(config: TransformerConfig, seq_len: int) -> int:
     """``TransformerConfig.padded_seq_len`` (cached: the trainer asks once per batch). Candidates are
     the multiples of the layout's chunk count (and of the devices); a multiple of 128 chunks tiles

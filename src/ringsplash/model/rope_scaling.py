@@ -37,12 +37,12 @@ switches every position to the long factors once the total length passes
 """
 
 import dataclasses
-import functools
 import math
 from typing import Any, Literal
 
 import numpy as np
 
+from ringsplash import _caches as caches
 from ringsplash._scalar_checks import check_choice, check_float, check_positive_int, literal_choices
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
@@ -314,7 +314,7 @@ def _dynamic_base(s: RopeScaling, dim: int, base: float, seq_len: int) -> float 
     return _f32(base) * _f32(np.float64(t) ** (dim / (dim - 2)))
 
 
-@functools.lru_cache(maxsize=256)
+@caches.lru_cache(maxsize=256)
 def _inv_freq_cached(s: RopeScaling, dim: int, theta: float, seq_len: int | None) -> np.ndarray:
     if s.type == "default":
         out = _default_inv_freq(dim, theta)

@@ -21,7 +21,6 @@ step ``t``).
 
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
 from typing import NamedTuple
 
@@ -30,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ringsplash import _caches as caches
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_divides, check_positive_int
@@ -132,7 +132,7 @@ def _listless(plan: RingPlan) -> RingPlan:
     return dataclasses.replace(plan, info=cut(plan.info), info_dkv=cut(plan.info_dkv))
 
 
-@functools.lru_cache(maxsize=16)
+@caches.lru_cache(maxsize=16)
 def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv, rows=None) -> RingPlan:
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
     perm = layouts.permutation(layout, seq_len, num_shards)
@@ -150,6 +150,7 @@ def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv,
     return RingPlan(info=info, info_dkv=info_dkv, positions=np.asarray(perm).reshape(num_shards, -1), active=active)
 
 
+@caches.register
 def _clear_plans() -> None:
     _ring_plan.cache_clear()
     _LISTLESS.clear()

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
+from ringsplash import _caches as caches
 from ringsplash._shard_map import varying, vma
 from ringsplash.blocksparse.mask_info import MaskInfo
 from ringsplash.splash import kernel_backward, kernel_forward
@@ -40,6 +41,7 @@ class StaticOperands(NamedTuple):
 
 
 _STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()
+caches.register(_STATIC_CACHE.clear)
 
 
 def _static_operands(info: MaskInfo) -> StaticOperands:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ringsplash import _caches as caches
 from ringsplash import aot
 from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo
 from ringsplash.masks import EMPTY
@@ -129,6 +130,7 @@ class SplitLists:
 
 
 _SPLIT_CACHE: "weakref.WeakKeyDictionary[MaskInfo, dict]" = weakref.WeakKeyDictionary()
+caches.register(_SPLIT_CACHE.clear)
 
 
 def split_work_lists(info: MaskInfo, max_steps: int | None) -> SplitLists:

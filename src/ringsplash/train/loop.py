@@ -3,7 +3,6 @@ run's config, steps with the next batch drawn on the host while the device works
 and checkpoints; a resumed run is bit-identical to an uninterrupted one."""
 
 import dataclasses
-import functools
 import os
 import time
 import warnings
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ringsplash import _caches as caches
 from ringsplash import checkpoints
 from ringsplash.data import DataStream, Loader
 from ringsplash.distributed import is_main_process
@@ -95,7 +95,7 @@ class _LoaderBatches:
 # A run's train step, built once per process for equal configs and mesh: a resumed or repeated
 # ``fit`` (a notebook, a sweep over data seeds) reuses the traced and compiled program. Small:
 # each entry holds its executables.
-@functools.lru_cache(maxsize=4)
+@caches.lru_cache(maxsize=4)
 def _train_step(model_config: TransformerConfig, tc: TrainConfig, mesh, plan):
     return make_train_step(model_config, make_optimizer(tc), mesh, plan=plan, loss_chunk=tc.loss_chunk,
                            max_logits=tc.log_max_logits)
