@@ -1,40 +1,59 @@
 """Language model over any tokenized corpus, with the loss reported by position in context.
 
 Data: ``--data PATH``, a corpus directory written by ``scripts/tokenize_corpus.py`` (any
-tokenizer; the model's vocabulary is the corpus's), and optionally ``--heldout PATH``. By
-default, a byte-level corpus of text every machine has: the Python standard library's own
-top-level ``.py`` files (``sysconfig``), one in ten held out by file name, tokenized once under
-``--corpus-dir`` (re-running is a no-op).
+tokenizer; the model's vocabulary is the corpus's), with ``--heldout PATH``, a corpus of other
+documents (tokenized apart, with the same tokenizer): the held-out loss is measured on documents
+the model never trained on. By default, a byte-level corpus of text every machine has: the
+Python standard library's own top-level ``.py`` files (``sysconfig``), one in ten held out by
+file name, tokenized once under ``--corpus-dir`` (re-running is a no-op).
 
 Training rows are packed by ``ringsplash.data.Loader`` (``--packing``) with segment ids, so
 attention never crosses documents, and positions restart per document piece. After training,
 the held-out loss is reported by position in context (how many tokens of the same document
 precede the prediction) as a table and a plot: does more context help?
 
-    python experiments/byte_lm.py                      # ring over 4 simulated CPU devices
-    python experiments/byte_lm.py --attention splash --context-parallel 1
+Checkpoints: ``--checkpoint-every N`` under ``--run-dir``; the same command with the same
+``--run-dir`` resumes from the newest checkpoint (after a kill, exactly where an uninterrupted
+run would be), and a larger ``--steps`` continues a finished run further.
+
+    python experiments/byte_lm.py                      # ring over 4 simulated CPU devices (one TPU: below)
+    python experiments/byte_lm.py --attention splash --context-parallel 1 --compute-dtype bfloat16
+    python experiments/byte_lm.py --checkpoint-every 50 --run-dir runs/byte   # resumable: rerun it to resume
     python scripts/tokenize_corpus.py my_texts/ runs/corpora/mine --tokenizer tokenizer.json
-    python experiments/byte_lm.py --data runs/corpora/mine
+    python scripts/tokenize_corpus.py my_heldout_texts/ runs/corpora/mine-heldout --tokenizer tokenizer.json
+    python experiments/byte_lm.py --data runs/corpora/mine --heldout runs/corpora/mine-heldout
 """
 
 import dataclasses
 import glob
 import os
+import sys
 import sysconfig
 import time
 import zlib
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-import contextlib
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
+from _runtime import (
+    DTYPES,
+    check_block,
+    check_flags,
+    continue_to,
+    device_line,
+    kill_if_asked,
+    quiet_checkpoint_data_warnings,
+    run_script,
+    splash_config,
+    start_jax,
+)
 from ringsplash.cli import parse_config
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     data: str = ""  # a tokenized corpus directory (scripts/tokenize_corpus.py); "" = the Python stdlib, bytes
-    heldout: str = ""  # the held-out corpus; "" = the stdlib's held-out tenth (with --data: --data, another seed)
+    #: the held-out corpus (other documents than --data's, same tokenizer; required with --data);
+    #: "" = the stdlib's held-out tenth
+    heldout: str = ""
     corpus_dir: str = "runs/corpora"  # where the default stdlib corpora are tokenized (once)
     packing: str = "best_fit"  # training rows: concat_split | first_fit | best_fit (ringsplash.data.packing)
     seq_len: int = 1024  # tokens per training row (packed documents)
@@ -52,8 +71,12 @@ class Config:
     remat: str = "none"  # rematerialisation of each layer: none | full | save_attention | save_dots
     attention: str = "ring"  # reference | splash (one device) | ring (over context_parallel devices)
     layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
-    backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
-    block: int = 128  # Splash block size (tokens), every block of the kernels
+    backend: str = "auto"  # Splash backend: auto (mosaic_tpu on a TPU, xla elsewhere) | mosaic_tpu | interpret | xla
+    block: int = 0  # Splash block size (tokens, a multiple of 128), every block of the kernels; 0 = auto: tuned
+    param_dtype: str = "float32"  # parameter (master weight) dtype: float32 | bfloat16 | float16
+    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 (bfloat16 with float32
+    #: parameters: the usual choice on a TPU)
+    compute_dtype: str = "float32"
     data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
     context_parallel: int = 4  # devices on the ring (attention="ring" only; otherwise 1)
     steps: int = 300  # training steps
@@ -62,17 +85,31 @@ class Config:
     warmup_steps: int = 30  # linear warmup steps
     eval_batches: int = 4  # held-out batches for the loss-by-position table
     seed: int = 0  # seed of the parameters and the data
-    run_dir: str = ""  # "" = auto: runs/byte_lm/<time>
+    run_dir: str = ""  # "" = auto: runs/byte_lm/<time>; resumed when it holds a checkpoint
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = a checkpoint only at the end
+    log_every: int = 10  # steps between training-metric lines
     progress: bool = True  # show a progress bar
 
     def __post_init__(self):
         """Option strings checked at once, each error naming its flag (the library configs check the rest)."""
-        from ringsplash.cli import check_choices
+        from ringsplash.data.packing import POLICIES
         from ringsplash.layouts import LAYOUTS
         from ringsplash.model.config import REMAT_POLICIES, STRATEGIES
         from ringsplash.splash.config import BACKENDS
 
-        check_choices(self, {"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS, "backend": BACKENDS})
+        check_flags(self, choices={"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS,
+                                   "backend": BACKENDS, "packing": POLICIES, "param_dtype": DTYPES,
+                                   "compute_dtype": DTYPES},
+                    positive=("seq_len", "d_model", "num_layers", "num_heads", "mlp_multiple", "data_parallel",
+                              "context_parallel", "steps", "batch_size", "eval_batches", "log_every"),
+                    non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every"))
+        check_block(self)
+        if self.data and not self.heldout:
+            raise ValueError(f"--data {self.data!r} needs --heldout: a corpus of other documents (tokenized apart "
+                             f"with the same tokenizer), so that the held-out loss is measured on documents the "
+                             f"model never trained on")
+        if self.data and os.path.abspath(self.heldout) == os.path.abspath(self.data):
+            raise ValueError(f"--heldout {self.heldout!r} is --data itself: pass a corpus of other documents")
 
 
 def parse_args(argv=None) -> Config:
@@ -84,17 +121,15 @@ def parse_args(argv=None) -> Config:
 def model_config(config: Config, vocab_size: int = 256):
     """The ``TransformerConfig`` of ``config`` (``vocab_size``: the corpus's; 256 for bytes)."""
     from ringsplash.model import TransformerConfig
-    from ringsplash.splash import SplashConfig
 
     ring = config.attention == "ring"
-    b = config.block
     return TransformerConfig(
         vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads or None, head_dim=config.head_dim or None, mlp_ratio=config.mlp_ratio,
         mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta, remat=config.remat,
         max_seq_len=config.seq_len, attention=config.attention, ring_axis_name="context" if ring else None,
         ring_layout=config.layout, ring_size=config.context_parallel if ring else 1,
-        splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
+        splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
     )
 
 
@@ -112,7 +147,7 @@ def corpora(config: Config) -> tuple[str, str]:
     from ringsplash import data
 
     if config.data:
-        return config.data, config.heldout or config.data
+        return config.data, config.heldout
     options = data.TokenizeOptions(errors="replace")
     out = []
     for name, files in zip(("stdlib-train", "stdlib-heldout"), stdlib_files(), strict=True):
@@ -126,11 +161,9 @@ BUCKETS = (0, 8, 32, 128, 256, 512, 1024, 2048, 4096)
 
 
 def main(config: Config) -> dict:
-    import jax
-
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
-        with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_num_cpu_devices", config.data_parallel * config.context_parallel)
+    # the TPU when there is one, else the CPU with a simulated device per mesh position
+    start_jax(config.data_parallel * (config.context_parallel if config.attention == "ring" else 1))
+    quiet_checkpoint_data_warnings()  # harmless (see _runtime._DataItemWarning)
     import numpy as np
     import optax
 
@@ -147,18 +180,29 @@ def main(config: Config) -> dict:
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), data_parallel=config.data_parallel,
         context_parallel=config.context_parallel if ring else 1, seed=config.seed, progress=config.progress,
+        checkpoint_every=config.checkpoint_every, log_every=config.log_every,
     )
     # held out: documents cut at row ends (concat_split), so each piece starts its document's context
     heldout = data.Loader(heldout_path, data.LoaderConfig(seq_len=config.seq_len, batch_size=config.batch_size,
                                                           seed=config.seed + 1, packing="concat_split"))
     mesh = train.make_mesh(tc.data_parallel, tc.context_parallel)
+    if heldout.corpora[0].fingerprint == loader.corpora[0].fingerprint:
+        raise ValueError(f"--heldout {heldout_path!r} holds the same documents as --data {train_path!r}: pass a "
+                         f"corpus of other documents")
     unit = "byte" if loader.corpora[0].manifest["tokenizer"]["kind"] == "bytes" else "token"
-    print(f"run directory: {run_dir}")
+    resumed_at = continue_to(run_dir, tc)
+    print(f"run directory: {run_dir}" + (f" (resuming from its checkpoint); step {resumed_at} of {config.steps}"
+                                         if resumed_at is not None else
+                                         f" (rerun with --run-dir {run_dir} to resume it)"))
     print(f"corpus {train_path}: {len(loader.corpora[0])} documents, {int(loader.corpora[0].lengths.sum())} "
-          f"{unit}s, {loader.sources[0].plan.num_rows} packed rows ({config.packing}); held out: {heldout_path}"
-          + (" (the training corpus: not held out)" if heldout_path == train_path else ""))
-    print(f"{config.attention} over {tc.context_parallel} device(s), seq_len={config.seq_len}", flush=True)
-    state = train.fit(model_cfg, tc, loader, run_dir, mesh=mesh)
+          f"{unit}s, {loader.sources[0].plan.num_rows} packed rows ({config.packing}); held out: {heldout_path} "
+          f"({len(heldout.corpora[0])} other documents)")
+    print(device_line())
+    print(f"{config.attention} over {tc.context_parallel} device(s), seq_len={config.seq_len}, backend="
+          f"{config.backend}, blocks={config.block or 'auto'}, dtypes param={config.param_dtype} "
+          f"compute={config.compute_dtype}", flush=True)
+    state = train.fit(model_cfg, tc, loader, run_dir, mesh=mesh, on_log=lambda state, record: kill_if_asked(
+        record["step"]))
 
     logits_fn = train.make_logits_fn(model_cfg, mesh, plan=train.sharding_plan(model_cfg, mesh, tc.fsdp))
     sums = np.zeros(len(BUCKETS)), np.zeros(len(BUCKETS))
@@ -198,8 +242,8 @@ def main(config: Config) -> dict:
     train_plot = train.MetricsLog(run_dir).plot(title=f"LM ({os.path.basename(os.path.normpath(train_path))})")
     print(f"plots: {plot}, {train_plot}")
     print(f"wall time: {time.perf_counter() - t0:.0f} s")
-    return {"rows": rows, "run_dir": run_dir, "plot": plot}
+    return {"rows": rows, "run_dir": run_dir, "plot": plot, "state_digest": train.state_digest(state)}
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    run_script(main, parse_args)

@@ -27,12 +27,19 @@ accuracy), ``results.md`` (the table), ``perplexity.png`` (perplexity vs length 
 
     python experiments/extend_context.py                                   # the default, on CPU
     python experiments/extend_context.py --methods none,yarn --finetune-steps 20
+    python experiments/extend_context.py --checkpoint-every 100 --run-dir runs/ext   # rerun it to resume it
     python experiments/extend_context.py --preflight v5p:4x4x4 --preset 1b --base-len 8192 --factor 16
 
 ``--preflight TOPOLOGY`` compiles each method's long finetune step for that TPU slice
 (``scripts/aot_preflight.py``: per-device memory, Mosaic kernels) and exits; on the slice itself
-the same command without it runs the experiment (``--backend mosaic_tpu``, ``--context-parallel``
-the slice's devices).
+the same command without it runs the experiment (``--backend auto`` picks the TPU kernels there,
+``--context-parallel`` the slice's devices).
+
+Resuming: with ``--run-dir`` the base training and each finetune checkpoint (``--checkpoint-every``,
+and at their ends); rerunning the same command resumes where it stopped (a killed run ends as an
+uninterrupted one would) and re-evaluates. A larger ``--finetune-steps`` continues each finetune
+from its checkpoint; a larger ``--base-steps`` continues the base, and the finetunes then start
+again from the longer-trained base (the old ones are kept, renamed ``<method>.base<step>``).
 """
 
 import dataclasses
@@ -43,14 +50,27 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-import contextlib
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
+from _runtime import (
+    DTYPES,
+    check_block,
+    check_flags,
+    continue_to,
+    device_line,
+    kill_if_asked,
+    quiet_checkpoint_data_warnings,
+    run_script,
+    splash_config,
+    start_jax,
+)
 from ringsplash.cli import parse_config
 
 METHODS = ("none", "base", "linear", "dynamic", "yarn", "llama3")
 RETRIEVAL = ("recall", "text", "none")
+# Fields that may change between a run and its resumption: bookkeeping, the step counts (a run
+# continues to a larger total), which methods run and how they are scored (evaluations run again).
+RESUMABLE_CHANGES = ("run_dir", "progress", "checkpoint_every", "base_steps", "finetune_steps", "methods",
+                     "generate", "preflight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,33 +103,48 @@ class Config:
     finetune_lr: float = 1e-3  # finetune peak learning rate
     context_parallel: int = 8  # devices of the finetune's ring
     layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
-    backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
-    block: int = 128  # Splash block size (tokens)
+    backend: str = "auto"  # Splash backend: auto (mosaic_tpu on a TPU, xla elsewhere) | mosaic_tpu | interpret | xla
+    block: int = 0  # Splash block size (tokens, a multiple of 128); 0 = auto: the blocks tuned for the platform
+    param_dtype: str = "float32"  # parameter (master weight) dtype: float32 | bfloat16 | float16
+    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 (bfloat16 with float32
+    #: parameters: the usual choice on a TPU)
+    compute_dtype: str = "float32"
     eval_docs: int = 2  # held-out windows per evaluation length (perplexity)
     passkey_samples: int = 8  # passkey prompts per (length, depth) cell
     depths: str = "0,0.5,1"  # passkey depths (fraction of the haystack before the key)
     generate: bool = False  # also score the passkey by greedy generation (rs.inference.generate)
     preflight: str = ""  # a TPU topology: compile each method's finetune step for it (AOT) and exit; "" = run
     seed: int = 0  # parameters, data order, passkey keys
-    run_dir: str = ""  # "" = auto: runs/extend_context/<time>
+    run_dir: str = ""  # "" = auto: runs/extend_context/<time>; resumed when it holds checkpoints
+    checkpoint_every: int = 0  # steps between checkpoints of the base and of each finetune; 0 = only at their ends
     progress: bool = True  # progress bars
 
     def __post_init__(self):
+        from ringsplash.layouts import LAYOUTS
+        from ringsplash.splash.config import BACKENDS
+
         bad = [m for m in self.method_list if m not in METHODS]
         if bad or not self.method_list:
-            raise ValueError(f"methods={self.methods!r} must be a comma-separated subset of {METHODS}")
-        if not isinstance(self.factor, int) or self.factor < 2:
-            raise ValueError(f"factor={self.factor!r} must be an int >= 2")
+            raise ValueError(f"--methods methods={self.methods!r} is not accepted: expected a comma-separated "
+                             f"subset of {METHODS}")
+        if isinstance(self.factor, bool) or not isinstance(self.factor, int) or self.factor < 2:
+            raise ValueError(f"--factor factor={self.factor!r} is not accepted: expected an int >= 2")
         if self.retrieval not in RETRIEVAL:
-            raise ValueError(f"retrieval={self.retrieval!r} must be one of {RETRIEVAL}")
+            raise ValueError(f"--retrieval retrieval={self.retrieval!r} is not accepted: expected one of {RETRIEVAL}")
         if not 0.0 <= self.passkey_mix < 1.0:
-            raise ValueError(f"passkey_mix={self.passkey_mix} must be in [0, 1)")
+            raise ValueError(f"--passkey-mix passkey_mix={self.passkey_mix} is not accepted: expected a number "
+                             f"in [0, 1)")
         if not self.init_from and self.base_len < 128:
-            raise ValueError(f"base_len={self.base_len} must be >= 128")
+            raise ValueError(f"--base-len base_len={self.base_len} is not accepted: expected >= 128")
         for name in ("base_steps", "finetune_steps", "base_batch", "finetune_batch", "context_parallel", "eval_docs",
                      "passkey_samples", "passkey_docs"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+                raise ValueError(f"--{name.replace('_', '-')} {name}={getattr(self, name)} is not accepted: "
+                                 f"expected >= 1")
+        check_flags(self, choices={"layout": LAYOUTS, "backend": BACKENDS, "param_dtype": DTYPES,
+                                   "compute_dtype": DTYPES},
+                    positive=("d_model", "num_layers", "num_heads"), non_negative=("num_kv_heads", "checkpoint_every"))
+        check_block(self)
 
     @property
     def method_list(self) -> list[str]:
@@ -128,14 +163,12 @@ def parse_args(argv=None) -> Config:
 def base_model_config(config: Config, vocab_size: int):
     """The base model: one device (Splash), ``base_len`` tokens."""
     from ringsplash.model import TransformerConfig
-    from ringsplash.splash import SplashConfig
 
-    b = config.block
     return TransformerConfig(
         vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads or None, rope_theta=config.rope_theta, max_seq_len=config.base_len,
-        attention="splash", splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b,
-                                                backend=config.backend))
+        attention="splash", splash=splash_config(config), param_dtype=config.param_dtype,
+        compute_dtype=config.compute_dtype)
 
 
 def extended(base, method: str, factor: int, base_len: int):
@@ -157,12 +190,9 @@ def extended(base, method: str, factor: int, base_len: int):
 
 def on_ring(c, config: Config):
     """``c`` with its attention as the finetune's ring over ``config.context_parallel`` devices."""
-    from ringsplash.splash import SplashConfig
-
-    b = config.block
     return dataclasses.replace(
         c, attention="ring", ring_axis_name="context", ring_size=config.context_parallel, ring_layout=config.layout,
-        splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend))
+        splash=splash_config(config))
 
 
 # ------------------------------------------------------------------------------------ data
@@ -317,7 +347,9 @@ def preflight(config: Config, base, methods) -> int:
     worst = 0
     for method in methods:
         c = extended(base, method, config.factor, config.base_len)
-        args = ["--topology", config.preflight, "--seq-len", str(c.max_seq_len), "--block", str(config.block),
+        args = ["--topology", config.preflight, "--seq-len", str(c.max_seq_len),
+                *(["--block", str(config.block)] if config.block else []),  # 0 (auto): the preflight's default
+                "--param-dtype", config.param_dtype, "--compute-dtype", config.compute_dtype,
                 "--layout", config.layout, "--vocab-size", str(c.vocab_size), "--d-model", str(c.d_model),
                 "--num-layers", str(c.num_layers), "--num-heads", str(c.num_heads), "--num-kv-heads",
                 str(c.num_kv_heads), "--head-dim", str(c.head_dim), "--rope-theta", repr(c.rope_theta),
@@ -333,15 +365,39 @@ def preflight(config: Config, base, methods) -> int:
     return worst
 
 
-def main(config: Config) -> dict:
-    import jax
+def job_config(config: Config, base_curriculum_steps: int) -> dict:
+    """What a resumed run must share with the run it resumes (``run_dir/job_config.json``)."""
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in RESUMABLE_CHANGES}
+    return {**fields, "base_curriculum_steps": base_curriculum_steps}
 
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
-        with contextlib.suppress(RuntimeError):  # the simulated devices of the ring (before JAX starts)
-            jax.config.update("jax_num_cpu_devices", config.context_parallel)
+
+def _finetune_dir(run_dir: str, method: str, base_step: int | None) -> str:
+    """``run_dir/<method>/finetune``, its base recorded; a finetune started from another base (an
+    earlier step of a continued base) is set aside as ``<method>.base<step>``, to start again."""
+    method_dir = os.path.join(run_dir, method)
+    record = os.path.join(method_dir, "base.json")
+    if base_step is not None and os.path.exists(record):
+        with open(record) as f:
+            was = json.load(f)["base_step"]
+        if was != base_step:
+            aside = f"{method_dir}.base{was}"
+            os.replace(method_dir, aside)
+            print(f"[{method}] the base now has {base_step} steps: its finetune from the base at step {was} "
+                  f"moved to {aside}; finetuning again", flush=True)
+    os.makedirs(method_dir, exist_ok=True)
+    if base_step is not None and not os.path.exists(record):
+        with open(record, "w") as f:
+            json.dump({"base_step": base_step}, f)
+    return os.path.join(method_dir, "finetune")
+
+
+def main(config: Config) -> dict:
+    # the TPU when there is one, else the CPU with a simulated device per member of the ring
+    start_jax(config.context_parallel)
+    quiet_checkpoint_data_warnings()  # harmless (see _runtime._DataItemWarning)
     import numpy as np
 
-    from ringsplash import data, evals, train
+    from ringsplash import checkpoints, data, evals, train
 
     t0 = time.perf_counter()
     run_dir = config.run_dir or os.path.join("runs", "extend_context", time.strftime("%Y%m%d-%H%M%S"))
@@ -358,7 +414,20 @@ def main(config: Config) -> dict:
         return {"returncode": preflight(config, base, methods)}
 
     os.makedirs(run_dir, exist_ok=True)
-    print(f"run directory: {run_dir}", flush=True)
+    # a continued run (a larger --base-steps) keeps the base's recall curriculum laid out over its first total
+    job_path = os.path.join(run_dir, "job_config.json")
+    base_ckpt = os.path.join(run_dir, "base_model", "checkpoints")
+    trained = checkpoints.latest_step(base_ckpt) is not None
+    curriculum_steps = config.base_steps
+    if trained and os.path.exists(job_path):
+        with open(job_path) as f:
+            curriculum_steps = json.load(f).get("base_curriculum_steps", config.base_steps)
+    train.check_run_config(job_path, job_config(config, curriculum_steps),
+                           ignore=() if trained else ("base_curriculum_steps",))
+    print(f"run directory: {run_dir}" + (" (resuming: finished parts are restored from their checkpoints)"
+                                         if trained else f" (rerun with --run-dir {run_dir} to resume it)"))
+    print(f"{device_line()}; backend={config.backend} blocks={config.block or 'auto'}; dtypes "
+          f"param={config.param_dtype} compute={config.compute_dtype}", flush=True)
     long_len = config.factor * config.base_len
     lengths = [config.base_len * 2**i for i in range(int(math.log2(config.factor)) + 1)]
     if lengths[-1] != long_len:
@@ -395,14 +464,20 @@ def main(config: Config) -> dict:
         return data.Loader(paths, data.LoaderConfig(seq_len=length, batch_size=batch, seed=config.seed,
                                                     weights=weights))
 
+    on_log = lambda state, record: kill_if_asked(record["step"])  # the test hook (a kill mid-run)
+    base_step = None  # the trained base's steps (None: --init-from)
     if base_model is None:  # 1. the base model
         base_cfg = base_model_config(config, vocab)
         tc = train.TrainConfig(steps=config.base_steps, batch_size=config.base_batch, learning_rate=config.base_lr,
                                warmup_steps=max(1, config.base_steps // 10), seed=config.seed,
-                               log_every=max(1, config.base_steps // 20), progress=config.progress)
+                               log_every=max(1, config.base_steps // 20), checkpoint_every=config.checkpoint_every,
+                               progress=config.progress)
+        base_dir = os.path.join(run_dir, "base_model")
+        continue_to(base_dir, tc)
         print(f"base: {config.base_steps} steps x {config.base_batch} rows x {config.base_len} tokens", flush=True)
-        base_model = train.fit(base_cfg, tc, stream(config.base_len, config.base_batch, config.base_steps, "base"),
-                               os.path.join(run_dir, "base_model"), mesh=train.make_mesh(1, 1)).model
+        state = train.fit(base_cfg, tc, stream(config.base_len, config.base_batch, curriculum_steps, "base"),
+                          base_dir, mesh=train.make_mesh(1, 1), on_log=on_log)
+        base_model, base_step = state.model, int(state.step)
     base = base_model.config
 
     results = []
@@ -416,11 +491,14 @@ def main(config: Config) -> dict:
                 steps = config.finetune_steps
                 tc = train.TrainConfig(steps=steps, batch_size=config.finetune_batch, learning_rate=config.finetune_lr,
                                        warmup_steps=max(1, steps // 10), context_parallel=config.context_parallel,
-                                       seed=config.seed, log_every=max(1, steps // 10), progress=config.progress)
+                                       seed=config.seed, log_every=max(1, steps // 10),
+                                       checkpoint_every=config.checkpoint_every, progress=config.progress)
+                finetune_dir = _finetune_dir(run_dir, method, base_step)
+                continue_to(finetune_dir, tc)
                 print(f"[{method}] finetune: {config.finetune_steps} steps x {config.finetune_batch} rows x "
                       f"{long_len} tokens, ring over {config.context_parallel} devices", flush=True)
-                model = train.fit(on_ring(ext, config), tc, long_stream, os.path.join(run_dir, method, "finetune"),
-                                  mesh=mesh, init_model=zero).model.with_config(ext)
+                model = train.fit(on_ring(ext, config), tc, long_stream, finetune_dir,
+                                  mesh=mesh, init_model=zero, on_log=on_log).model.with_config(ext)
             out = evaluate(model, config, lengths, heldout, passkey, os.path.join(run_dir, method, phase),
                            f"{method} {phase}")
             for row in out[:-1]:
@@ -442,7 +520,7 @@ def main(config: Config) -> dict:
     print(f"results: {run_dir}/results.md, {plot}; wall time {wall:.0f} s")
     finite = bool(np.all([np.isfinite(r["perplexity"]) for r in results]))
     return {"results": results, "run_dir": run_dir, "table": table, "plot": plot, "wall_s": wall, "returncode": 0,
-            "lengths": lengths, "all_finite": finite}
+            "lengths": lengths, "all_finite": finite, "base_step": base_step}
 
 
 def plot_perplexity(results: list[dict], lengths, path: str, title: str = "") -> None:
@@ -487,5 +565,4 @@ def results_table(results: list[dict], lengths) -> str:
 
 
 if __name__ == "__main__":
-    result = main(parse_args())
-    sys.exit(result["returncode"])
+    sys.exit(run_script(main, parse_args)["returncode"])

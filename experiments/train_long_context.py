@@ -1,29 +1,41 @@
 """The main job: long-context multi-query associative recall, trained with ring attention.
 
-    python experiments/train_long_context.py            # the default run (about 4 minutes on 2 quiet cores)
+    python experiments/train_long_context.py            # the default run (about 4 minutes on 2 quiet CPU cores)
     python experiments/train_long_context.py --checkpoint-every 50 --run-dir runs/long  # resumable
     python experiments/train_long_context.py --run-dir runs/long                        # ... resume it
+    python experiments/train_long_context.py --run-dir runs/long --steps 1400           # ... continue it further
+    python experiments/train_long_context.py --context-parallel 1 --attention splash --compute-dtype bfloat16  # 1 TPU
     python experiments/train_long_context.py --qk-clip-threshold 20   # QK-clip (max logits in the metrics)
     python experiments/train_long_context.py --help     # every option
 
 The task, the curriculum and resuming: README.md ("The main job") and docs/training.md.
 """
 
-import contextlib
 import dataclasses
+import json
 import os
-import signal
+import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
+from _runtime import (
+    DTYPES,
+    KILL_AT_STEP_ENV,
+    check_block,
+    check_flags,
+    continue_to,
+    device_line,
+    kill_if_asked,
+    run_script,
+    splash_config,
+    start_jax,
+)
 from ringsplash.cli import parse_config
 
-# Test hook: the process kills itself (SIGKILL, no clean-up) when step N is logged, to test resuming.
-KILL_AT_STEP_ENV = "RINGSPLASH_TEST_KILL_AT_STEP"
-# Fields that may change between a run and its resumption (they do not change the trained model).
-RESUMABLE_CHANGES = ("run_dir", "progress", "checkpoint_every", "log_every")
+# Fields that may change between a run and its resumption (they do not change the trained model's past);
+# ``steps`` may grow: the run continues to the new total (the curriculum stays laid out over the first total).
+RESUMABLE_CHANGES = ("run_dir", "progress", "checkpoint_every", "log_every", "steps")
+__all__ = ["KILL_AT_STEP_ENV", "RESUMABLE_CHANGES", "Config", "main", "make_model_config", "parse_args"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +70,12 @@ class Config:
     #: usp (ring over context_parallel devices, Ulysses over ulysses_parallel devices inside)
     attention: str = "ring"
     layout: str = "zigzag"  # token layout over the context axis: contiguous | zigzag | striped
-    backend: str = "xla"  # Splash backend: auto | mosaic_tpu | interpret | xla
-    block: int = 128  # Splash block size (tokens), every block of the kernels
+    backend: str = "auto"  # Splash backend: auto (mosaic_tpu on a TPU, xla elsewhere) | mosaic_tpu | interpret | xla
+    block: int = 0  # Splash block size (tokens, a multiple of 128), every block of the kernels; 0 = auto: tuned
+    param_dtype: str = "float32"  # parameter (master weight) dtype: float32 | bfloat16 | float16
+    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 (bfloat16 with float32
+    #: parameters: the usual choice on a TPU)
+    compute_dtype: str = "float32"
     # parallelism (on CPU: simulated devices = data_parallel * context_parallel * ulysses_parallel)
     data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
     context_parallel: int = 4  # devices on the mesh's context axis (the sequence is sharded over them)
@@ -85,12 +101,18 @@ class Config:
 
     def __post_init__(self):
         """Option strings checked at once, each error naming its flag (the library configs check the rest)."""
-        from ringsplash.cli import check_choices
         from ringsplash.layouts import LAYOUTS
         from ringsplash.model.config import REMAT_POLICIES, STRATEGIES
         from ringsplash.splash.config import BACKENDS
 
-        check_choices(self, {"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS, "backend": BACKENDS})
+        check_flags(self, choices={"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS,
+                                   "backend": BACKENDS, "param_dtype": DTYPES, "compute_dtype": DTYPES},
+                    positive=("seq_len", "num_pairs", "num_queries", "num_keys", "num_values", "num_filler", "d_model",
+                              "num_layers", "num_heads", "num_kv_heads", "data_parallel", "context_parallel",
+                              "ulysses_parallel", "steps", "batch_size", "eval_batches", "log_every"),
+                    non_negative=("head_dim", "warmup_steps", "eval_every", "checkpoint_every"))
+        check_block(self)
+        curriculum(self)  # its format (each error names --curriculum)
 
 
 def parse_args(argv=None) -> Config:
@@ -99,15 +121,27 @@ def parse_args(argv=None) -> Config:
     return parse_config(Config, argv, description=__doc__, presets=PRESETS)
 
 
-def curriculum(config: Config) -> list[tuple[int, int]]:
-    """``[(first_step, episode_len), ...]`` from ``config.curriculum``."""
+def curriculum(config: Config, steps: int | None = None) -> list[tuple[int, int]]:
+    """``[(first_step, episode_len), ...]`` from ``config.curriculum``, its fractions of ``steps``
+    (default ``config.steps``; a continued run keeps the total it started with)."""
+    steps = config.steps if steps is None else steps
     stages, step = [], 0
     for item in filter(None, config.curriculum.split(",")):
-        length, fraction = item.split(":")
-        stages.append((step, int(length)))
-        step += round(float(fraction) * config.steps)
-    stages.append((min(step, config.steps), config.seq_len))
+        try:
+            length, fraction = item.split(":")
+            stages.append((step, int(length)))
+            step += round(float(fraction) * steps)
+        except ValueError:
+            raise ValueError(f"--curriculum {config.curriculum!r} is not accepted: expected "
+                             f"'episode_len:fraction_of_steps,...' (e.g. 16:0.2,32:0.1)") from None
+    stages.append((min(step, steps), config.seq_len))
     return stages
+
+
+def job_config(config: Config, curriculum_steps: int) -> dict:
+    """What a resumed run must share with the run it resumes (``run_dir/job_config.json``)."""
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in RESUMABLE_CHANGES}
+    return {**fields, "curriculum_steps": curriculum_steps}
 
 
 def context_fields(config: Config) -> dict:
@@ -122,25 +156,30 @@ def context_fields(config: Config) -> dict:
     return {}
 
 
+def make_model_config(config: Config, vocab_size: int):
+    """The ``TransformerConfig`` of ``config`` (the vocabulary: the task's)."""
+    from ringsplash.model import TransformerConfig, rope_scaling_from_flags
+
+    return TransformerConfig(
+        vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers,
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim or None,
+        mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
+        remat=config.remat, max_seq_len=config.seq_len,
+        attention=config.attention, ring_layout=config.layout, **context_fields(config),
+        splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
+        qk_clip_threshold=config.qk_clip_threshold,
+        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
+    )
+
+
 def episode_len_at(stages, step: int) -> int:
     return [length for first, length in stages if first <= step][-1]
 
 
 def main(config: Config) -> dict:
-    import jax
-
-    from ringsplash import distributed
-
-    if os.environ.get("JAX_PLATFORMS") == "cpu" and not distributed.launched_locally():
-        # simulated devices (the local launcher gives each process its own); impossible (and
-        # unnecessary if there are enough) once JAX has started
-        with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_num_cpu_devices",
-                              config.data_parallel * config.context_parallel * config.ulysses_parallel)
-
-    from ringsplash import checkpoints, data, train
-    from ringsplash.model import TransformerConfig, rope_scaling_from_flags
-    from ringsplash.splash import SplashConfig
+    # the TPU when there is one, else the CPU with a simulated device per mesh position
+    start_jax(config.data_parallel * config.context_parallel * config.ulysses_parallel)
+    from ringsplash import checkpoints, data, distributed, train
 
     t_start = time.perf_counter()
     # several processes (a pod slice, scripts/launch_local.py): same flags everywhere, one run directory
@@ -152,17 +191,7 @@ def main(config: Config) -> dict:
         seq_len=config.seq_len, num_pairs=config.num_pairs, num_queries=config.num_queries,
         num_keys=config.num_keys, num_values=config.num_values, num_filler=config.num_filler,
     )
-    b = config.block
-    model_config = TransformerConfig(
-        vocab_size=task.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
-        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim or None,
-        mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
-        remat=config.remat, max_seq_len=config.seq_len,
-        attention=config.attention, ring_layout=config.layout, **context_fields(config),
-        splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
-        qk_clip_threshold=config.qk_clip_threshold,
-        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
-    )
+    model_config = make_model_config(config, task.vocab_size)
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), weight_decay=config.weight_decay,
@@ -172,7 +201,14 @@ def main(config: Config) -> dict:
         seed=config.seed, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
         progress=config.progress, log_max_logits=config.log_max_logits,
     )
-    stages = curriculum(config)
+    # a continued run (a larger --steps) keeps the curriculum laid out over the steps it started with
+    job_path = os.path.join(run_dir, "job_config.json")
+    trained = checkpoints.latest_step(os.path.join(run_dir, "checkpoints")) is not None
+    curriculum_steps = config.steps
+    if trained and os.path.exists(job_path):
+        with open(job_path) as f:
+            curriculum_steps = json.load(f).get("curriculum_steps", config.steps)
+    stages = curriculum(config, curriculum_steps)
     # per_row: every row is its own draw, so each process draws only the rows its devices hold
     stream = data.DataStream(
         make=lambda rng, n, step: task.batch(rng, n, episode_len=episode_len_at(stages, step)),
@@ -184,12 +220,9 @@ def main(config: Config) -> dict:
     # held-out evaluation on the parameters as training shards them (never a replicated copy)
     eval_step = train.make_eval_step(model_config, mesh, plan=train.sharding_plan(model_config, mesh, tc.fsdp))
 
-    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0"))
-
     def on_log(state, record):
         step = record["step"]
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_if_asked(step)
         extra = {"episode_len": episode_len_at(stages, step - 1)}
         if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
             ev = train.evaluate(state.model, heldout, config.eval_batches, mesh, model_config, eval_step)
@@ -198,14 +231,16 @@ def main(config: Config) -> dict:
         return extra
 
     log = train.MetricsLog(run_dir)
-    job_config = {k: v for k, v in dataclasses.asdict(config).items() if k not in RESUMABLE_CHANGES}
-    train.check_run_config(os.path.join(run_dir, "job_config.json"), job_config)
-    resuming = checkpoints.latest_step(os.path.join(run_dir, "checkpoints")) is not None
-    say(f"run directory: {run_dir}" + (" (resuming from its checkpoint)" if resuming else ""))
-    say(f"devices: {len(mesh.devices.flat)} x {jax.devices()[0].platform} (data={tc.data_parallel}, "
-          f"context={tc.context_parallel}, ulysses={tc.ulysses_parallel}); attention={config.attention} "
-          f"layout={config.layout} "
-          f"backend={config.backend}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
+    # nothing trained yet: the curriculum follows --steps, whatever the first start said
+    train.check_run_config(job_path, job_config(config, curriculum_steps),
+                           ignore=() if trained else ("curriculum_steps",))
+    resumed_at = continue_to(run_dir, tc, say)
+    say(f"run directory: {run_dir}" + (f" (resuming from its checkpoint); step {resumed_at} of {config.steps}"
+                                       if resumed_at is not None else ""))
+    say(f"{device_line()}; mesh data={tc.data_parallel} x context={tc.context_parallel} x "
+        f"ulysses={tc.ulysses_parallel}; attention={config.attention} layout={config.layout} "
+        f"backend={config.backend} blocks={config.block or 'auto'}; dtypes param={config.param_dtype} "
+        f"compute={config.compute_dtype}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
     state = train.fit(model_config, tc, stream, run_dir, mesh=mesh, on_log=on_log)
     final = train.evaluate(state.model, heldout, config.eval_batches, mesh, model_config, eval_step)
     plot = log.plot(title=f"associative recall, seq {config.seq_len}, {config.attention}")
@@ -223,4 +258,4 @@ def main(config: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    run_script(main, parse_args)

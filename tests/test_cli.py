@@ -122,7 +122,8 @@ def test_byte_lm_refuses_a_prefix_of_data_parallel_as_an_abbreviation(capsys):
         module.parse_args(["--data-par", "2"])
     err = capsys.readouterr().err
     assert "unrecognized arguments: --data-par 2" in err
-    assert module.parse_args(["--data", "my_corpus"]).data == "my_corpus"  # --data is the corpus flag itself
+    # --data is the corpus flag itself (with its held-out corpus)
+    assert module.parse_args(["--data", "my_corpus", "--heldout", "other"]).data == "my_corpus"
     # the preset pre-parser does not take a prefix of --preset either
     with pytest.raises(SystemExit):
         module.parse_args(["--pre", "tiny"])

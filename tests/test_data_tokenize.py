@@ -174,4 +174,7 @@ def test_byte_lm_builds_its_default_stdlib_corpora_once(tmp_path):
     stamp = os.stat(os.path.join(train_path, "manifest.json")).st_mtime_ns
     assert byte_lm.corpora(config) == (train_path, heldout_path)
     assert os.stat(os.path.join(train_path, "manifest.json")).st_mtime_ns == stamp
-    assert byte_lm.corpora(byte_lm.Config(data="mine")) == ("mine", "mine")
+    # a corpus of one's own is held out by a corpus of other documents, never by itself
+    assert byte_lm.corpora(byte_lm.Config(data="mine", heldout="other")) == ("mine", "other")
+    with pytest.raises(ValueError, match=r"--data 'mine' needs --heldout"):
+        byte_lm.Config(data="mine")

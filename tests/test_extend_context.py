@@ -102,11 +102,13 @@ def test_extend_context_methods_change_only_the_rope():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(methods="none,ntk"), r"methods='none,ntk' must be a comma-separated subset"),
-    (dict(factor=1), r"factor=1 must be an int >= 2"),
-    (dict(passkey_mix=1.0), r"passkey_mix=1.0 must be in \[0, 1\)"),
-    (dict(finetune_steps=0), r"finetune_steps=0 must be >= 1"),
-    (dict(retrieval="passkey"), r"retrieval='passkey' must be one of \('recall', 'text', 'none'\)"),
+    (dict(methods="none,ntk"), r"--methods methods='none,ntk' is not accepted: expected a comma-separated subset"),
+    (dict(factor=1), r"--factor factor=1 is not accepted: expected an int >= 2"),
+    (dict(passkey_mix=1.0), r"--passkey-mix passkey_mix=1.0 is not accepted: expected a number in \[0, 1\)"),
+    (dict(finetune_steps=0), r"--finetune-steps finetune_steps=0 is not accepted: expected >= 1"),
+    (dict(retrieval="passkey"), r"--retrieval retrieval='passkey' is not accepted: expected one of \('recall', 'text', 'none'\)"),
+    (dict(compute_dtype="float64"), r"--compute-dtype 'float64' is not accepted: expected one of float32, bfloat16"),
+    (dict(block=100), r"--block 100 is not accepted: expected 0 \(auto"),
 ])
 def test_extend_context_rejects_bad_flags(kwargs, match):
     job = _job()

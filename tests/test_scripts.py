@@ -125,9 +125,17 @@ MAIN_TINY = ["--seq-len", "512", "--num-pairs", "4", "--num-queries", "4", "--nu
              "--no-progress"]
 
 
+def _user_env():
+    """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test session's TPU settings."""
+    env = child_env()
+    for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES",
+                 "RINGSPLASH_TEST_KILL_AT_STEP"):
+        env.pop(name, None)
+    return env
+
+
 def _main_job(run_dir, kill_at_step=None):
-    env = child_env(JAX_PLATFORMS="cpu")
-    env.pop("RINGSPLASH_TEST_KILL_AT_STEP", None)
+    env = _user_env()  # the script chooses the CPU itself (no TPU here), and says so
     if kill_at_step is not None:
         env["RINGSPLASH_TEST_KILL_AT_STEP"] = str(kill_at_step)
     args = [sys.executable, "experiments/train_long_context.py", *MAIN_TINY, "--run-dir", str(run_dir)]
@@ -149,6 +157,8 @@ def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path, capsys
     cut = _main_job(cut_dir, kill_at_step=6)
     cut_out, cut_err = cut.communicate(timeout=240)
     assert cut.returncode == -signal.SIGKILL, cut_out + cut_err
+    assert "devices: 2 x cpu (platform cpu, 1 process)" in cut_out  # the device line, at start
+    assert "libtpu" not in cut_err and "TPU_WORKER_HOSTNAMES" not in cut_err, cut_err  # libtpu never started
     assert [r["step"] for r in _records(cut_dir) if r["split"] == "train"] == [1, 2, 3, 4, 5]
     assert os.path.isdir(cut_dir / "checkpoints" / "4")
 
@@ -166,14 +176,25 @@ def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path, capsys
     assert [key(r) for r in got] == [key(r) for r in want] == sorted({key(r) for r in want})
     assert got == want
 
+    # Continued to more steps (a larger --steps on the finished run): from its step-8 checkpoint to
+    # step 10, the curriculum as it was laid out over the first 8 steps (past it: whole rows).
+    capsys.readouterr()
+    more = job.main(job.parse_args([*MAIN_TINY, "--run-dir", str(cut_dir), "--steps", "10"]))
+    out = capsys.readouterr().out
+    assert "continuing from step 8 to 10 steps (started for 8)" in out and "curriculum [(0, 16), (4, 512)]" in out
+    assert [r["step"] for r in _records(cut_dir) if r["split"] == "train"] == list(range(1, 11))
+    assert os.path.isdir(cut_dir / "checkpoints" / "10") and more["state_digest"] != full["state_digest"]
+    with pytest.raises(ValueError, match=r"--steps 9 is not accepted: expected >= 10"):  # never back
+        job.main(job.parse_args([*MAIN_TINY, "--run-dir", str(cut_dir), "--steps", "9"]))
+
 
 def test_main_job_resume_with_a_different_config_names_the_fields(tmp_path):
     job = _load("experiments/train_long_context.py", "train_long_context")
     config = job.parse_args([*MAIN_TINY, "--run-dir", str(tmp_path)])
     from ringsplash import train
 
-    train.check_run_config(str(tmp_path / "job_config.json"),
-                           {k: v for k, v in dataclasses.asdict(config).items() if k not in job.RESUMABLE_CHANGES})
+    train.check_run_config(str(tmp_path / "job_config.json"), job.job_config(config, config.steps))
+    # steps may change (a run continues to more steps); the model may not
     changed = dataclasses.replace(config, d_model=32, steps=9, checkpoint_every=2, progress=True)
-    with pytest.raises(ValueError, match=r"different config.*d_model: 16 vs 32; steps: 8 vs 9$"):
+    with pytest.raises(ValueError, match=r"different config.*: d_model: 16 vs 32$"):
         job.main(changed)

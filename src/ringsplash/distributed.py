@@ -15,6 +15,7 @@ Every process of a multi-host run calls :func:`initialize` before touching devic
 """
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -81,6 +82,45 @@ def timeouts() -> dict[str, int]:
 def launched_locally() -> bool:
     """Whether this process was started by the local launcher."""
     return ENV_COORDINATOR in os.environ
+
+
+def tpu_present() -> bool:
+    """Whether this machine has a TPU, without starting libtpu: the TPU VM's device files
+    (``/dev/accel*`` on v2-v5e, numbered ``/dev/vfio/*`` groups on v5p / v6e and later)."""
+    if glob.glob("/dev/accel*"):
+        return True
+    return any(name.isdigit() for name in (os.listdir("/dev/vfio") if os.path.isdir("/dev/vfio") else ()))
+
+
+def choose_platform(cpu_devices: int = 1) -> str:
+    """Choose JAX's platform before it starts its backends, and return it: ``JAX_PLATFORMS`` (or
+    ``jax.config.jax_platforms``) when the user set one, else ``"tpu"`` when the machine has one
+    (:func:`tpu_present`) and ``"cpu"`` otherwise. On the CPU (only there) ``cpu_devices`` simulated
+    devices are made for a mesh (not under the local launcher, which gives each process its own).
+    Nothing is written to the environment: ``jax.config`` holds the choice, so child processes
+    choose for themselves, and a CPU machine never loads libtpu (which prints errors while it looks
+    for TPU metadata). A no-op once JAX's backends have started."""
+    import jax
+
+    chosen = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    if not chosen:
+        chosen = "tpu" if tpu_present() else "cpu"
+        if chosen == "cpu":
+            jax.config.update("jax_platforms", "cpu")
+    if chosen.split(",")[0] == "cpu" and cpu_devices > 1 and not launched_locally():
+        with contextlib.suppress(RuntimeError):  # impossible (and unneeded) once JAX has started
+            jax.config.update("jax_num_cpu_devices", cpu_devices)
+    return chosen
+
+
+def device_line() -> str:
+    """``devices: N x KIND (platform P, P processes)``: what JAX computes on (starts JAX)."""
+    import jax
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    return (f"devices: {len(devices)} x {', '.join(kinds)} (platform {devices[0].platform}, "
+            f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''})")
 
 
 def initialize() -> None:

@@ -62,6 +62,10 @@ def main(argv=None) -> dict:
                     f"a byte-level model (token ids = UTF-8 bytes), or --tokenizer PATH (a tokenizer.json or a "
                     f"directory holding one)")
         tok_spec = args.model
+    from ringsplash import distributed
+
+    distributed.choose_platform()  # the TPU when present, else the CPU; before anything starts JAX
+    print(distributed.device_line(), flush=True)
     from ringsplash import evals
 
     tokenizer = evals.load_tokenizer(tok_spec)

@@ -1,0 +1,291 @@
+"""The experiment scripts as a user runs them: killed (SIGKILL) mid-run and resumed, they end where an
+uninterrupted run ends, and a larger step count continues them; a bad flag is one line on stderr
+naming the flag, the value and what is accepted; they choose the TPU when there is one and the CPU
+otherwise (no JAX_PLATFORMS to set, no libtpu noise on a CPU machine), say which at start, and
+take the dtype / backend / block flags into the model's config.
+
+(The main job's kill-and-resume test is tests/test_scripts.py's.)"""
+
+import glob
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from support.processes import child_env
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+KILL = "RINGSPLASH_TEST_KILL_AT_STEP"
+
+
+def _job(name):
+    spec = importlib.util.spec_from_file_location(f"_experiment_{name}", os.path.join(EXPERIMENTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _user_env(**extra):
+    """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test session's TPU settings."""
+    env = child_env()
+    for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", KILL):
+        env.pop(name, None)
+    return {**env, **extra}
+
+
+def _killed(script, args, step):
+    """``script args`` in a process of its own that SIGKILLs itself when training step ``step`` is logged."""
+    result = subprocess.run([sys.executable, f"experiments/{script}.py", *args], cwd=ROOT, env=_user_env(**{KILL: str(step)}),
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
+    return result
+
+
+def _records(path, split="train"):
+    with open(path) as f:
+        return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s")}
+                for r in map(json.loads, f) if r["split"] == split]
+
+
+def _checksums(ckpt_dir):
+    """The recorded checksum of every array of the newest checkpoint: equal = bit-identical states."""
+    from ringsplash import checkpoints
+
+    return [leaf.checksum for leaf in checkpoints.read_metadata(str(ckpt_dir)).leaves]
+
+
+def _no_orbax_data_warning_in(text):
+    assert "could not be restored" not in text, text
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """Tiny byte corpora: training documents and other, held-out documents."""
+    from ringsplash import data
+
+    root = tmp_path_factory.mktemp("corpora")
+    files = sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "*.py")))  # the stdlib's json package
+    data.tokenize_corpus(files[:-1], str(root / "train"), progress=False)
+    data.tokenize_corpus(files[-1:], str(root / "heldout"), progress=False)
+    return str(root / "train"), str(root / "heldout")
+
+
+# ------------------------------------------------------------------------------------ kill, resume, continue
+
+
+def _run(script, args):
+    result = subprocess.run([sys.executable, f"experiments/{script}.py", *args], cwd=ROOT, env=_user_env(),
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _table(stdout):
+    """The held-out loss-by-position table byte_lm prints."""
+    lines = stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("held-out loss by position"))
+    last = next(i for i, line in enumerate(lines) if line.startswith("plots:"))
+    return lines[first:last]
+
+
+@pytest.mark.e2e
+def test_byte_lm_killed_resumes_to_the_uninterrupted_state_and_continues(corpora, tmp_path):
+    # every run a process of its own, as a user runs them (the test session compiles some programs
+    # with other XLA:CPU options than a script does: tests/conftest.py)
+    train_path, heldout_path = corpora
+    tiny = ["--data", train_path, "--heldout", heldout_path, "--seq-len", "256", "--d-model", "32", "--num-layers",
+            "1", "--num-heads", "2", "--attention", "ring", "--context-parallel", "2", "--steps", "4",
+            "--batch-size", "2", "--warmup-steps", "1", "--eval-batches", "1", "--checkpoint-every", "2",
+            "--log-every", "1", "--no-progress"]
+    run = lambda name: [*tiny, "--run-dir", str(tmp_path / name)]
+    full = _run("byte_lm", run("full"))
+    cut = _killed("byte_lm", run("cut"), step=3)  # after the step-2 checkpoint
+    assert "devices: 2 x cpu (platform cpu, 1 process)" in cut.stdout
+    assert "libtpu" not in cut.stderr and "TPU_WORKER_HOSTNAMES" not in cut.stderr, cut.stderr
+    assert [r["step"] for r in _records(tmp_path / "cut" / "metrics.jsonl")] == [1, 2]
+
+    resumed = _run("byte_lm", run("cut"))
+    assert "(resuming from its checkpoint); step 2 of 4" in resumed.stdout
+    _no_orbax_data_warning_in(resumed.stderr)  # the data iterator's state is restored; orbax's warning about it gone
+    # parameters, optimiser state and step bit for bit; each step's loss; the held-out loss by position
+    assert _checksums(tmp_path / "cut" / "checkpoints") == _checksums(tmp_path / "full" / "checkpoints")
+    assert _records(tmp_path / "cut" / "metrics.jsonl") == _records(tmp_path / "full" / "metrics.jsonl")
+    assert _table(resumed.stdout) == _table(full.stdout) and len(_table(full.stdout)) > 2
+
+    more = _run("byte_lm", [*run("cut"), "--steps", "6"])
+    assert "continuing from step 4 to 6 steps" in more.stdout
+    assert [r["step"] for r in _records(tmp_path / "cut" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert os.path.isdir(tmp_path / "cut" / "checkpoints" / "6")
+    back = subprocess.run([sys.executable, "experiments/byte_lm.py", *run("cut"), "--steps", "5"], cwd=ROOT,
+                          env=_user_env(), capture_output=True, text=True, timeout=400)
+    assert back.returncode == 2
+    _one_line_naming(back.stderr, "--steps", "5")  # never back: expected >= 6
+
+
+@pytest.mark.e2e
+def test_extend_context_killed_resumes_to_the_uninterrupted_results_and_continues(corpora, tmp_path):
+    # every run a process of its own: the base and the evaluations are one-device programs, which the
+    # test session compiles with other XLA:CPU emitters than a script does (tests/conftest.py)
+    train_path, heldout_path = corpora
+    tiny = ["--data", train_path, "--heldout", heldout_path, "--corpus-dir", str(tmp_path / "corpora"),
+            "--base-len", "256", "--factor", "2", "--d-model", "32", "--num-layers", "1", "--num-heads", "2",
+            "--methods", "yarn", "--base-steps", "2", "--base-batch", "2", "--finetune-steps", "4",
+            "--finetune-batch", "2", "--context-parallel", "2", "--eval-docs", "1", "--passkey-samples", "1",
+            "--depths", "0.5", "--checkpoint-every", "2", "--no-progress"]
+    run = lambda name: [*tiny, "--run-dir", str(tmp_path / name)]
+    _run("extend_context", run("full"))
+    # killed at the finetune's step 3 (the base logs steps 1 and 2 only), after its step-2 checkpoint
+    cut = _killed("extend_context", run("cut"), step=3)
+    assert "devices: 2 x cpu (platform cpu, 1 process)" in cut.stdout
+    assert "libtpu" not in cut.stderr and "TPU_WORKER_HOSTNAMES" not in cut.stderr, cut.stderr
+    finetune = lambda name: tmp_path / name / "yarn" / "finetune"
+    assert [r["step"] for r in _records(finetune("cut") / "metrics.jsonl")] == [1, 2]
+
+    resumed = _run("extend_context", run("cut"))
+    assert "resuming" in resumed.stdout
+    _no_orbax_data_warning_in(resumed.stderr)
+    results = lambda name: (tmp_path / name / "results.jsonl").read_text()
+    assert results("cut") == results("full")  # perplexity and passkey at every length, both phases
+    for part in ("base_model", "yarn/finetune"):  # each trained state bit for bit, each step's loss
+        assert _checksums(tmp_path / "cut" / part / "checkpoints") == _checksums(tmp_path / "full" / part / "checkpoints")
+        assert _records(tmp_path / "cut" / part / "metrics.jsonl") == _records(tmp_path / "full" / part / "metrics.jsonl")
+
+    # a larger --base-steps continues the base; the finetune then starts again from it (the old one kept)
+    more = _run("extend_context", [*run("cut"), "--base-steps", "3"])
+    assert "continuing from step 2 to 3 steps" in more.stdout and "finetuning again" in more.stdout
+    assert os.path.isdir(tmp_path / "cut" / "yarn.base2" / "finetune" / "checkpoints" / "4")
+    assert [r["step"] for r in _records(tmp_path / "cut" / "base_model" / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in _records(finetune("cut") / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert _checksums(finetune("cut") / "checkpoints") != _checksums(finetune("full") / "checkpoints")
+
+
+# ------------------------------------------------------------------------------------ bad flags
+
+
+BAD_FLAGS = [
+    ("byte_lm", "--attention", "flash"),
+    ("byte_lm", "--steps", "x"),
+    ("byte_lm", "--block", "100"),
+    ("byte_lm", "--data", "runs/corpora/mine"),
+    ("train_long_context", "--compute-dtype", "float64"),
+    ("train_long_context", "--steps", "0"),
+    ("train_long_context", "--curriculum", "16-0.5"),
+    ("train_long_context", "--preset", "7b"),
+    ("extend_context", "--factor", "1"),
+    ("extend_context", "--methods", "none,ntk"),
+    ("extend_context", "--param-dtype", "fp8"),
+    ("extend_context", "--backend", "tpu"),
+]
+
+
+def _one_line_naming(stderr, flag, value):
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr  # no traceback, no usage block
+    assert flag in lines[0] and value in lines[0], lines[0]
+    assert any(word in lines[0] for word in ("expected", "choose one of", "invalid int", "needs")), lines[0]
+
+
+@pytest.mark.parametrize("script, flag, value", BAD_FLAGS, ids=[" ".join(c) for c in BAD_FLAGS])
+def test_a_bad_flag_is_one_line_naming_the_flag_the_value_and_what_is_accepted(script, flag, value, capsys,
+                                                                                 monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    job = _job(script)
+    with pytest.raises(SystemExit) as exit_:
+        job.run_script(job.main, job.parse_args, [flag, value])
+    assert exit_.value.code == 2
+    _one_line_naming(capsys.readouterr().err, flag, value)
+    assert not os.listdir(tmp_path), "nothing is written before the flags are checked"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script, flag, value", [BAD_FLAGS[0], BAD_FLAGS[5], BAD_FLAGS[10]],
+                         ids=lambda x: x if isinstance(x, str) else None)
+def test_a_bad_flag_on_the_command_line_exits_with_one_line(script, flag, value, tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, f"{script}.py"), flag, value], cwd=tmp_path,
+                            env=_user_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    _one_line_naming(result.stderr, flag, value)
+
+
+# ------------------------------------------------------------------------------------ platform, dtypes, kernels
+
+
+@pytest.mark.e2e
+def test_start_up_chooses_the_cpu_without_jax_platforms_or_libtpu_and_prints_the_devices():
+    code = ("import os, sys; sys.path.insert(0, 'experiments'); import _runtime; "
+            "print(_runtime.start_jax(3)); print(_runtime.device_line()); print(os.environ.get('JAX_PLATFORMS'))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_user_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["cpu", "devices: 3 x cpu (platform cpu, 1 process)", "None"]
+    assert "libtpu" not in result.stderr and "TPU_WORKER_HOSTNAMES" not in result.stderr, result.stderr
+
+
+def test_start_up_leaves_jax_platforms_unset(monkeypatch):
+    """In this (already started) process: the choice goes to jax.config, never to the environment."""
+    import jax
+
+    from ringsplash import distributed
+
+    sys.path.insert(0, EXPERIMENTS)
+    try:
+        import _runtime
+    finally:
+        sys.path.remove(EXPERIMENTS)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    before = jax.config.jax_platforms
+    try:
+        jax.config.update("jax_platforms", None)
+        assert _runtime.start_jax(2) == ("tpu" if distributed.tpu_present() else "cpu")
+        assert "JAX_PLATFORMS" not in os.environ
+        assert _runtime.device_line().startswith(f"devices: {len(jax.devices())} x ")
+    finally:
+        jax.config.update("jax_platforms", before)
+
+
+def test_no_script_pins_the_platform_in_the_environment():
+    for path in glob.glob(os.path.join(EXPERIMENTS, "*.py")):
+        if os.path.basename(path) in ("byte_lm.py", "extend_context.py", "train_long_context.py", "_runtime.py"):
+            with open(path) as f:
+                source = f.read()
+            assert 'environ.setdefault("JAX_PLATFORMS"' not in source and 'environ["JAX_PLATFORMS"]' not in source, path
+
+
+def test_tpu_is_detected_from_its_device_files(monkeypatch):
+    from ringsplash import distributed
+
+    monkeypatch.setattr(distributed.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(distributed.os.path, "isdir", lambda path: path == "/dev/vfio")
+    monkeypatch.setattr(distributed.os, "listdir", lambda path: ["vfio"])  # the control file only: no TPU
+    assert not distributed.tpu_present()
+    monkeypatch.setattr(distributed.os, "listdir", lambda path: ["vfio", "0", "1"])  # v5p / v6e: numbered groups
+    assert distributed.tpu_present()
+    monkeypatch.setattr(distributed.glob, "glob", lambda pattern: ["/dev/accel0"] if "accel" in pattern else [])
+    monkeypatch.setattr(distributed.os.path, "isdir", lambda path: False)
+    assert distributed.tpu_present()  # v2 - v5e
+
+
+def test_dtype_backend_and_block_flags_reach_the_model_config():
+    dtypes = ["--param-dtype", "float32", "--compute-dtype", "bfloat16"]
+    byte_lm, main_job, extend = _job("byte_lm"), _job("train_long_context"), _job("extend_context")
+    configs = [
+        byte_lm.model_config(byte_lm.parse_args([*dtypes, "--block", "256", "--backend", "xla"])),
+        main_job.make_model_config(main_job.parse_args([*dtypes, "--block", "256", "--backend", "xla"]), 100),
+        extend.base_model_config(extend.parse_args([*dtypes, "--block", "256", "--backend", "xla"]), 100),
+    ]
+    for c in configs:
+        assert (c.param_dtype, c.compute_dtype) == ("float32", "bfloat16")
+        assert (c.splash.backend, c.splash.block_q, c.splash.block_kv, c.splash.block_kv_dkv) == ("xla", 256, 256, 256)
+    ring = extend.on_ring(configs[2], extend.parse_args(["--block", "256", "--backend", "xla"]))
+    assert (ring.splash.backend, ring.splash.block_q) == ("xla", 256)
+    # by default: the fast choice for the platform (auto backend, tuned blocks), float32
+    defaults = [byte_lm.model_config(byte_lm.parse_args([])), main_job.make_model_config(main_job.parse_args([]), 100),
+                extend.base_model_config(extend.parse_args([]), 100)]
+    for c in defaults:
+        assert (c.param_dtype, c.compute_dtype, c.splash.backend) == ("float32", "float32", "auto")
+        assert c.splash.tuned and c.splash.block_q is None
