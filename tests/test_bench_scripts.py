@@ -1,5 +1,8 @@
-"""Smoke test: scripts/bench_splash.py --quick runs (S=8K, causal, v5e compile) and prints its tables."""
+"""Smoke tests of the benchmark scripts (each runs as a subprocess and prints its tables): bench_splash.py --quick
+(S=8K, causal, v5e compile), bench_hf.py / bench_inference.py --tiny, bench_train_tpu.py / bench_inference_tpu.py
+--cpu-smoke; and the FLOP counts of the last two."""
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -64,3 +67,88 @@ def test_bench_inference_tiny_prints_tables():
     assert "| prompt | ringsplash (s) | transformers (s) | speed-up |" in out
     rows = [ln for ln in out.splitlines() if ln.startswith(("| 1 | 256 |", "| 2 | 256 |"))]
     assert len(rows) == 2 and all(float(r.split("|")[-2]) > 0 for r in rows), out  # the sharded column ran
+
+
+def _model_bench():
+    spec = importlib.util.spec_from_file_location("_model_bench", ROOT / "scripts" / "_model_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_model_bench_flop_counts_match_a_direct_count():
+    """The FLOP formulas of bench_train_tpu.py / bench_inference_tpu.py: causal attention counts 4·dh FLOPs
+    per attended pair per head per layer (pairs counted from the mask itself), and N is every parameter but
+    the embedding table and the unembedding."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    from ringsplash.model import Transformer
+
+    mb = _model_bench()
+    shape = mb.Shape(layers=3, d_model=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=50)
+    config = mb.model_config(shape, 256, param_dtype="float32", compute_dtype="bfloat16")
+    s = 40
+    pairs = int(np.tril(np.ones((s, s), bool)).sum())
+    assert mb.causal_attention_flops(config, s) == 3 * 4 * (4 * 16) * pairs  # layers x heads x 4·dh x pairs
+    counts = mb.param_counts(config)
+    model = Transformer(config, key=jax.random.key(0))
+    total = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert counts.embedding == 50 * 64 and counts.unembedding == 64 * 50
+    assert counts.body + counts.embedding + counts.unembedding == total
+    assert counts.param_bytes == 4 * total
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_bench_train_tpu_cpu_smoke_prints_rows():
+    """scripts/bench_train_tpu.py --cpu-smoke --find-largest: the training step with ringsplash's attention and the
+    three swapped in (jax.nn.dot_product_attention, JAX's splash interpreted) all run, their first losses agree
+    (the same batch and initialisation: the injected attention computes the same function), MFU is printed
+    against the given peak, and the largest-shape search reports a row."""
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_train_tpu.py"), "--cpu-smoke", "--find-largest",
+         "--peak-tflops", "0.5", "--log", os.devnull],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert ("| row | attention | model (layers x d_model) | S | batch | step ms | tokens/s | TF/s | MFU | first loss "
+            "| note |") in out
+    assert "FLOPs per step = 6·(N + d_model·V)·B·S + 3·L·4·H·dh·B·S(S+1)/2" in out and "not a TPU speed" in out
+    rows = {c[1]: c for c in map(_cells, out.splitlines()) if c[0] == "(a)/(c)"}
+    assert set(rows) == {"ringsplash", "ringsplash-noseg", "xla", "jax-splash"}, out
+    losses = {name: float(c[9]) for name, c in rows.items()}
+    for name, c in rows.items():
+        assert float(c[5]) > 0 and c[8].endswith("%") and not c[10], c  # step ms, MFU, no error note
+        assert abs(losses[name] - losses["ringsplash"]) < 2e-3 * losses["ringsplash"], losses
+    largest = next(c for c in map(_cells, out.splitlines()) if c[0] == "(b) largest")
+    assert largest[3] == "512" and float(largest[5]) > 0 and "layers tried: 2: fits" in largest[10], largest
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_bench_inference_tpu_cpu_smoke_prints_rows():
+    """scripts/bench_inference_tpu.py --cpu-smoke: prefill and decode rows for the MHA and GQA models at batch 1
+    and 2, each shape compiled once (prefill and decode) and never during the timed calls, MFU and the
+    roofline printed against the given peak and bandwidth."""
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_inference_tpu.py"), "--cpu-smoke", "--peak-tflops", "0.5",
+         "--hbm-gbps", "20", "--log", os.devnull],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert ("| model | prompt | batch | prefill s | prefill TF/s | prefill MFU | decode ms/step | decode tokens/s "
+            "| roofline ms/step | % of roofline | compiles (prefill, decode) | note |") in out
+    rows = [c for c in map(_cells, out.splitlines()) if c[0].startswith(("mha (", "gqa ("))]
+    assert [(c[0].split()[0], c[1], c[2]) for c in rows] == [
+        ("mha", "256", "1"), ("mha", "256", "2"), ("gqa", "256", "1"), ("gqa", "256", "2")], out
+    for c in rows:
+        assert float(c[3]) > 0 and c[5].endswith("%") and float(c[6]) > 0 and c[9].endswith("%"), c
+        assert c[10] == "1, 1" and not c[11], c  # one compile per shape each, nothing recompiled, no error
