@@ -5,7 +5,6 @@ continuing a run's checkpoints to more steps. Scripts only: the library never im
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -111,27 +110,6 @@ def _one_line(prog: str, error: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------ runs
-
-
-class _DataItemWarning(logging.Filter):
-    """Drops orbax's 'Item "data" was found in the checkpoint, but could not be restored' warnings.
-
-    They are harmless: a checkpoint written with a data iterator (``train.fit`` with a
-    ``data.Loader``) holds a ``data`` item next to the arrays; ``ringsplash.checkpoints`` reads
-    the metadata and the arrays with a manager that registers only the arrays' handler, so orbax
-    says, once per read, that it skips ``data``. The data iterator's state is restored on its own
-    (``checkpoints.restore_data_iterator``, Grain's handler) and checked against its checksum."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (str(record.msg).startswith('Item "%s" was found in the checkpoint, but could not')
-                    and record.args == ("data",))
-
-
-def quiet_checkpoint_data_warnings() -> None:
-    """Silence the harmless orbax warning ``_DataItemWarning`` describes (idempotent)."""
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _DataItemWarning) for f in logger.filters):
-        logger.addFilter(_DataItemWarning())
 
 
 def kill_if_asked(step: int) -> None:

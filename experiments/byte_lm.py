@@ -40,7 +40,6 @@ from _runtime import (
     continue_to,
     device_line,
     kill_if_asked,
-    quiet_checkpoint_data_warnings,
     run_script,
     splash_config,
     start_jax,
@@ -163,7 +162,6 @@ BUCKETS = (0, 8, 32, 128, 256, 512, 1024, 2048, 4096)
 def main(config: Config) -> dict:
     # the TPU when there is one, else the CPU with a simulated device per mesh position
     start_jax(config.data_parallel * (config.context_parallel if config.attention == "ring" else 1))
-    quiet_checkpoint_data_warnings()  # harmless (see _runtime._DataItemWarning)
     import numpy as np
     import optax
 

@@ -58,7 +58,6 @@ from _runtime import (
     continue_to,
     device_line,
     kill_if_asked,
-    quiet_checkpoint_data_warnings,
     run_script,
     splash_config,
     start_jax,
@@ -394,7 +393,6 @@ def _finetune_dir(run_dir: str, method: str, base_step: int | None) -> str:
 def main(config: Config) -> dict:
     # the TPU when there is one, else the CPU with a simulated device per member of the ring
     start_jax(config.context_parallel)
-    quiet_checkpoint_data_warnings()  # harmless (see _runtime._DataItemWarning)
     import numpy as np
 
     from ringsplash import checkpoints, data, evals, train

@@ -213,6 +213,28 @@ def test_damaged_data_iterator_state_is_refused_verified_and_skipped(tmp_path, d
     assert checkpoints.restore_data_iterator(root, 1, it) and next(it) == 1
 
 
+def test_reading_a_checkpoint_with_a_data_iterator_state_warns_nothing(tmp_path):
+    """Readers register Grain's handler when a checkpoint holds a data-iterator state: orbax used to
+    warn, per read, 'Item "data" was found in the checkpoint, but could not be restored'."""
+    import logging
+
+    root = str(tmp_path / "ckpt")
+    state = {"w": jnp.arange(4.0)}
+    checkpoints.save_state(root, state, step=1, data_iterator=_iterator(1))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("absl")
+    logger.addHandler(handler)
+    try:
+        checkpoints.read_metadata(root, 1)
+        checkpoints.restore_state(root, state, step=1)
+        assert checkpoints.verify(root, 1) is None
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "could not be restored" in m], seen
+
+
 def test_verify_command_catches_a_damaged_data_iterator_state(tmp_path, capsys):
     root = str(tmp_path / "ckpt")
     for step in (1, 2):

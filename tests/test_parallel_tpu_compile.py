@@ -114,7 +114,7 @@ def test_usp_tpu_compile_overlaps_every_ring_transfer_with_a_kernel():
     assert len(bare) <= 1, f"collective permutes with no Splash kernel scheduled between start and done: {bare}"
     assert all("all-to-all" in ops_between(*b) for b in bare), bare
     # the inner ring of 4: forward (loop, last), dq and dK/dV (first, loop, last); the ring runs the
-    # split backward (parallel/ring.py::_block_backward)
+    # split backward (parallel/ring_blocks.py::block_backward)
     assert kernels(text) == {"splash_forward": 2, "splash_fused_bwd": 0, "splash_dq": 3, "splash_dkv": 3}, \
         kernels(text)
     print(f"usp temp {mem.temp / 2**20:.0f} MiB = {mem.temp / LOCAL_Q:.1f} x local q")

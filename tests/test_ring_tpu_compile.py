@@ -121,7 +121,7 @@ def test_ring_tpu_compile_overlaps_every_transfer_with_a_kernel(topology, layout
     assert count_permute_starts(text) == 10
     # one kernel per peeled step / loop body: forward (loop, last), dq and dK/dV (first, loop,
     # last) -- the last step's two conds must not run a kernel twice. The ring runs the split
-    # backward, not the fused kernel (parallel/ring.py::_block_backward says why)
+    # backward, not the fused kernel (parallel/ring_blocks.py::block_backward says why)
     names = ("splash_forward", "splash_fused_bwd", "splash_dq", "splash_dkv")
     counts = {k: len(re.findall(rf"%{k}[.\d]* = .*custom-call", text)) for k in names}
     assert counts == {"splash_forward": 2, "splash_fused_bwd": 0, "splash_dq": 3, "splash_dkv": 3}, counts

@@ -272,8 +272,8 @@ def test_ring_skips_shard_pairs_without_a_shared_segment(monkeypatch, key, n, la
             return fn(*args, **kw)
         return wrapped
 
-    monkeypatch.setattr(ring_lib, "_block_forward", counted(ring_lib._block_forward, "fwd"))
-    monkeypatch.setattr(ring_lib, "_block_backward", counted(ring_lib._block_backward, "bwd"))
+    monkeypatch.setattr(ring_lib, "block_forward", counted(ring_lib.block_forward, "fwd"))
+    monkeypatch.setattr(ring_lib, "block_backward", counted(ring_lib.block_backward, "bwd"))
     cfg = config("xla")
     m = mesh(n)
     q, k, v, d_out, _ = inputs(key, heads, kv_heads, s, s, d)

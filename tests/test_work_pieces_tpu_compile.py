@@ -72,7 +72,7 @@ def test_ring_compiles_in_pieces_with_per_device_schedule():
     bf16 = [shape for dt, shape in params if dt == "bf16"]
     assert len(params) == len(sched_params) + 4 and sum(2 * int(np.prod(x)) for x in bf16) == local_qkvd
     assert _kernel_calls(hlo, "splash_forward") >= len(sched.fwd_pieces)
-    # the ring's split backward (parallel/ring.py::_block_backward): dK/dV per transposed piece, no fused kernel
+    # the ring's split backward (parallel/ring_blocks.py::block_backward): dK/dV per transposed piece, no fused kernel
     assert _kernel_calls(hlo, "splash_dkv") >= len(sched.dkv_pieces) and _kernel_calls(hlo, "splash_fused_bwd") == 0
 
 

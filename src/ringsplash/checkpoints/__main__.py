@@ -2,6 +2,6 @@
 
 import sys
 
-from ringsplash.checkpoints.store import main
+from ringsplash.checkpoints.cli import main
 
 sys.exit(main())

@@ -10,12 +10,16 @@ shard read from the wrong place change it. An integrity check, not a cryptograph
 catches corruption, not a forger.
 """
 
+import contextlib
+import hashlib
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["array_checksums", "checksum_of"]
+__all__ = ["array_checksums", "checksum_of", "data_checksums", "data_digest"]
 
 _SEEDS = ((0x9E3779B9, 0x85EBCA6B), (0x7FEB352D, 0x846CA68B))
 
@@ -118,3 +122,31 @@ def array_checksums(leaves: list[np.ndarray | jax.Array]) -> list[str]:
         if out[i] is None:
             out[i] = checksum_of(x)
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# data-iterator state files
+
+
+def data_digest(text: str) -> str:
+    """sha256 of a data-iterator state file's text: of its JSON in canonical form (independent of
+    how Grain formats the file), or of the text itself when it is not JSON."""
+    with contextlib.suppress(ValueError):
+        text = json.dumps(json.loads(text), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def data_checksums(state) -> dict[str, str]:
+    """``{file name: checksum}`` of every process's data-iterator state file (collective);
+    ``state``: this process's ``get_state()`` (a JSON-able dict, or the bytes of a legacy Grain
+    iterator, which Grain writes as they are)."""
+    n = jax.process_count()
+    text = state.decode() if isinstance(state, bytes | bytearray) else json.dumps(state)
+    digest = np.frombuffer(bytes.fromhex(data_digest(text)), np.uint8)
+    if n > 1:
+        from jax.experimental import multihost_utils
+
+        digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(n, -1)
+    else:
+        digests = digest[None]
+    return {f"process_{i}-of-{n}.json": bytes(d.astype(np.uint8)).hex() for i, d in enumerate(digests)}

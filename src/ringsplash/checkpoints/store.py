@@ -40,18 +40,11 @@ Contract:
   thread; the partial save is removed (one process) and the previous checkpoints are untouched.
 """
 
-import argparse
-import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
-import logging
 import os
 import shutil
-import sys
-import threading
-import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -62,7 +55,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ringsplash._checks import check_positive_int
-from ringsplash.checkpoints.checksums import array_checksums
+from ringsplash.checkpoints.checksums import array_checksums, data_checksums, data_digest
+from ringsplash.checkpoints.full_disk import held_logs, join_writers, no_space
 from ringsplash.checkpoints.leaves import (
     LeafInfo,
     array_leaves,
@@ -74,37 +68,11 @@ from ringsplash.checkpoints.leaves import (
     restore_target,
     savable,
 )
-from ringsplash.distributed import config_digest
+from ringsplash.checkpoints.metadata import CheckpointCorruptError, CheckpointMetadata, config_hash
 
-FORMAT = "ringsplash.checkpoints/1"
 _ITEM = "state"
 _DATA = "data"
 _META_KEY = "ringsplash"
-
-
-class CheckpointCorruptError(ValueError):
-    """A checkpoint whose files cannot be read, or whose arrays do not match the checksums its
-    metadata records; the message names the checkpoint (and the array, for a mismatch)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointMetadata:
-    """What a checkpoint holds, readable without loading any array (``read_metadata``)."""
-
-    step: int
-    config: Mapping[str, Any] | None  # the run's configuration (JSON-able), if one was given
-    config_hash: str | None  # ``config_hash(config)``
-    leaves: tuple[LeafInfo, ...]
-    process_count: int  # processes that wrote it (restoring with another count is fine)
-    # sha256 of each data-iterator state file (``data/process_<i>-of-<n>.json``, its JSON in
-    # canonical form); None: saved without a data iterator, or before these were recorded
-    data_checksums: Mapping[str, str] | None = None
-    format: str = FORMAT
-
-
-def config_hash(config: Mapping[str, Any]) -> str:
-    """A short stable hash of a JSON-able config (key order does not matter): ``distributed.config_digest``."""
-    return config_digest(config)
 
 
 # ----------------------------------------------------------------------------- manager
@@ -127,6 +95,12 @@ def _manager(directory: str, *, keep: int | None = None, create: bool = False,
         handlers[_DATA] = grain.checkpoint.CheckpointHandler()
     return ocp.CheckpointManager(_path(directory), options=options, item_names=tuple(handlers),
                                  item_handlers=handlers)
+
+
+def _has_data(directory: str, step: int) -> bool:
+    """Whether checkpoint ``step`` holds a data-iterator state: readers then register Grain's
+    handler for it too (without it orbax warns, per read, that the item "could not be restored")."""
+    return (_path(directory) / str(step) / _DATA).exists()
 
 
 def all_steps(directory: str) -> list[int]:
@@ -216,10 +190,10 @@ def save_state(
         import grain.checkpoint
 
         args[_DATA] = grain.checkpoint.CheckpointSave(data_iterator)
-        meta = dataclasses.replace(meta, data_checksums=_data_checksums(data_iterator.get_state()))
+        meta = dataclasses.replace(meta, data_checksums=data_checksums(data_iterator.get_state()))
     if step in all_steps(directory):
         raise FileExistsError(f"checkpoint step={step} already exists under {directory!r}")
-    with _held_logs() as held:
+    with held_logs() as held:
         try:
             with _manager(directory, keep=keep, create=True, data=data_iterator is not None) as mngr:
                 # force: the steps are ours to choose (orbax would skip a step below its latest one)
@@ -227,10 +201,10 @@ def save_state(
                           custom_metadata={_META_KEY: dataclasses.asdict(meta)}, force=True)
                 mngr.wait_until_finished()
         except Exception as err:
-            reason = _no_space(err)
+            reason = no_space(err)
             if reason is None:
                 raise
-            _join_writers()  # orbax's other writer threads fail too: let them end while their logs are held
+            join_writers()  # orbax's other writer threads fail too: let them end while their logs are held
             held.clear()  # orbax's tracebacks of each writer thread: the one line below says it
             if process_count == 1:  # the partial save, out of the way (it holds the space)
                 for tmp in _path(directory).glob(f"{step}.orbax-checkpoint-tmp*"):
@@ -241,93 +215,6 @@ def save_state(
                           + (f"step {latest}" if latest is not None else "none")
                           + "; free space (or keep fewer checkpoints) and resume") from None
     return step
-
-
-def _data_digest(text: str) -> str:
-    """sha256 of a data-iterator state file's text: of its JSON in canonical form (independent of
-    how Grain formats the file), or of the text itself when it is not JSON."""
-    with contextlib.suppress(ValueError):
-        text = json.dumps(json.loads(text), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _data_checksums(state) -> dict[str, str]:
-    """``{file name: checksum}`` of every process's data-iterator state file (collective);
-    ``state``: this process's ``get_state()`` (a JSON-able dict, or the bytes of a legacy Grain
-    iterator, which Grain writes as they are)."""
-    n = jax.process_count()
-    text = state.decode() if isinstance(state, bytes | bytearray) else json.dumps(state)
-    digest = np.frombuffer(bytes.fromhex(_data_digest(text)), np.uint8)
-    if n > 1:
-        from jax.experimental import multihost_utils
-
-        digests = np.asarray(multihost_utils.process_allgather(digest)).reshape(n, -1)
-    else:
-        digests = digest[None]
-    return {f"process_{i}-of-{n}.json": bytes(d.astype(np.uint8)).hex() for i, d in enumerate(digests)}
-
-
-def _no_space(err: BaseException) -> str | None:
-    """The first line of the error in ``err``'s chain that says the disk is full (an ``OSError``
-    ENOSPC from Python, or tensorstore's "No space left on device [os_error_code='28']"); None if
-    none does."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        text = str(err)
-        if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in text:
-            return (text.strip().splitlines() or [""])[0][:200]
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def _join_writers(timeout: float = 60.0) -> None:
-    """Wait for orbax's writer threads still running after a failed save (each fails on its own)."""
-    try:
-        from orbax.checkpoint._src.futures.future import _SignalingThread
-    except ImportError:  # another orbax layout: nothing to wait for by name
-        return
-    deadline = time.monotonic() + timeout
-    for thread in threading.enumerate():
-        if isinstance(thread, _SignalingThread) and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class _Held(logging.Filter):
-    """Holds back, during a save, the ERROR records of orbax's writer threads (each with a
-    traceback) and the unraisable exceptions of tensorstore's callbacks into closed event loops;
-    they are emitted afterwards unless cleared (a full disk: one error says it all)."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-        self.unraisable: list = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            self.records.append(record)
-            return False
-        return True
-
-    def clear(self) -> None:
-        self.records.clear()
-        self.unraisable.clear()
-
-
-class _held_logs:
-    def __enter__(self) -> _Held:
-        self.held, self.logger, self.hook = _Held(), logging.getLogger("absl"), sys.unraisablehook
-        self.logger.addFilter(self.held)
-        sys.unraisablehook = self.held.unraisable.append
-        return self.held
-
-    def __exit__(self, *exc) -> None:
-        self.logger.removeFilter(self.held)
-        sys.unraisablehook = self.hook
-        for record in self.held.records:
-            self.logger.handle(record)
-        for unraisable in self.held.unraisable:
-            self.hook(unraisable)
 
 
 def _where(directory: str, step: int) -> str:
@@ -362,7 +249,7 @@ def read_metadata(directory: str, step: int | None = None) -> CheckpointMetadata
     Raises ``CheckpointCorruptError`` when it cannot be read."""
     step = _resolve_step(directory, step)
     try:
-        with _manager(directory) as mngr:
+        with _manager(directory, data=_has_data(directory, step)) as mngr:
             custom = mngr.metadata(step).custom_metadata or {}
         if _META_KEY in custom:
             raw = dict(custom[_META_KEY])
@@ -467,7 +354,7 @@ def _read_arrays(directory: str, step: int, targets: dict) -> list:
     """The stored arrays of ``step`` read into ``targets`` (in leaf order); files that cannot be
     read raise ``CheckpointCorruptError`` instead of orbax's / tensorstore's error."""
     try:
-        with _manager(directory) as mngr:
+        with _manager(directory, data=_has_data(directory, step)) as mngr:
             restored = mngr.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.StandardRestore(targets)}))
         restored = restored[_ITEM]
     except Exception as err:  # orbax / tensorstore errors of truncated or missing files
@@ -494,7 +381,7 @@ def _verify_data(directory: str, step: int, meta: CheckpointMetadata) -> None:
             text = (_path(directory) / str(step) / _DATA / name).read_text()
         except Exception as err:  # missing, unreadable
             raise _unreadable(directory, step, what, err) from err
-        got = _data_digest(text)
+        got = data_digest(text)
         if got != want:
             shown = " ".join(text.split())[:200]
             raise CheckpointCorruptError(
@@ -567,40 +454,3 @@ def verify(directory: str, step: int) -> str | None:
     except CheckpointCorruptError as err:
         return str(err)
     return None
-
-
-def _checkpoint_root(path: str) -> str:
-    """A run directory's ``checkpoints/``, or ``path`` itself when it is a checkpoint root."""
-    sub = os.path.join(path, "checkpoints")
-    return sub if os.path.isdir(sub) else path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ringsplash.checkpoints verify RUN_DIR``: check every checkpoint; exit status 1
-    when one fails (or there is none)."""
-    parser = argparse.ArgumentParser(prog="python -m ringsplash.checkpoints", allow_abbrev=False,
-                                     description="Check checkpoints without resuming a run.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("verify", allow_abbrev=False,
-                           help="read every checkpoint of a run and compare its arrays with their recorded checksums")
-    check.add_argument("run_dir", help="a run directory (its checkpoints/ subdirectory) or a checkpoint root")
-    args = parser.parse_args(argv)
-    root = _checkpoint_root(args.run_dir)
-    steps = all_steps(root)
-    if not steps:
-        print(f"no finalised checkpoint under {root}")
-        return 1
-    bad = 0
-    for step in steps:
-        problem = verify(root, step)
-        bad += problem is not None and "records no checksums" not in problem
-        print(f"step {step}: " + ("ok" if problem is None else problem))
-    newest = next((s for s in reversed(steps) if verify(root, s) is None), None) if bad else steps[-1]
-    print(f"{len(steps) - bad} of {len(steps)} checkpoints verify; a resumed run starts from "
-          + (f"step {newest}" if newest is not None else "nothing (no checkpoint verifies)"))
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

@@ -21,7 +21,7 @@ and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` back
 ``_RingStatic.skip_inactive``: the interpreter needs every device in every kernel). With segment ids (and
 ``SplashConfig.segment_skipping``), a pair is also skipped when no entry of its work list
 survives the segment refinement, decided per step from the kv segment ids that travel with
-K/V (``_shares_segment``). Sinks join once, after the last step:
+K/V (``shares_segment``). Sinks join once, after the last step:
 ``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
 
 Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
@@ -56,6 +56,7 @@ from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import interpreter_for_mesh
+from ringsplash.parallel.ring_blocks import block_backward, block_forward, shares_segment
 from ringsplash.parallel.ring_plan import (
     RingBlocks,
     RingPlan,
@@ -66,70 +67,11 @@ from ringsplash.parallel.ring_plan import (
     ring_plan,
     ring_schedule,
 )
-from ringsplash.splash.attention import splash_backward, splash_forward
 from ringsplash.splash.config import SplashConfig
-from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 
 # the host plan's public names, importable from here too
 __all__ = ["RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "fit_ring_blocks", "ring_attention",
            "ring_attention_sharded", "ring_plan", "ring_schedule"]
-
-
-# ----------------------------------------------------------------------------------------
-# the Splash layer, one shard pair at a time
-
-
-def _block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, max_logits=False, sched=None):
-    """Sink-free ``(o float32, lse float32)`` of q shard ``a`` against kv shard ``b`` (and the
-    pair's per-head max logits with ``max_logits``); ``sched``: this device's ring schedule."""
-    pos = jnp.asarray(plan.positions)
-    seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
-    pieces = None if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)[0]
-    return splash_forward(
-        q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
-        segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config, out_dtype=jnp.float32,
-        return_max_logits=max_logits, pieces=pieces,
-    )
-
-
-def _block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config, sched=None,
-                    accumulate=None, parts=("dq", "dkv")):
-    """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b`` (added into
-    ``accumulate``'s, piece by piece, when given). The ring runs the split backward (dq and dK/dV
-    kernels), not the fused one: with the fused kernel, compiled for v5p, XLA scheduled the
-    forward loop's K/V transfers after its kernel instead of behind it (tests/test_parallel_tpu_compile.py,
-    USP), a loss of overlap not yet understood."""
-    pos = jnp.asarray(plan.positions)
-    seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
-    pieces, pieces_dkv = (None, None) if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)
-    return splash_backward(
-        q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
-        q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
-        logit_soft_cap=cap, config=config, pieces=pieces, pieces_dkv=pieces_dkv, accumulate=accumulate,
-        parts=parts, fused=False,
-    )
-
-
-def _shares_segment(plan, a, b, q_seg, kv_seg, config, sched=None):
-    """Whether q shard ``a`` and kv shard ``b`` may hold a same-segment pair the mask allows:
-    some entry of the pair's static work list survives the segment refinement
-    (``splash/segment_blocks.py``; False proves the pair contributes nothing). ``kv_seg`` are
-    the ids that travelled with kv shard ``b``. True without segment ids or with
-    ``config.segment_skipping`` off. ``sched``: the (per-device) ``RingSchedule`` to read the
-    pair's lists from, piece by piece (None = the plan's whole lists)."""
-    if q_seg is None or not config.segment_skipping:
-        return True
-    bq, bkv = plan.info.block_shape
-    kv_blocks = block_segments(kv_seg, bkv)
-    if sched is None:
-        return jnp.any(refined_kinds(plan.info.schedule(a, b), block_segments(q_seg, bq), kv_blocks) > 0)
-    pieces, _ = sched.pair(plan.info, plan.info_dkv, a, b)
-    hit = False
-    for piece, schedule in zip(pieces.pieces, pieces.schedules):
-        q_blocks = block_segments(q_seg[piece.start * bq:piece.stop * bq], bq)
-        hit = hit | jnp.any(refined_kinds(schedule, q_blocks, kv_blocks) > 0)
-    return hit
-
 
 
 # ----------------------------------------------------------------------------------------
@@ -209,12 +151,12 @@ def _ring_forward(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
         src = st.visiting(me, t)
 
         def compute(o, lse, mx):
-            o_t, lse_t, *mx_t = _block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **st.kw,
+            o_t, lse_t, *mx_t = block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **st.kw,
                                                max_logits=max_logits, sched=sched)
             o, lse = _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
             return o, lse, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
 
-        pred = active[me, src] & _shares_segment(plan, me, src, q_seg, seg_t, st.config, sched)
+        pred = active[me, src] & shares_segment(plan, me, src, q_seg, seg_t, st.config, sched)
         o, lse, mx = st.when_active(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
         return (*nxt, o, lse, mx), None
 
@@ -263,11 +205,11 @@ def _ring_backward(st: _RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
         keep = lambda new, old: tuple(n if p in parts else o for n, o, p in zip(new, old, ("dq", "dkv", "dkv")))
 
         def compute(dq, dk, dv):
-            new = _block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
+            new = block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
                                   sched=sched, accumulate=(dq, dk, dv), parts=parts)
             return keep(new, (dq, dk, dv))
 
-        shares = _shares_segment(plan, me, src, q_seg, seg_t, config, sched)
+        shares = shares_segment(plan, me, src, q_seg, seg_t, config, sched)
         if not st.skip_inactive or (st.all_active and shares is True):  # no cond left: accumulate in place
             return compute(dq, dk, dv)
         zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))

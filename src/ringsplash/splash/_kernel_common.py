@@ -343,3 +343,30 @@ def mask_map(h, i, blocks, kinds, lists):
 
 def count_map(h, i, *prefetched):
     return h, 0, 0
+
+
+# ----------------------------------------------------------------------------------------
+# batching
+
+
+def one_call_per_batch_element(call):
+    """``call`` whose ``vmap`` runs it once per batch element (``lax.map``): Pallas cannot add a
+    batch axis to an HBM (``memory_space=ANY``) operand such as the fused kernel's dq, and a
+    batched model (``jax.vmap`` over examples) reaches the kernel through ``vmap``."""
+
+    @jax.custom_batching.custom_vmap
+    def mapped(*args):
+        return call(*args)
+
+    @mapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        batched = [a for a, b in zip(args, in_batched) if b]
+
+        def one(xs):
+            it = iter(xs)
+            return mapped(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+        outs = lax.map(one, batched)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return mapped

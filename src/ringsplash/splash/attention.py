@@ -1,10 +1,5 @@
-"""Splash attention: backend dispatch, the custom VJP and the public entry points.
-
-The backends share the interface of ``splash/backend_interface.py`` (``ForwardInputs`` /
-``BackwardInputs`` traced records, ``BackendStatic`` settings): the Pallas kernels in
-``splash/pallas.py`` (backends ``interpret`` and ``mosaic_tpu``) and the jnp implementation in
-``splash/xla.py``.
-"""
+"""Splash attention: the custom VJP and the public entry points (one shard pair through a
+backend: ``splash/dispatch.py``)."""
 
 import dataclasses
 import functools
@@ -20,122 +15,17 @@ from ringsplash._shard_map import vma
 from ringsplash._types import Array, Float
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
-from ringsplash.splash import pallas, segment_blocks, work_pieces
-from ringsplash.splash import xla as xla_backend
-from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
+from ringsplash.splash import work_pieces
+from ringsplash.splash.backend_interface import BackendStatic
 from ringsplash.splash.blocks import Extent, fit_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
-
-# ----------------------------------------------------------------------------------------
-# one shard pair through the backend config.backend names
-
-
-def _dispatch(backend: str, inputs, xla_fn, pallas_fn):
-    """``xla_fn(inputs)`` or ``pallas_fn(kernel_backend)(inputs)`` by ``config.backend``;
-    ``"auto"`` decides when the computation is lowered, by the lowering platform."""
-    if backend == "xla":
-        return xla_fn(inputs)
-    if backend in ("interpret", "mosaic_tpu"):
-        return pallas_fn(backend)(inputs)
-    return jax.lax.platform_dependent(inputs, tpu=pallas_fn("mosaic_tpu"), default=xla_fn)
-
-
-def _refine(schedule, info, q_seg, kv_seg, config):
-    """``schedule`` refined by the segment ids and compacted (``splash/segment_blocks.py``),
-    or unchanged without segment ids / with ``config.segment_skipping`` off."""
-    if schedule is None or info is None or q_seg is None or not config.segment_skipping:
-        return schedule
-    return segment_blocks.refine_schedule(schedule, q_seg, kv_seg, info.block_shape, transpose=info.transpose)
-
-
-def _pair_positions(info: MaskInfo, q_len, kv_len, q_shard, kv_shard, q_positions, kv_positions):
-    """int32 original positions of the pair's rows and columns: given, or sliced from ``info``."""
-
-    def one(given, every, shard, shards, n):
-        if given is not None:
-            return jnp.asarray(given, jnp.int32)
-        every = jnp.asarray(every, jnp.int32)
-        return every if shards == 1 else jax.lax.dynamic_slice_in_dim(every, shard * n, n)
-
-    return (one(q_positions, info.q_positions, q_shard, info.q_shards, q_len),
-            one(kv_positions, info.kv_positions, kv_shard, info.kv_shards, kv_len))
+from ringsplash.splash.dispatch import pair_backward, pair_forward, segments_of
 
 
 def _dense(mask) -> bool:
     """Whether ``mask`` (or every head of a ``MultiHeadMask``) is causal or full: few partial tiles."""
     heads = mask.masks if isinstance(mask, masks_lib.MultiHeadMask) else (mask,)
     return all(type(m) in (masks_lib.CausalMask, masks_lib.FullMask) for m in heads)
-
-
-def _segments(segment_ids):
-    """int32 (q, kv) ids from ids already normalised by ``check_attention_call`` (or None)."""
-    return (None, None) if segment_ids is None else (segment_ids.q, segment_ids.kv)
-
-
-def _forward(static: BackendStatic, q, k, v, q_seg, kv_seg, *, q_shard=0, kv_shard=0, q_positions=None,
-             kv_positions=None, out_dtype=None, return_max_logits: bool = False,
-             pieces: work_pieces.PieceSchedules | None = None):
-    """Sink-free ``(out, lse)`` (and ``max_logits``, no gradient) of one shard pair through the
-    backend of ``static.config``, one call per work-list piece (``work_pieces.py``)."""
-    info, config = static.info, static.config
-    if pieces is None:
-        pieces = work_pieces.info_pieces(info, config, q.shape[0], q_shard, kv_shard)
-    positions = _pair_positions(info, q.shape[1], k.shape[1], q_shard, kv_shard, q_positions, kv_positions)
-    inputs = ForwardInputs(q, k, v, pieces.schedules[0], *positions, q_seg, kv_seg)
-    # each piece is refined on its own q rows (work_pieces.py: the piece's sliced inputs)
-    refine = lambda x: x._replace(schedule=_refine(x.schedule, info, x.q_seg, x.kv_seg, config))
-    in_pieces = lambda one: lambda x: work_pieces.forward_in_pieces(x, pieces, info.block_shape[0],
-                                                                    lambda s: one(refine(s)))
-    kw = {"out_dtype": out_dtype, "return_max_logits": return_max_logits}
-    out, lse, *mx = _dispatch(config.backend, inputs, in_pieces(lambda s: xla_backend.forward(s, static, **kw)),
-                              lambda backend: in_pieces(lambda s: pallas.forward(s, static, backend=backend, **kw)))
-    return (out, lse, jax.lax.stop_gradient(mx[0])) if return_max_logits else (out, lse)
-
-
-def _backward(static: BackendStatic, q, k, v, d_out, lse, delta, q_seg, kv_seg, *, q_shard=0, kv_shard=0,
-              q_positions=None, kv_positions=None, grad_dtype=jnp.float32,
-              pieces: work_pieces.PieceSchedules | None = None,
-              pieces_dkv: work_pieces.PieceSchedules | None = None, accumulate=None, parts=("dq", "dkv"),
-              fused: bool = True):
-    """``(dq, dk, dv)`` in ``grad_dtype`` of one shard pair through the backend of
-    ``static.config``, piece by piece (added into ``accumulate`` when given); ``parts`` and
-    ``fused`` as in :func:`splash_backward`."""
-    info, info_dkv, config = static.info, static.info_dkv, static.config
-    if pieces is None:
-        pieces = work_pieces.info_pieces(info, config, q.shape[0], q_shard, kv_shard)
-    if pieces_dkv is None and info_dkv is not None:
-        pieces_dkv = work_pieces.info_pieces_dkv(info_dkv, config, q.shape[0], k.shape[0], q_shard, kv_shard)
-    inputs = BackwardInputs(q, k, v, d_out, lse, delta, pieces.schedules[0],
-                            None if pieces_dkv is None else pieces_dkv.schedules[0],
-                            *_pair_positions(info, q.shape[1], k.shape[1], q_shard, kv_shard, q_positions,
-                                             kv_positions), q_seg, kv_seg)
-    # each piece is refined on its own rows (work_pieces.py: the piece's sliced inputs)
-    refine_q = lambda x: x._replace(schedule=_refine(x.schedule, info, x.q_seg, x.kv_seg, config))
-    refine_kv = lambda x: x._replace(schedule_dkv=_refine(x.schedule_dkv, info_dkv, x.q_seg, x.kv_seg, config))
-
-    def xla_fn(x):  # the fused xla backward walks the forward view's pieces
-        grads = work_pieces.dq_in_pieces(x, pieces, info.block_shape[0],
-                                         lambda s: xla_backend.backward(refine_q(s), static), acc=accumulate)
-        return tuple(g.astype(grad_dtype) for g in grads)
-
-    def pallas_fn(backend):
-        run = functools.partial(pallas.backward, static=static, backend=backend, grad_dtype=grad_dtype)
-        if pieces_dkv is None:
-            return run  # raises: the Pallas backward needs the transposed MaskInfo
-
-        def fused_backward(x):  # dq accumulated by the dK/dV kernel, chained through its pieces
-            dq, dk, dv = work_pieces.fused_in_pieces(
-                x, pieces_dkv, info_dkv.block_shape[1], lambda s, dq: run(refine_kv(s), dq_init=dq), acc=accumulate)
-            return (dq if accumulate is not None else dq.astype(grad_dtype)), dk, dv
-
-        if parts == ("dq", "dkv") and fused:
-            return fused_backward
-        return lambda x: work_pieces.kernels_in_pieces(
-            x, pieces, pieces_dkv, info.block_shape[0], info_dkv.block_shape[1],
-            (lambda s: run(refine_q(s), parts=("dq",))) if "dq" in parts else None,
-            (lambda s: run(refine_kv(s), parts=("dkv",))) if "dkv" in parts else None, acc=accumulate)
-
-    return _dispatch(config.backend, inputs, xla_fn, pallas_fn)
 
 
 # ----------------------------------------------------------------------------------------
@@ -193,10 +83,10 @@ def splash_forward(
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
                                 config=config, config_type=SplashConfig, return_max_logits=return_max_logits)
     _check_info(info, call.q_len, call.kv_len, transpose=False)
-    return _forward(BackendStatic(info, None, call.scale, call.logit_soft_cap, config), q, k, v,
-                    *_segments(call.segment_ids), q_shard=q_shard, kv_shard=kv_shard, q_positions=q_positions,
-                    kv_positions=kv_positions, out_dtype=out_dtype, return_max_logits=return_max_logits,
-                    pieces=pieces)
+    return pair_forward(BackendStatic(info, None, call.scale, call.logit_soft_cap, config), q, k, v,
+                        *segments_of(call.segment_ids), q_shard=q_shard, kv_shard=kv_shard, q_positions=q_positions,
+                        kv_positions=kv_positions, out_dtype=out_dtype, return_max_logits=return_max_logits,
+                        pieces=pieces)
 
 
 def splash_backward(
@@ -243,7 +133,7 @@ def splash_backward(
             Pallas backends then run only that kernel (the fused one computes all three); the
             parts not asked for are returned as ``accumulate``'s (zeros without it).
         fused: the Pallas backends compute all three in one fused kernel (default) or, False, in the
-            dq and dK/dV kernels (the ring: see ``parallel/ring.py::_block_backward``).
+            dq and dK/dV kernels (the ring: see ``parallel/ring_blocks.py::block_backward``).
 
     Returns:
         float32 ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])``.
@@ -253,10 +143,10 @@ def splash_backward(
     _check_info(info, call.q_len, call.kv_len, transpose=False)
     if info_dkv is not None:
         _check_info(info_dkv, call.q_len, call.kv_len, transpose=True)
-    return _backward(BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config), q, k, v, d_out, lse,
-                     delta, *_segments(call.segment_ids), q_shard=q_shard, kv_shard=kv_shard,
-                     q_positions=q_positions, kv_positions=kv_positions, pieces=pieces, pieces_dkv=pieces_dkv,
-                     accumulate=accumulate, parts=parts, fused=fused)
+    return pair_backward(BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config), q, k, v, d_out, lse,
+                         delta, *segments_of(call.segment_ids), q_shard=q_shard, kv_shard=kv_shard,
+                         q_positions=q_positions, kv_positions=kv_positions, pieces=pieces, pieces_dkv=pieces_dkv,
+                         accumulate=accumulate, parts=parts, fused=fused)
 
 
 def _check_info(info, q_len, kv_len, *, transpose):
@@ -310,8 +200,8 @@ def _attention_fwd(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg, q_shard):
     if static.kv_exchange is not None:  # the gathered K / V are the residuals (no re-gather backward)
         k, v = static.kv_exchange.gather(k), static.kv_exchange.gather(v)
     shard = static.q_shard if q_shard is None else q_shard
-    out, lse, *mx = _forward(static.backend, q, k, v, q_seg, kv_seg, q_shard=shard, out_dtype=static.partial_dtype,
-                             return_max_logits=static.return_max_logits)
+    out, lse, *mx = pair_forward(static.backend, q, k, v, q_seg, kv_seg, q_shard=shard, out_dtype=static.partial_dtype,
+                                 return_max_logits=static.return_max_logits)
     out, lse = _softmax.fold_sinks(out, lse, sinks)  # sinks join the denominator only (docs/INTERNALS.md)
     out = out.astype(q.dtype)
     result = (out, lse, *mx) if static.return_residuals else (out, *mx)
@@ -325,8 +215,8 @@ def _attention_bwd(static: _VjpStatic, residuals, g):
     d_out = g[0].astype(q.dtype)  # the max logits' cotangent is dropped: they carry no gradient
     delta = _softmax.delta(d_out, out, g[1] if static.return_residuals else None)
     grad_dtype = q.dtype if static.partial_dtype is None else static.partial_dtype
-    dq, dk, dv = _backward(static.backend, q, k, v, d_out, lse, delta, q_seg, kv_seg,
-                           q_shard=static.q_shard if q_shard is None else q_shard, grad_dtype=grad_dtype)
+    dq, dk, dv = pair_backward(static.backend, q, k, v, d_out, lse, delta, q_seg, kv_seg,
+                               q_shard=static.q_shard if q_shard is None else q_shard, grad_dtype=grad_dtype)
     d_sinks = None
     if sinks is not None:  # over the local rows; other rows' devices add theirs
         d_sinks = _softmax.sinks_grad(sinks, lse, delta)
@@ -398,7 +288,7 @@ def splash_info_attention(
     static = _VjpStatic(backend, q_shard if traced is None else 0, partial_dtype,
                         frozenset() if sinks is None else vma(sinks), bool(return_residuals), bool(return_max_logits),
                         kv_exchange)
-    return _attention(static, q, k, v, sinks, *_segments(segment_ids), traced)
+    return _attention(static, q, k, v, sinks, *segments_of(segment_ids), traced)
 
 
 def splash_attention(

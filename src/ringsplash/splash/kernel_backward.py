@@ -6,7 +6,7 @@ With ``s`` the (scaled, soft-capped) scores, ``P = exp(s - lse)``, ``dP = dO @ V
 ``dQ = scale * dS @ K``, ``dK = scale * dS.T @ Q`` and ``dV = P.T @ dO``.
 
 * dK/dV kernel, fused with dq by default (``dq_init``): each tile's ``scale * dS.T @ K`` is added
-  into a float32 dq in HBM (``_DqAccumulator``), so the backward is one pass over the transposed
+  into a float32 dq in HBM (``dq_accumulator.py``), so the backward is one pass over the transposed
   work list (5 matmuls per tile) instead of two (7).
 * dq kernel: grid ``(heads, max_steps)`` over the forward work list (sorted by q block);
   dq accumulates in float32 VMEM over a q block's run of steps. Used alone (``parts=("dq",)``,
@@ -31,7 +31,6 @@ Nothing is materialised per kv block: temporaries are the outputs and the lse-sh
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -51,6 +50,7 @@ from ringsplash.splash._kernel_common import (
     kv_block_of,
     kv_map,
     mask_operand_specs,
+    one_call_per_batch_element,
     optional_specs,
     pack_schedule,
     partial_of,
@@ -66,6 +66,19 @@ from ringsplash.splash._kernel_common import (
     uniform_group_lists,
     unpack_refs,
 )
+from ringsplash.splash.dkv_grid import (
+    dkv_count_map,
+    dkv_entry,
+    dkv_kv_col_map,
+    dkv_kv_map,
+    dkv_mask_map,
+    dkv_q_map,
+    dkv_q_row_map,
+    dkv_row_map,
+    merge_group_lists,
+    next_dkv_entry,
+)
+from ringsplash.splash.dq_accumulator import DqAccumulator
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 # ----------------------------------------------------------------------------------------
@@ -135,20 +148,6 @@ def _dq_kernel(
         dq_ref[...] = (dq_scr[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkv_entry(g, i, j, q_head_ref, list_ref, *, group):
-    """``(row of the packed work list, q head, mask list)`` of dK/dV grid step ``(g, i, j)``.
-
-    Uniform groups (``q_head_ref`` None): ``list_ref[g]`` is kv head g's list, whose rows
-    the packed arrays ``[lists, steps]`` are, and the q head is ``g * group + j``. Merged:
-    row ``g`` of ``[kv_heads, merged_steps]``, the q head stored per entry, ``list_ref``
-    maps q heads to lists."""
-    if q_head_ref is None:
-        row = list_ref[g]
-        return row, g * group + j, row
-    h = g * group + q_head_ref[g, i]
-    return g, h, list_ref[h]
-
-
 def _dkv_kernel(
     # prefetched
     blocks_ref, kinds_ref, q_head_ref, list_ref,
@@ -164,15 +163,15 @@ def _dkv_kernel(
 ):
     del dq_init_ref  # aliased to dq_hbm
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row, h, lst = _dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
+    row, h, lst = dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
     word = blocks_ref[row, i]
     kind = kind_of(kinds_ref[row, i])
     # a kv block's run: consecutive steps naming it, each over the `inner` q heads
     first, last = run_edges(blocks_ref, row, i, num_steps, kv_block_of)
     first, last = first & (j == 0), last & (j == inner - 1)
-    dq = None if dq_hbm is None else _DqAccumulator(
+    dq = None if dq_hbm is None else DqAccumulator(
         dq_hbm, dq_slots, dq_sems, dq_state, h=h, q_block=q_block_of(word),
-        next_entry=_next_dkv_entry(g, i, j, blocks_ref, q_head_ref, list_ref, group=group, inner=inner,
+        next_entry=next_dkv_entry(g, i, j, blocks_ref, q_head_ref, list_ref, group=group, inner=inner,
                                    num_steps=num_steps))
 
     @pl.when(first)
@@ -228,189 +227,8 @@ def _dkv_kernel(
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _next_dkv_entry(g, i, j, blocks_ref, q_head_ref, list_ref, *, group, inner, num_steps):
-    """``(exists, q head, q block)`` of the dK/dV grid step after ``(g, i, j)`` (within kv head g)."""
-    wrap = j == inner - 1
-    i_next = jnp.where(wrap, i + 1, i)
-    exists = i_next < num_steps
-    i_next = jnp.minimum(i_next, num_steps - 1)
-    row, h, _ = _dkv_entry(g, i_next, jnp.where(wrap, 0, j + 1), q_head_ref, list_ref, group=group)
-    return exists, h, q_block_of(blocks_ref[row, i_next])
-
-
-class _DqAccumulator:
-    """dq of the fused backward, accumulated in float32 in HBM by the dK/dV kernel.
-
-    The dK/dV grid visits, per kv block, every q block that attends it, so one (q head, q block)
-    dq block is updated by many grid steps far apart. Each maximal run of consecutive steps on
-    one dq block adds into one of two VMEM slots; the run's block is read from HBM before it
-    (the DMA started at the end of the previous run, waited just before the first add) and
-    written back at its end (waited at the end of the next run, before that run's slot is
-    reused for the following read). A read never races a pending write of the same block:
-    neighbouring runs name different blocks, and the write two runs back is waited before the
-    read is started. The state lives in SMEM: ``[slot, read pending, write pending]``. Each kv
-    head (the parallel grid axis) starts and drains its own pipeline, so megacore halves never
-    share a dq block (a kv head's q heads are its own).
-    """
-
-    def __init__(self, hbm, slots, sems, state, *, h, q_block, next_entry):
-        self.hbm, self.slots, self.sems, self.state = hbm, slots, sems, state
-        self.h, self.q_block = h, q_block
-        self.has_next, self.next_h, self.next_q_block = next_entry
-        self.bq = slots.shape[1]
-
-    def _copy(self, slot, h, q_block, *, read):
-        rows = self.hbm.at[h, pl.ds(pl.multiple_of(q_block * self.bq, self.bq), self.bq), :]
-        if read:
-            return pltpu.make_async_copy(rows, self.slots.at[slot], self.sems.at[0, slot])
-        return pltpu.make_async_copy(self.slots.at[slot], rows, self.sems.at[1, slot])
-
-    def begin(self, *, start):
-        @pl.when(start)  # a kv head's first step: nothing pending, read its first block into slot 0
-        def _start():
-            self.state[0] = 0
-            self.state[2] = 0
-            self._copy(0, self.h, self.q_block, read=True).start()
-            self.state[1] = 1
-
-    def _wait_read(self):
-        @pl.when(self.state[1] == 1)
-        def _wait():
-            self._copy(self.state[0], self.h, self.q_block, read=True).wait()
-            self.state[1] = 0
-
-    def add(self, contribution):
-        self._wait_read()  # after the tile's matmuls, so the read overlaps them
-        slot = self.state[0]
-        self.slots[slot] = self.slots[slot] + contribution
-
-    def end(self):
-        self._wait_read()  # steps that computed nothing
-        slot = self.state[0]
-        same_next = self.has_next & (self.next_h == self.h) & (self.next_q_block == self.q_block)
-
-        @pl.when(jnp.logical_not(same_next))  # the run ends: write its block back, read the next one
-        def _end_of_run():
-            @pl.when(self.state[2] == 1)
-            def _wait_previous_write():  # it is the other slot's, which the next read fills
-                self._copy(1 - slot, self.h, self.q_block, read=False).wait()
-
-            self._copy(slot, self.h, self.q_block, read=False).start()
-            self.state[2] = 1
-
-            @pl.when(self.has_next)
-            def _read_next():
-                self._copy(1 - slot, self.next_h, self.next_q_block, read=True).start()
-                self.state[0] = 1 - slot
-                self.state[1] = 1
-
-            @pl.when(jnp.logical_not(self.has_next))
-            def _drain():  # the kv head's last step
-                self._copy(slot, self.h, self.q_block, read=False).wait()
-                self.state[2] = 0
-
-
-# ----------------------------------------------------------------------------------------
-# index maps
-
-
-# dK/dV maps: (kv head g, step i, inner j, *prefetched); prefetched is (blocks, kinds, lists)
-# for uniform groups and (blocks, kinds, q_heads, lists) for merged lists (see _dkv_entry)
-def _dkv_where(g, i, j, prefetched, group):
-    blocks, kinds, *rest = prefetched
-    q_heads, lists = rest if len(rest) == 2 else (None, rest[0])
-    row, h, _ = _dkv_entry(g, i, j, q_heads, lists, group=group)
-    return blocks[row, i], kinds[row, i], h
-
-
-def _dkv_q_map(g, i, j, *prefetched, group):
-    word, _, h = _dkv_where(g, i, j, prefetched, group)
-    return h, q_block_of(word), 0
-
-
-def _dkv_row_map(g, i, j, *prefetched, group):
-    word, _, h = _dkv_where(g, i, j, prefetched, group)
-    return h, 0, q_block_of(word)
-
-
-def _dkv_kv_map(g, i, j, *prefetched, group):
-    word, _, _ = _dkv_where(g, i, j, prefetched, group)
-    return g, kv_block_of(word), 0
-
-
-def _dkv_q_row_map(g, i, j, *prefetched, group):
-    word, _, _ = _dkv_where(g, i, j, prefetched, group)
-    return 0, q_block_of(word)  # positions / segment ids of the q block as a (1, bq) row
-
-
-def _dkv_kv_col_map(g, i, j, *prefetched, group):
-    word, _, _ = _dkv_where(g, i, j, prefetched, group)
-    return kv_block_of(word), 0  # ... of the kv block as a lane-replicated (bkv, 128) column
-
-
-def _dkv_mask_map(g, i, j, *prefetched, group):
-    _, kinds, _ = _dkv_where(g, i, j, prefetched, group)
-    return jnp.maximum(partial_of(kinds), 0), 0, 0  # transposed blocks [n, bkv, bq]
-
-
-def _dkv_count_map(g, i, j, *prefetched):
-    return g, 0, 0
-
-
-# ----------------------------------------------------------------------------------------
-# GQA groups: uniform lists, or a merged work list
-
-
-def merge_group_lists(blocks, kinds, head_to_list, group):
-    """Per kv head, the packed transposed work lists of its q heads merged by kv block.
-
-    ``blocks, kinds`` are packed ``[lists, steps]`` arrays sorted by kv block;
-    ``head_to_list`` is ``[heads]``. Returns int32 ``blocks, kinds, q_head (in group)`` of
-    shape ``[kv_heads, group * steps]``. A stable sort by kv block keeps each head's entries
-    (and its padding, which repeats its last kv block) in order, so every kv block's entries
-    are consecutive: first / last visit stay neighbour comparisons. Works on traced
-    schedules (ring steps).
-    """
-    heads = head_to_list.shape[0]
-    kv_heads, steps = heads // group, blocks.shape[-1]
-    lists = jnp.asarray(head_to_list, jnp.int32).reshape(kv_heads, group)
-
-    def gather(a):
-        return a[lists].reshape(kv_heads, group * steps)  # [kv_heads, group, steps] flattened
-
-    q_head = jnp.broadcast_to(jnp.arange(group, dtype=jnp.int32)[None, :, None], (kv_heads, group, steps))
-    fields = [gather(blocks), gather(kinds), q_head.reshape(kv_heads, group * steps)]
-    if group == 1:
-        return tuple(fields)
-    order = jnp.argsort(kv_block_of(fields[0]), axis=1, stable=True)
-    return tuple(jnp.take_along_axis(f, order, axis=1) for f in fields)
-
-
 # ----------------------------------------------------------------------------------------
 # pallas_call wrappers
-
-
-def _one_call_per_batch_element(call):
-    """``call`` whose ``vmap`` runs it once per batch element (``lax.map``): Pallas cannot add a
-    batch axis to an HBM (``memory_space=ANY``) operand such as the fused kernel's dq, and a
-    batched model (``jax.vmap`` over examples) reaches the kernel through ``vmap``."""
-
-    @jax.custom_batching.custom_vmap
-    def mapped(*args):
-        return call(*args)
-
-    @mapped.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        batched = [a for a, b in zip(args, in_batched) if b]
-
-        def one(xs):
-            it = iter(xs)
-            return mapped(*(next(it) if b else a for a, b in zip(args, in_batched)))
-
-        outs = lax.map(one, batched)
-        return outs, jax.tree.map(lambda _: True, outs)
-
-    return mapped
 
 
 def splash_dq_kernel(
@@ -501,7 +319,7 @@ def splash_dkv_kernel(
     that of every matmul. Returns ``dk [kv_heads, kv_len, d]`` and ``dv [kv_heads, kv_len,
     dv]`` (v's head size) in ``out_dtype``, then with ``count_steps`` the per-kv-head count of
     computing steps, then with ``dq_init`` (float32 ``[heads, q_len, d]``) float32 ``dq_init +
-    dq``: the kernel adds each tile's ``scale * dS @ K`` into it in HBM (``_DqAccumulator``),
+    dq``: the kernel adds each tile's ``scale * dS @ K`` into it in HBM (``dq_accumulator.DqAccumulator``),
     so dq costs no second pass over the work list and no memory beyond its own.
     """
     heads, q_len, d = q.shape
@@ -526,8 +344,8 @@ def splash_dkv_kernel(
     num_steps = blocks.shape[-1]
     rows = lambda x: x.astype(jnp.float32).reshape(heads, 1, q_len)
     maps = {name: functools.partial(fn, group=group) for name, fn in (
-        ("q", _dkv_q_map), ("row", _dkv_row_map), ("kv", _dkv_kv_map), ("q_row", _dkv_q_row_map),
-        ("kv_col", _dkv_kv_col_map), ("mask", _dkv_mask_map))}
+        ("q", dkv_q_map), ("row", dkv_row_map), ("kv", dkv_kv_map), ("q_row", dkv_q_row_map),
+        ("kv_col", dkv_kv_col_map), ("mask", dkv_mask_map))}
 
     in_specs = [
         pl.BlockSpec((None, bq, d), maps["q"]),
@@ -549,7 +367,7 @@ def splash_dkv_kernel(
     out_specs = [pl.BlockSpec((None, bkv, d), maps["kv"]), pl.BlockSpec((None, bkv, dv), maps["kv"])]
     if count_steps:
         out_shape.append(sds(q, (kv_heads, NUM_SUBLANES, NUM_LANES), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), _dkv_count_map))
+        out_specs.append(pl.BlockSpec((None, NUM_SUBLANES, NUM_LANES), dkv_count_map))
     scratch = [pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, dv), jnp.float32)]
     aliases = {}
     if fused:
@@ -598,7 +416,7 @@ def splash_dkv_kernel(
         name="splash_fused_bwd" if fused else "splash_dkv",
     )
     if fused:
-        call = _one_call_per_batch_element(call)
+        call = one_call_per_batch_element(call)
     results = list(call(*prefetched, q, k, v, d_out, rows(lse) * LOG2E, rows(delta), *operands))
     if count_steps:
         results[2] = results[2][:, 0, 0]

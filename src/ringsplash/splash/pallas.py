@@ -142,7 +142,7 @@ def backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "i
     """The backward kernels on one shard pair.
 
     ``parts=("dq", "dkv")`` (default) runs the fused kernel: the dK/dV kernel, which also adds
-    each tile's dq into a float32 dq in HBM (``kernel_backward._DqAccumulator``), starting from
+    each tile's dq into a float32 dq in HBM (``dq_accumulator.DqAccumulator``), starting from
     ``dq_init`` (float32 ``[heads, q_len, d]``; None = zeros). Returns ``(dq, dk, dv)`` in
     ``grad_dtype`` (dq float32 when ``dq_init`` is given, so pieces can chain through it), with
     ``count_steps`` also the kernel's computing steps per kv head. ``parts=("dq",)`` runs only

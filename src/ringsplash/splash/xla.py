@@ -47,7 +47,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ringsplash._checks import default_scale
@@ -56,183 +55,26 @@ from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
 from ringsplash.splash._kernel_common import LOG2E as _LOG2E
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
+from ringsplash.splash.xla_steps import (
+    check_shapes,
+    drop_unattended,
+    kv_block,
+    list_plans,
+    list_view,
+    make_block_mask,
+    rounder,
+    scatter_heads,
+    schedule_xs,
+    scores,
+    scores_base2,
+    walk,
+)
 
 __all__ = ["backward", "forward"]
 
 # Initial running max / masked-score value: finite, so no inf - inf appears anywhere.
 _NEG_INIT = -1e30
 _F32 = jnp.float32
-
-
-# --------------------------------------------------------------------------- static planning
-
-
-class _ListPlan:
-    """Static (host-side) description of how one head list is computed."""
-
-    def __init__(self, info, list_index: int, heads: np.ndarray, num_heads: int, num_kv_heads: int):
-        group = num_heads // num_kv_heads
-        self.index = list_index
-        self.heads = heads
-        self.mask = info.masks[list_index]
-        kv_of_head = heads // group
-        kvs = np.unique(kv_of_head)
-        complete = np.concatenate([kv * group + np.arange(group) for kv in kvs])
-        if np.array_equal(np.sort(heads), complete):
-            # Whole GQA groups: view as [len(kvs), group, ...], head order kv-major.
-            self.heads = complete
-            self.kv_heads = kvs
-            self.group = group
-        else:
-            # Arbitrary subset: one "group" of 1 per head; kv heads gathered per step.
-            self.kv_heads = kv_of_head
-            self.group = 1
-        self.all_heads = np.array_equal(self.heads, np.arange(num_heads))
-        self.kv_identity = np.array_equal(self.kv_heads, np.arange(num_kv_heads))
-        # Which partial-block sources this list uses in any shard pair (static; the schedule
-        # of one pair may be traced, the MaskInfo arrays are not).
-        self.uses_blocks, self.uses_fn = (bool(x) for x in info.list_partial_sources()[list_index])
-
-
-def _list_plans(info, num_heads: int, num_kv_heads: int) -> list[_ListPlan]:
-    head_to_list = np.asarray(info.head_to_list)
-    if head_to_list.size == 1:
-        head_to_list = np.zeros(num_heads, dtype=np.int64)
-    elif head_to_list.size != num_heads:
-        raise ValueError(
-            f"MaskInfo has {head_to_list.size} mask heads, expected 1 or heads={num_heads}"
-        )
-    plans = []
-    for li in range(len(info.masks)):
-        heads = np.nonzero(head_to_list == li)[0]
-        if heads.size:
-            plans.append(_ListPlan(info, li, heads, num_heads, num_kv_heads))
-    return plans
-
-
-def _check_shapes(q, k, v, info):
-    heads, q_len, d = q.shape
-    kv_heads, kv_len, dk = k.shape
-    if v.shape[:2] != k.shape[:2]:  # v's head size may differ from k's
-        raise ValueError(f"k and v must have equal kv_heads and kv_len, got k.shape={k.shape}, v.shape={v.shape}")
-    if dk != d:
-        raise ValueError(f"head_dim mismatch: q.shape={q.shape}, k.shape={k.shape}")
-    if heads % kv_heads:
-        raise ValueError(f"{kv_heads=} must divide {heads=}")
-    bq, bkv = info.block_shape
-    if q_len % bq or kv_len % bkv:
-        raise ValueError(f"block_shape={(bq, bkv)} must divide local (q_len, kv_len)={(q_len, kv_len)}")
-
-
-# --------------------------------------------------------------------------- per-step pieces
-
-
-def _rounder(config, input_dtype):
-    """``x -> x`` rounded to the matmul dtype of P / dS (``SplashConfig.probs_dtype``), kept
-    float32: a bf16 x bf16 product is exact in float32, so a float32 matmul of rounded
-    operands is what the MXU computes."""
-    dtype = np.dtype(input_dtype) if config is None else config.matmul_dtype(input_dtype)
-    if dtype == np.dtype(np.float32):
-        return lambda x: x
-    return lambda x: x.astype(dtype).astype(_F32)
-
-
-def _make_block_mask(plan: _ListPlan, info, q_pos, kv_pos, q_seg, kv_seg):
-    """Returns ``mask(kind, pidx, q_start, kv_start) -> bool [bq, bkv]`` for one list."""
-    bq, bkv = info.block_shape
-    has_blocks, has_fn = plan.uses_blocks, plan.uses_fn
-    pmb_j = jnp.asarray(np.asarray(info.partial_mask_blocks), dtype=bool) if has_blocks else None
-
-    def block_mask(kind, pidx, q_start, kv_start):
-        qp = lax.dynamic_slice_in_dim(q_pos, q_start, bq)
-        kp = lax.dynamic_slice_in_dim(kv_pos, kv_start, bkv)
-        if has_blocks and has_fn:
-            partial = jnp.where(
-                pidx >= 0,
-                pmb_j[jnp.maximum(pidx, 0)],
-                plan.mask.mask_function(qp[:, None], kp[None, :]),
-            )
-        elif has_blocks:
-            partial = pmb_j[jnp.maximum(pidx, 0)]
-        elif has_fn:
-            partial = plan.mask.mask_function(qp[:, None], kp[None, :])
-        else:  # this list has no partial blocks: every visited block is full
-            partial = jnp.zeros((bq, bkv), dtype=bool)
-        mask = jnp.broadcast_to(partial, (bq, bkv)) | (kind >= 2)
-        if q_seg is not None:
-            qs = lax.dynamic_slice_in_dim(q_seg, q_start, bq)
-            ks = lax.dynamic_slice_in_dim(kv_seg, kv_start, bkv)
-            # kind 3: a full block inside one shared segment (segment_blocks), no compare needed
-            mask = mask & ((qs[:, None] == ks[None, :]) | (kind == 3))
-        return mask
-
-    return block_mask
-
-
-def _drop_unattended(mask, kb, vb):
-    """Zero the K / V rows of kv positions no q row of the block attends (the masked-values
-    contract of ``reference_attention``: 0 * NaN in ``P @ V`` / ``dS @ K`` would leak them)."""
-    keep = jnp.any(mask, axis=0)[None, :, None]  # [1, bkv, 1]; the mask is shared by the list
-    return jnp.where(keep, kb, 0.0), jnp.where(keep, vb, 0.0)
-
-
-def _kv_block(x, plan: _ListPlan, kv_start, bkv):
-    blk = lax.dynamic_slice_in_dim(x, kv_start, bkv, axis=1)  # [kv_heads, bkv, d]
-    return blk if plan.kv_identity else blk[plan.kv_heads]
-
-
-def _scores(qb, kb, scale, logit_soft_cap):
-    """Scaled (and soft-capped) scores ``[kvh, group, bq, bkv]``; also the tanh for the VJP."""
-    s = jnp.einsum("kgqd,kcd->kgqc", qb, kb, preferred_element_type=_F32) * scale
-    if logit_soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / logit_soft_cap)
-    return logit_soft_cap * t, t
-
-
-def _scores_base2(qb, kb, scale, logit_soft_cap):
-    """``_scores`` times log2(e) (soft-capped in base-2 units), with the tanh for the VJP: the
-    Pallas backward's operations (``kernel_backward._dkv_kernel``)."""
-    s = jnp.einsum("kgqd,kcd->kgqc", qb, kb, preferred_element_type=_F32) * (scale * _LOG2E)
-    if logit_soft_cap is None:
-        return s, None
-    cap2 = logit_soft_cap * _LOG2E
-    t = jnp.tanh(s * (1.0 / cap2))
-    return cap2 * t, t
-
-
-def _list_view(x, plan: _ListPlan):
-    """``[heads, n, d] -> [kvh, group, n, d]`` (or ``[heads, n] -> [kvh, group, n]``)."""
-    if not plan.all_heads:
-        x = x[plan.heads]
-    return x.reshape(len(plan.kv_heads), plan.group, *x.shape[1:])
-
-
-def _scatter_heads(full, part, plan: _ListPlan):
-    part = part.reshape(-1, *part.shape[2:])
-    if plan.all_heads:
-        return part
-    return full.at[plan.heads].set(part)
-
-
-def _schedule_xs(schedule, li):
-    return (
-        jnp.asarray(schedule.q_block)[li].astype(jnp.int32),
-        jnp.asarray(schedule.kv_block)[li].astype(jnp.int32),
-        jnp.asarray(schedule.kind)[li].astype(jnp.int32),
-        jnp.asarray(schedule.partial_index)[li].astype(jnp.int32),
-    )
-
-
-def _walk(step, init, schedule, li):
-    """Run ``step`` over list ``li``'s entries: a ``lax.scan`` over all of them or, for a
-    segment-refined compacted list (``schedule.num_steps`` set), a loop over its first
-    ``num_steps[li]`` (the rest repeat the last entry with kind 0: nothing to do)."""
-    xs = _schedule_xs(schedule, li)
-    if schedule.num_steps is None:
-        return lax.scan(step, init, xs)[0]
-    count = jnp.asarray(schedule.num_steps)[li].astype(jnp.int32)
-    return lax.fori_loop(0, count, lambda i, carry: step(carry, tuple(x[i] for x in xs))[0], init)
 
 
 # --------------------------------------------------------------------------- forward
@@ -269,8 +111,8 @@ def forward(
     """
     q, k, v, schedule, q_pos, kv_pos, q_seg, kv_seg = inputs
     info, scale, logit_soft_cap, config = static.info, static.scale, static.logit_soft_cap, static.config
-    _check_shapes(q, k, v, info)
-    rnd = _rounder(config, q.dtype)
+    check_shapes(q, k, v, info)
+    rnd = rounder(config, q.dtype)
     heads, q_len, d = q.shape
     kv_heads = k.shape[0]
     _bq, _bkv = info.block_shape
@@ -278,19 +120,19 @@ def forward(
     qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
 
-    axes = vma(qf, kf, vf, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
+    axes = vma(qf, kf, vf, q_pos, kv_pos, q_seg, kv_seg, schedule_xs(schedule, 0))
     out = jnp.zeros((heads, q_len, v.shape[-1]), _F32)
     lse = jnp.full((heads, q_len), MASKED_LSE, _F32)
     mx = jnp.full((heads,), -jnp.inf, _F32)
-    for plan in _list_plans(info, heads, kv_heads):
+    for plan in list_plans(info, heads, kv_heads):
         o_l, lse_l, mx_l = _forward_list(
             qf, kf, vf, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, axes, rnd,
             return_max_logits,
         )
-        out = _scatter_heads(out, o_l, plan)
-        lse = _scatter_heads(lse, lse_l, plan)
+        out = scatter_heads(out, o_l, plan)
+        lse = scatter_heads(lse, lse_l, plan)
         if return_max_logits:
-            mx = _scatter_heads(mx, mx_l, plan)
+            mx = scatter_heads(mx, mx_l, plan)
     out = out.astype(q.dtype if out_dtype is None else out_dtype)
     return (out, lse, mx) if return_max_logits else (out, lse)
 
@@ -298,25 +140,25 @@ def forward(
 def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, scale, cap, axes, rnd,
                   track_max=False):
     bq, bkv = info.block_shape
-    ql = _list_view(q, plan)  # [kvh, g, q_len, d]
+    ql = list_view(q, plan)  # [kvh, g, q_len, d]
     kvh, g, q_len, _ = ql.shape
     dv = v.shape[-1]  # the output's head size (v's, may differ from q's)
-    block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
+    block_mask = make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
 
     def compute(args):
         m, l, acc, mx, qi, ki, kind, pidx = args
         qb = lax.dynamic_slice_in_dim(ql, qi * bq, bq, axis=2)
-        kb = _kv_block(k, plan, ki * bkv, bkv)
-        vb = _kv_block(v, plan, ki * bkv, bkv)
+        kb = kv_block(k, plan, ki * bkv, bkv)
+        vb = kv_block(v, plan, ki * bkv, bkv)
         mask = block_mask(kind, pidx, qi * bq, ki * bkv)
-        kb, vb = _drop_unattended(mask, kb, vb)
+        kb, vb = drop_unattended(mask, kb, vb)
         if track_max:  # the raw (pre-soft-cap) max over attended pairs, per head
-            s, _ = _scores(qb, kb, scale, None)
+            s, _ = scores(qb, kb, scale, None)
             mx = jnp.maximum(mx, jnp.where(mask, s, -jnp.inf).max(axis=(-2, -1)))
-            if cap is not None:  # as _scores
+            if cap is not None:  # as scores
                 s = cap * jnp.tanh(s / cap)
         else:
-            s, _ = _scores(qb, kb, scale, cap)
+            s, _ = scores(qb, kb, scale, cap)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))  # finite: m starts at _NEG_INIT
         p = jnp.exp(s - m_new[..., None])
@@ -353,7 +195,7 @@ def _forward_list(q, k, v, plan, info, schedule, q_pos, kv_pos, q_seg, kv_seg, s
         jnp.full((kvh, g), -jnp.inf, _F32),  # max raw logit per head (track_max)
         jnp.int32(-1),
     ), axes)
-    out, lse, _, _, _, mx, _ = _walk(step, init, schedule, plan.index)
+    out, lse, _, _, _, mx, _ = walk(step, init, schedule, plan.index)
     return out, lse, mx
 
 
@@ -376,8 +218,8 @@ def backward(
     """
     q, k, v, d_out, lse, delta, schedule, _, q_pos, kv_pos, q_seg, kv_seg = inputs
     info, scale, logit_soft_cap, config = static.info, static.scale, static.logit_soft_cap, static.config
-    _check_shapes(q, k, v, info)
-    rnd = _rounder(config, q.dtype)
+    check_shapes(q, k, v, info)
+    rnd = rounder(config, q.dtype)
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
     scale = default_scale(scale, d)
@@ -385,16 +227,16 @@ def backward(
     lse, delta = lse.astype(_F32), delta.astype(_F32)
     q_pos, kv_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32)
 
-    axes = vma(qf, kf, vf, dof, lse, delta, q_pos, kv_pos, q_seg, kv_seg, _schedule_xs(schedule, 0))
+    axes = vma(qf, kf, vf, dof, lse, delta, q_pos, kv_pos, q_seg, kv_seg, schedule_xs(schedule, 0))
     dq = jnp.zeros((heads, q_len, d), _F32)
     dk = jnp.zeros((kv_heads, kv_len, d), _F32)
     dv = jnp.zeros((kv_heads, kv_len, v.shape[-1]), _F32)
-    for plan in _list_plans(info, heads, kv_heads):
+    for plan in list_plans(info, heads, kv_heads):
         dq_l, dk_l, dv_l = _backward_list(
             qf, kf, vf, dof, lse, delta, plan, info, schedule,
             q_pos, kv_pos, q_seg, kv_seg, scale, logit_soft_cap, axes, rnd,
         )
-        dq = _scatter_heads(dq, dq_l, plan)
+        dq = scatter_heads(dq, dq_l, plan)
         if plan.kv_identity:
             dk, dv = dk + dk_l, dv + dv_l
         else:
@@ -406,13 +248,13 @@ def backward(
 def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
                    q_pos, kv_pos, q_seg, kv_seg, scale, cap, axes, rnd):
     bq, bkv = info.block_shape
-    ql, dol = _list_view(q, plan), _list_view(do, plan)  # [kvh, g, q_len, d]
+    ql, dol = list_view(q, plan), list_view(do, plan)  # [kvh, g, q_len, d]
     # base-2 exponent, as the Pallas backward: the same float32 operations give P (and its bf16
     # rounding) to the last bit, so the backends agree to accumulation-order noise
-    lsel, deltal = _list_view(lse * _LOG2E, plan), _list_view(delta, plan)  # [kvh, g, q_len]
+    lsel, deltal = list_view(lse * _LOG2E, plan), list_view(delta, plan)  # [kvh, g, q_len]
     kvh, g, q_len, d = ql.shape
     kv_len, d_v = k.shape[1], v.shape[-1]
-    block_mask = _make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
+    block_mask = make_block_mask(plan, info, q_pos, kv_pos, q_seg, kv_seg)
 
     def compute(args):
         qi, ki, kind, pidx = args
@@ -421,11 +263,11 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         dob = lax.dynamic_slice_in_dim(dol, qs, bq, axis=2)
         lse_b = lax.dynamic_slice_in_dim(lsel, qs, bq, axis=2)
         delta_b = lax.dynamic_slice_in_dim(deltal, qs, bq, axis=2)
-        kb = _kv_block(k, plan, ks, bkv)
-        vb = _kv_block(v, plan, ks, bkv)
+        kb = kv_block(k, plan, ks, bkv)
+        vb = kv_block(v, plan, ks, bkv)
         mask = block_mask(kind, pidx, qs, ks)
-        kb, vb = _drop_unattended(mask, kb, vb)
-        s, t = _scores_base2(qb, kb, scale, cap)
+        kb, vb = drop_unattended(mask, kb, vb)
+        s, t = scores_base2(qb, kb, scale, cap)
         # Masked entries (and rows with lse = MASKED_LSE, which are fully masked) give P = 0.
         p = jnp.where(mask, jnp.exp2(jnp.where(mask, s, -jnp.inf) - lse_b[..., None]), 0.0)
         dp = jnp.einsum("kgqd,kcd->kgqc", dob, vb, preferred_element_type=_F32)
@@ -463,5 +305,5 @@ def _backward_list(q, k, v, do, lse, delta, plan, info, schedule,
         jnp.zeros((kvh, kv_len, d), _F32),
         jnp.zeros((kvh, kv_len, d_v), _F32),
     ), axes)
-    dq, dk, dv = _walk(step, init, schedule, plan.index)
+    dq, dk, dv = walk(step, init, schedule, plan.index)
     return dq, dk, dv
