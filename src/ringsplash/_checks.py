@@ -20,15 +20,7 @@ import numpy as np
 
 from ringsplash._scalar_checks import (
     check_bool,
-    check_choice,
-    check_divides,
     check_float,
-    check_int,
-    check_name,
-    check_positive_int,
-    check_positive_multiple,
-    check_unroll,
-    literal_choices,
 )
 from ringsplash.masks import Mask, MultiHeadMask
 from ringsplash.masks.segment_ids import SegmentIds
@@ -37,19 +29,9 @@ __all__ = [
     "AttentionCall",
     "check_attention_call",
     "check_attention_inputs",
-    "check_bool",
-    "check_choice",
-    "check_divides",
-    "check_float",
-    "check_int",
-    "check_name",
-    "check_positive_int",
-    "check_positive_multiple",
     "check_segment_ids",
     "check_sink_values",
-    "check_unroll",
     "default_scale",
-    "literal_choices",
     "normalize_segment_ids",
 ]
 

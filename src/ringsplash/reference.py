@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call, check_float
+from ringsplash._checks import check_attention_call
+from ringsplash._scalar_checks import check_float
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
 from ringsplash.masks.segment_ids import SegmentIds

@@ -12,7 +12,7 @@ from typing import Literal
 from ringsplash import _caches as caches
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import (
+from ringsplash._scalar_checks import (
     check_bool,
     check_choice,
     check_float,

@@ -11,7 +11,7 @@ from typing import Literal
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
-from ringsplash._checks import check_positive_int
+from ringsplash._scalar_checks import check_positive_int
 
 Strategy = Literal["reference", "splash", "ring", "allgather", "ulysses", "usp"]
 #: the two roles a mesh axis plays for context parallelism

@@ -50,7 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import _softmax, layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call, check_unroll
+from ringsplash._checks import check_attention_call
+from ringsplash._scalar_checks import check_unroll
 from ringsplash._shard_map import axis_size, varying, vma
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float

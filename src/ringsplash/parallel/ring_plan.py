@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from ringsplash import _caches as caches
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_divides, check_positive_int
+from ringsplash._scalar_checks import check_divides, check_positive_int
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks

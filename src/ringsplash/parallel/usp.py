@@ -15,7 +15,7 @@ import jax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_positive_int, check_unroll
+from ringsplash._scalar_checks import check_positive_int, check_unroll
 from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.masks.segment_ids import SegmentIds

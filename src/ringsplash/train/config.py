@@ -5,7 +5,7 @@ import dataclasses
 
 import optax
 
-from ringsplash._checks import check_bool, check_divides, check_float, check_int, check_positive_int
+from ringsplash._scalar_checks import check_bool, check_divides, check_float, check_int, check_positive_int
 
 
 @dataclasses.dataclass(frozen=True)

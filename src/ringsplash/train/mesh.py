@@ -5,7 +5,7 @@ first onto ``"context"``, USP's all-to-all onto ``"ulysses"``."""
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ringsplash._checks import check_positive_int
+from ringsplash._scalar_checks import check_positive_int
 from ringsplash.model import ContextParallel, TransformerConfig
 
 DATA, CONTEXT = "data", "context"
