@@ -112,7 +112,7 @@ def test_clear_caches_empties_every_registered_cache():
     rs.clear_caches()
     assert len(mask_info._CACHE) == 0
     lru = [c.__self__ for c in _caches._CLEARERS if hasattr(getattr(c, "__self__", None), "cache_info")]
-    assert len(lru) >= 3 and all(f.cache_info().currsize == 0 for f in lru)
+    assert len(lru) >= 2 and all(f.cache_info().currsize == 0 for f in lru)  # layouts, ring_plan at least
     assert rs.build_mask_info(mask, (128, 128)) is not info
     assert ring_plan(mask, 2, "zigzag", rs.SplashConfig(block_q=128, block_kv=128, backend="xla")) is not plan
     assert layouts.permutation("zigzag", 512, 2) is not perm
