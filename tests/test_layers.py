@@ -116,3 +116,26 @@ def test_clear_caches_empties_every_registered_cache():
     assert rs.build_mask_info(mask, (128, 128)) is not info
     assert ring_plan(mask, 2, "zigzag", rs.SplashConfig(block_q=128, block_kv=128, backend="xla")) is not plan
     assert layouts.permutation("zigzag", 512, 2) is not perm
+
+
+#: DESIGN.md's "must not" column for units of the same or neighbouring layers, which the layer
+#: numbers alone do not forbid (data, model, partitioning and checkpoints share layer 8)
+MUST_NOT = {
+    "data": {"model", "splash", "parallel", "train"},
+    "partitioning": {"masks", "splash", "parallel", "model"},
+    "splash": {"parallel", "model"},
+    "inference": {"train", "evals"},
+    "model": {"train", "data"},
+    "hf": {"train", "inference", "evals"},
+    "checkpoints": {"model", "data", "splash", "parallel"},
+}
+
+
+def test_design_must_not_imports():
+    bad = []
+    for module, targets in _imports(_modules()).items():
+        unit = _unit(module)
+        for target in targets:
+            if _unit(target) in MUST_NOT.get(unit, ()):
+                bad.append(f"{module} imports {target} ({unit} must not depend on {_unit(target)})")
+    assert not bad, "\n".join(bad)
