@@ -189,8 +189,12 @@ def test_single_device_xla_tiny_budget_equals_unsplit_and_reference(key, kind):
 
 
 @pytest.mark.slow
+@pytest.mark.xla_optimized
 def test_single_device_interpret_tiny_budget_equals_unsplit_and_reference(key):
-    """GQA, causal: forward, dq and dK/dV kernels each run in several pieces (bit-exact)."""
+    """GQA, causal: forward, dq and dK/dV kernels each run in several pieces (bit-exact). The
+    interpreter runs the kernel bodies as XLA:CPU programs: at the suite's -O0 the split and whole
+    programs' exp2 / log2 codegen differed (lse by 2 ulps in one q block, then dq); with the
+    optimisations users compile with they agree bit for bit."""
     s, heads, kv_heads = 384, 2, 1
     q, k, v, d_out, _ = inputs(key, heads, kv_heads, s, s, d=32)
     mask = masks.CausalMask((s, s))
