@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 import ringsplash as rs
 from ringsplash import layouts, masks
 from ringsplash.parallel import ring as ring_lib
-from ringsplash.splash import attention as attention_lib
+from ringsplash.splash import dispatch as dispatch_lib
 from ringsplash.splash import pallas as pallas_backend
 from ringsplash.splash import segment_blocks
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
@@ -157,9 +157,9 @@ def test_refined_lists_keep_every_same_segment_block_for_any_ids(docs, pad, orde
 def test_segment_skipping_off_keeps_the_static_lists_and_config_validates():
     info = rs.build_mask_info(masks.CausalMask((512, 512)), (128, 128))
     ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 128)
-    sched = attention_lib._refine(info.schedule(), info, ids, ids, config("xla", skipping=False))
+    sched = dispatch_lib._refine(info.schedule(), info, ids, ids, config("xla", skipping=False))
     assert sched.num_steps is None and np.array_equal(np.asarray(sched.kind), np.asarray(info.schedule().kind))
-    on = attention_lib._refine(info.schedule(), info, ids, ids, config("xla"))
+    on = dispatch_lib._refine(info.schedule(), info, ids, ids, config("xla"))
     assert np.asarray(on.num_steps).tolist() == [4]  # one diagonal block per document
     # the library's TypeError, or the shape-checked test run's (both name the field)
     with pytest.raises(TypeError, match=r"segment_skipping"):
