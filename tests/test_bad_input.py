@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ringsplash as rs
-from ringsplash import _checks, layouts, masks
+from ringsplash import _checks, _scalar_checks, layouts, masks
 
 S4 = (4, 4)
 
@@ -236,11 +236,11 @@ def test_sinks_must_be_finite_or_minus_inf(sinks, bad, entry):
 def test_unroll_is_checked_by_name(unroll):
     message = r"unroll must be an int >= 1 or a bool.*unroll=" + re.escape(repr(unroll))
     with pytest.raises(ValueError, match=message):  # "x" was a TypeError from a comparison inside lax.scan
-        _checks.check_unroll("unroll", unroll)
+        _scalar_checks.check_unroll("unroll", unroll)
     if isinstance(unroll, int):  # what the annotation lets through reaches the ring's own check
         q, k, v = _qkv(heads=2, kv_heads=2, q_len=256, kv_len=256)
         mesh = jax.make_mesh((2,), ("c",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
         with pytest.raises(ValueError, match=message):
             rs.ring_attention_sharded(q, k, v, masks.CausalMask((256, 256)), mesh=mesh, axis_name="c",
                                       unroll=unroll, config=rs.SplashConfig(backend="xla"))
-    assert _checks.check_unroll("unroll", True) is True and _checks.check_unroll("unroll", 2) == 2
+    assert _scalar_checks.check_unroll("unroll", True) is True and _scalar_checks.check_unroll("unroll", 2) == 2
