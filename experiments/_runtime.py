@@ -1,6 +1,5 @@
-"""What the experiment scripts share around ``ringsplash.train.fit``: where they run (the TPU when
-one is present, else the CPU with simulated devices; no environment variable to remember), the
-device line printed at start, one-line errors for bad flags, the dtype and kernel flags, and
+"""What the experiment scripts share around ``ringsplash.train.fit`` (where they run is
+``ringsplash.distributed.choose_platform``): one-line errors for bad flags, the dtype and kernel flags, and
 continuing a run's checkpoints to more steps. Scripts only: the library never imports it."""
 
 import contextlib
@@ -16,20 +15,6 @@ KILL_AT_STEP_ENV = "RINGSPLASH_TEST_KILL_AT_STEP"
 
 
 # ------------------------------------------------------------------------------------ platform
-
-
-def start_jax(cpu_devices: int = 1) -> str:
-    """``ringsplash.distributed.choose_platform``: the TPU when present, else the CPU with
-    ``cpu_devices`` simulated devices; the platform chosen."""
-    from ringsplash import distributed
-
-    return distributed.choose_platform(cpu_devices)
-
-
-def device_line() -> str:
-    from ringsplash import distributed
-
-    return distributed.device_line()
 
 
 # ------------------------------------------------------------------------------------ flags

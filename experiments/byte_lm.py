@@ -38,12 +38,11 @@ from _runtime import (
     check_block,
     check_flags,
     continue_to,
-    device_line,
     kill_if_asked,
     run_script,
     splash_config,
-    start_jax,
 )
+from ringsplash import distributed
 from ringsplash.cli import parse_config
 
 
@@ -161,7 +160,7 @@ BUCKETS = (0, 8, 32, 128, 256, 512, 1024, 2048, 4096)
 
 def main(config: Config) -> dict:
     # the TPU when there is one, else the CPU with a simulated device per mesh position
-    start_jax(config.data_parallel * (config.context_parallel if config.attention == "ring" else 1))
+    distributed.choose_platform(config.data_parallel * (config.context_parallel if config.attention == "ring" else 1))
     import numpy as np
     import optax
 
@@ -195,7 +194,7 @@ def main(config: Config) -> dict:
     print(f"corpus {train_path}: {len(loader.corpora[0])} documents, {int(loader.corpora[0].lengths.sum())} "
           f"{unit}s, {loader.sources[0].plan.num_rows} packed rows ({config.packing}); held out: {heldout_path} "
           f"({len(heldout.corpora[0])} other documents)")
-    print(device_line())
+    print(distributed.device_line())
     print(f"{config.attention} over {tc.context_parallel} device(s), seq_len={config.seq_len}, backend="
           f"{config.backend}, blocks={config.block or 'auto'}, dtypes param={config.param_dtype} "
           f"compute={config.compute_dtype}", flush=True)

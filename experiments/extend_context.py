@@ -56,12 +56,11 @@ from _runtime import (
     check_block,
     check_flags,
     continue_to,
-    device_line,
     kill_if_asked,
     run_script,
     splash_config,
-    start_jax,
 )
+from ringsplash import distributed
 from ringsplash.cli import parse_config
 
 METHODS = ("none", "base", "linear", "dynamic", "yarn", "llama3")
@@ -392,7 +391,7 @@ def _finetune_dir(run_dir: str, method: str, base_step: int | None) -> str:
 
 def main(config: Config) -> dict:
     # the TPU when there is one, else the CPU with a simulated device per member of the ring
-    start_jax(config.context_parallel)
+    distributed.choose_platform(config.context_parallel)
     import numpy as np
 
     from ringsplash import checkpoints, data, evals, train
@@ -424,7 +423,7 @@ def main(config: Config) -> dict:
                            ignore=() if trained else ("base_curriculum_steps",))
     print(f"run directory: {run_dir}" + (" (resuming: finished parts are restored from their checkpoints)"
                                          if trained else f" (rerun with --run-dir {run_dir} to resume it)"))
-    print(f"{device_line()}; backend={config.backend} blocks={config.block or 'auto'}; dtypes "
+    print(f"{distributed.device_line()}; backend={config.backend} blocks={config.block or 'auto'}; dtypes "
           f"param={config.param_dtype} compute={config.compute_dtype}", flush=True)
     long_len = config.factor * config.base_len
     lengths = [config.base_len * 2**i for i in range(int(math.log2(config.factor)) + 1)]

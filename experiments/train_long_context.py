@@ -24,12 +24,11 @@ from _runtime import (
     check_block,
     check_flags,
     continue_to,
-    device_line,
     kill_if_asked,
     run_script,
     splash_config,
-    start_jax,
 )
+from ringsplash import distributed
 from ringsplash.cli import parse_config
 
 # Fields that may change between a run and its resumption (they do not change the trained model's past);
@@ -178,8 +177,8 @@ def episode_len_at(stages, step: int) -> int:
 
 def main(config: Config) -> dict:
     # the TPU when there is one, else the CPU with a simulated device per mesh position
-    start_jax(config.data_parallel * config.context_parallel * config.ulysses_parallel)
-    from ringsplash import checkpoints, data, distributed, train
+    distributed.choose_platform(config.data_parallel * config.context_parallel * config.ulysses_parallel)
+    from ringsplash import checkpoints, data, train
 
     t_start = time.perf_counter()
     # several processes (a pod slice, scripts/launch_local.py): same flags everywhere, one run directory
@@ -237,7 +236,7 @@ def main(config: Config) -> dict:
     resumed_at = continue_to(run_dir, tc, say)
     say(f"run directory: {run_dir}" + (f" (resuming from its checkpoint); step {resumed_at} of {config.steps}"
                                        if resumed_at is not None else ""))
-    say(f"{device_line()}; mesh data={tc.data_parallel} x context={tc.context_parallel} x "
+    say(f"{distributed.device_line()}; mesh data={tc.data_parallel} x context={tc.context_parallel} x "
         f"ulysses={tc.ulysses_parallel}; attention={config.attention} layout={config.layout} "
         f"backend={config.backend} blocks={config.block or 'auto'}; dtypes param={config.param_dtype} "
         f"compute={config.compute_dtype}; seq_len={config.seq_len}; curriculum {stages}", flush=True)

@@ -217,8 +217,8 @@ def test_a_bad_flag_on_the_command_line_exits_with_one_line(script, flag, value,
 
 @pytest.mark.e2e
 def test_start_up_chooses_the_cpu_without_jax_platforms_or_libtpu_and_prints_the_devices():
-    code = ("import os, sys; sys.path.insert(0, 'experiments'); import _runtime; "
-            "print(_runtime.start_jax(3)); print(_runtime.device_line()); print(os.environ.get('JAX_PLATFORMS'))")
+    code = ("import os; from ringsplash import distributed; print(distributed.choose_platform(3)); "
+            "print(distributed.device_line()); print(os.environ.get('JAX_PLATFORMS'))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_user_env(), capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -232,18 +232,13 @@ def test_start_up_leaves_jax_platforms_unset(monkeypatch):
 
     from ringsplash import distributed
 
-    sys.path.insert(0, EXPERIMENTS)
-    try:
-        import _runtime
-    finally:
-        sys.path.remove(EXPERIMENTS)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     before = jax.config.jax_platforms
     try:
         jax.config.update("jax_platforms", None)
-        assert _runtime.start_jax(2) == ("tpu" if distributed.tpu_present() else "cpu")
+        assert distributed.choose_platform(2) == ("tpu" if distributed.tpu_present() else "cpu")
         assert "JAX_PLATFORMS" not in os.environ
-        assert _runtime.device_line().startswith(f"devices: {len(jax.devices())} x ")
+        assert distributed.device_line().startswith(f"devices: {len(jax.devices())} x ")
     finally:
         jax.config.update("jax_platforms", before)
 

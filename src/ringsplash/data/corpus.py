@@ -79,11 +79,12 @@ def file_fingerprint(file: str, *, full: bool = True) -> dict:
                 h.update(f.read(SAMPLE_BYTES))
     out = {"size": size, "mtime_ns": st.st_mtime_ns, "sample": h.hexdigest()[:32]}
     if full:
-        out["sha256"] = _sha256(file)
+        out["sha256"] = file_sha256(file)
     return out
 
 
-def _sha256(file: str) -> str:
+def file_sha256(file: str) -> str:
+    """sha256 of a file's bytes, read in 4 MiB blocks."""
     h = hashlib.sha256()
     with open(file, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -195,7 +196,7 @@ class TokenizedCorpus:
                     if got[what] != want[what]:
                         self._changed(file, what, want[what], got[what])
                 if full or (thorough and got["mtime_ns"] != want["mtime_ns"]):
-                    sha = _sha256(file)
+                    sha = file_sha256(file)
                     if sha != want["sha256"]:
                         self._changed(file, "sha256", want["sha256"], sha)
 

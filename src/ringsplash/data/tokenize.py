@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from ringsplash.data.corpus import FORMAT, MANIFEST, file_fingerprint
+from ringsplash.data.corpus import FORMAT, MANIFEST, file_fingerprint, file_sha256
 
 JSONL_SUFFIXES = (".jsonl",)
 
@@ -76,14 +76,6 @@ def input_files(inputs: Sequence[str]) -> list[str]:
         else:
             raise FileNotFoundError(f"input {path!r} is neither a file nor a directory")
     return files
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _decode(raw: bytes, where: str, errors: str) -> tuple[str, bool]:
@@ -139,7 +131,7 @@ class _Tokenizer:
 
             self._tok = Tokenizer.from_file(spec)
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-            self.sha256 = _sha256(spec)
+            self.sha256 = file_sha256(spec)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         if self._tok is None:
@@ -179,7 +171,7 @@ class _ShardWriter:
 
 
 def _fingerprint(files: list[str], options: TokenizeOptions, tokenizer: _Tokenizer) -> tuple[str, list[dict]]:
-    inputs = [{"path": os.path.abspath(p), "size": os.path.getsize(p), "sha256": _sha256(p)} for p in files]
+    inputs = [{"path": os.path.abspath(p), "size": os.path.getsize(p), "sha256": file_sha256(p)} for p in files]
     opts = {**dataclasses.asdict(options), "tokenizer": tokenizer.sha256 or "bytes"}
     blob = json.dumps({"options": opts, "inputs": [(i["size"], i["sha256"]) for i in inputs]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32], inputs
