@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -228,13 +229,15 @@ def tokamax_available() -> bool:
 
 def measure(row: Row, impl: str, cand, repeats: int, log) -> tuple[float | None, str]:
     q, k, v, do = inputs(row)
+    start = time.perf_counter()
     try:
         fn = with_grad(IMPLS[impl](row, cand), row.bwd)
         ms = timed(fn, (q, k, v, do) if row.bwd else (q, k, v), repeats)
         note = ""
     except Exception as exc:
         ms, note = None, " ".join(f"{type(exc).__name__}: {exc}".split())[:160]
-    log.write(json.dumps(dict(row=row.label, impl=impl, blocks=cand, ms=ms, error=note or None)) + "\n")
+    log.write(json.dumps(dict(row=row.label, impl=impl, blocks=cand, ms=ms, error=note or None,
+                              wall_s=round(time.perf_counter() - start, 1))) + "\n")
     log.flush()
     return ms, note
 

@@ -65,6 +65,19 @@ def _full_logits(model, tokens):
     return jax.vmap(lambda t: model(t, jnp.arange(t.shape[0], dtype=jnp.int32)))(tokens)
 
 
+def test_prefill_runs_its_forward_over_a_length_the_kernels_tile_with_large_blocks():
+    """A cache of prompt + room slots (8320 for an 8K prompt) has no 1024-multiple divisor: a forward over it
+    would run the Splash kernels at 128-token blocks (a tenth of the chip's speed, measured on v5e)."""
+    from ringsplash.inference.prefill import forward_len
+
+    for prompt, block in ((8192, 512), (16384, 1024), (32768, 1024), (131072, 1024)):
+        for extra in (0, 1, 100, 1023):
+            assert forward_len(prompt + extra) % block == 0 and forward_len(prompt + extra) >= prompt + extra
+    assert [forward_len(n) for n in (9, 128, 300, 1100, 8193)] == [128, 128, 384, 1152, 8704]
+    for n in range(1, 5000, 7):  # never more than 1/16 of padding beyond the 128-token lanes
+        assert forward_len(n) - n <= max(n / 16, 127) and forward_len(n) % 128 == 0
+
+
 #: Gemma-like runs in the fast tier: it has nearly every option the other two have
 @pytest.mark.parametrize("kind", [k if k == "gemma" else pytest.param(k, marks=pytest.mark.slow) for k in CONFIGS])
 def test_decode_logits_equal_full_forward_at_every_position(kind, decode_fn):

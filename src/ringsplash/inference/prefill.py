@@ -1,10 +1,14 @@
 """``prefill``: the model over a batch of prompts, filling a ``KVCache`` in its sharded layout.
 
-Each row's prompt (its first ``prompt_lengths[b]`` tokens) is padded with token 0 to the cache's
-``max_len`` and run through the model's own layers (``Block.apply`` with ``Attention.project_qkv``,
-the strategy's ``attend``, ``project_out``), keeping every layer's keys and values. The masks
-decoding supports are causal, so padding never reaches a prompt token, and decoding overwrites
-each padded slot before any query sees it.
+Each row's prompt (its first ``prompt_lengths[b]`` tokens) is padded with token 0 and run through
+the model's own layers (``Block.apply`` with ``Attention.project_qkv``, the strategy's ``attend``,
+``project_out``), keeping every layer's keys and values. The masks decoding supports are causal, so
+padding never reaches a prompt token; the cache's slots past each row's prompt hold zeros, and
+decoding overwrites each before any query sees it. Without a mesh the forward pass runs over :func:`forward_len` tokens (the prompt rounded up to
+a length the kernels tile with large blocks; a cache length such as ``prompt + 128`` would leave the
+kernels 128-token blocks and a tenth of the chip's speed), and its keys / values are cut or
+zero-padded to the cache's ``max_len`` slots; on a mesh it runs over ``max_len``, the cache's layout.
+RoPE always reads ``max_len`` as the current length, as decoding does.
 
 Strategy: without a mesh, the model's own single-device strategy (``"reference"`` or
 ``"splash"``; a sequence-parallel model runs ``"splash"``). With a mesh, the model's strategy when it
@@ -97,6 +101,17 @@ def prefill_config(config: TransformerConfig, max_len: int, mesh: Mesh | None, a
                              "ring_layout": "contiguous"})
 
 
+def forward_len(prompt_len: int, *, max_waste: float = 1 / 16) -> int:
+    """The length a single-device prefill runs its forward pass over: ``prompt_len`` rounded up to
+    the largest of 1024, 512, 256, 128 tokens that pads it by at most ``max_waste`` (128 always
+    applies: the kernels' lanes), so the Splash kernels tile it with blocks of that size or more."""
+    for multiple in (1024, 512, 256, NUM_LANES):
+        padded = -(-prompt_len // multiple) * multiple
+        if padded - prompt_len <= max_waste * prompt_len or multiple == NUM_LANES:
+            return padded
+    raise AssertionError("unreachable")
+
+
 def cache_multiple(config: TransformerConfig, mesh: Mesh | None, axis_name: str = "context") -> int:
     """What a cache length must be a multiple of for the prefill strategy on ``mesh`` (the kernels'
     128-token lanes on each device's shard, twice as many shards under the zigzag layout)."""
@@ -126,7 +141,7 @@ def prefill(
         prompt_lengths: int ``[batch]`` in ``[1, prompt_len]``, or None (every row is ``prompt_len`` long).
         max_len: cache slots per row (tokens the cache can ever hold): an int (``np.int64`` too), at least
             ``prompt_len``; None: ``prompt_len`` rounded up to ``cache_multiple``. The forward pass runs over
-            ``max_len`` tokens.
+            :func:`forward_len` tokens without a mesh, ``max_len`` on one.
         mesh, axis_name: shard the cache (and the forward pass) along the sequence over this mesh axis.
         all_logits: return the logits of every prompt position, not only each row's last.
     """
@@ -143,11 +158,12 @@ def prefill(
     if max_len % multiple:
         raise ValueError(f"max_len={max_len} must be a multiple of {multiple} on this mesh (devices on "
                          f"{axis_name!r} x 128-token kernel lanes)")
-    pconfig = prefill_config(c, max_len, mesh, axis_name)
+    fwd_len = max_len if mesh is not None else forward_len(prompt_len)
+    pconfig = prefill_config(c, max(max_len, fwd_len), mesh, axis_name)
     layout = "contiguous" if mesh is None else pconfig.ring_layout
     shards = check_mesh(mesh, axis_name)
-    logits, k, v = _prefill_jit(_with_config(model, pconfig), tokens, lengths, max_len=max_len, mesh=mesh,
-                                axis_name=axis_name, layout=layout, shards=shards, all_logits=all_logits)
+    logits, k, v = _prefill_jit(_with_config(model, pconfig), tokens, lengths, max_len=max_len, fwd_len=fwd_len,
+                                mesh=mesh, axis_name=axis_name, layout=layout, shards=shards, all_logits=all_logits)
     perm = layouts.permutation(layout, max_len, shards)
     # lengths copied: generate donates the cache, and the caller may hold prompt_lengths
     cache = KVCache(k, v, jnp.array(lengths, copy=True), jnp.asarray(perm), model_key(c), layout, mesh,
@@ -171,23 +187,31 @@ def _treedef(config: TransformerConfig):
     return jax.tree.structure(abstract_model(config))
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "mesh", "axis_name", "layout", "shards", "all_logits"))
-def _prefill_jit(model, tokens, lengths, *, max_len, mesh, axis_name, layout, shards, all_logits):
+@functools.partial(jax.jit, static_argnames=("max_len", "fwd_len", "mesh", "axis_name", "layout", "shards",
+                                             "all_logits"))
+def _prefill_jit(model, tokens, lengths, *, max_len, fwd_len, mesh, axis_name, layout, shards, all_logits):
     batch, prompt_len = tokens.shape
     keep = jnp.arange(prompt_len)[None, :] < lengths[:, None]
-    padded = jnp.zeros((batch, max_len), jnp.int32).at[:, :prompt_len].set(jnp.where(keep, tokens, 0))
-    perm = jnp.asarray(layouts.permutation(layout, max_len, shards))
+    padded = jnp.zeros((batch, fwd_len), jnp.int32).at[:, :prompt_len].set(jnp.where(keep, tokens, 0))
+    perm = jnp.asarray(layouts.permutation(layout, fwd_len, shards))
     laid = padded[:, perm]
     params, static = eqx.partition(model, eqx.is_array)
-    body = functools.partial(_forward, static=static)
+    body = functools.partial(_forward, static=static, rope_len=max_len)
     if mesh is None:
         hidden, k, v = body(params, laid, perm)
+        if fwd_len != max_len:  # the cache's slots: the forward's cut or padded (zeroed below)
+            keep_len = min(fwd_len, max_len)
+            pad = [(0, 0)] * 3 + [(0, max_len - keep_len), (0, 0)]
+            k, v = (jnp.pad(x[..., :keep_len, :], pad) for x in (k, v))
     else:
         kv = cache_specs(axis_name)[0]
         in_specs = (jax.tree.map(lambda _: P(), params), P(None, axis_name), P(axis_name))
         hidden, k, v = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, axis_name), kv, kv),
                                      check_vma=False)(params, laid, perm)
-    inverse = jnp.asarray(layouts.inverse_permutation(layout, max_len, shards))
+    # slots past each row's prompt hold zeros, whatever length the forward ran over
+    held = jnp.asarray(layouts.permutation(layout, max_len, shards))[None, :] < lengths[:, None]
+    k, v = (jnp.where(held[None, :, None, :, None], x, 0) for x in (k, v))
+    inverse = jnp.asarray(layouts.inverse_permutation(layout, fwd_len, shards))
     if all_logits:
         h = hidden[:, inverse[:prompt_len]]
     else:
@@ -195,23 +219,23 @@ def _prefill_jit(model, tokens, lengths, *, max_len, mesh, axis_name, layout, sh
     return model.logits(h), k, v
 
 
-def _forward(params, tokens, positions, *, static):
+def _forward(params, tokens, positions, *, static, rope_len):
     """Final-normed hidden states ``[batch, seq, d]`` of the (local shard of) laid-out tokens and
-    every layer's keys / values ``[layers, batch, kv_heads, seq, d]``."""
+    every layer's keys / values ``[layers, batch, kv_heads, seq, d]``; RoPE reads ``rope_len`` as
+    the current length (the cache's, as decoding does)."""
     model = eqx.combine(params, static)
     c = model.config
     dynamic, layer_static = eqx.partition(model.layers, eqx.is_array)
 
     def row(tok):
         x = model.embed(tok)
-        seq = tok.shape[0]
 
         def step_for(kind):
             def step(h, layer_params):
                 layer = eqx.combine(layer_params, layer_static)
 
                 def attention(module, hn):
-                    q, k, v = module.project_qkv(hn, positions, rope_len=seq * c.context_shards, layer_type=kind)
+                    q, k, v = module.project_qkv(hn, positions, rope_len=rope_len, layer_type=kind)
                     out = attend(c, q, k, v, None, module.sinks, layer_type=kind)
                     return module.project_out(out), (k, v)
 
@@ -231,4 +255,4 @@ def _forward(params, tokens, positions, *, static):
     return hidden, k.swapaxes(0, 1), v.swapaxes(0, 1)
 
 
-__all__ = ["Prefilled", "cache_multiple", "check_prompts", "prefill", "prefill_config"]
+__all__ = ["Prefilled", "cache_multiple", "check_prompts", "forward_len", "prefill", "prefill_config"]
