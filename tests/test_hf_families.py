@@ -106,3 +106,13 @@ def test_unknown_model_types_are_named_with_the_supported_ones():
         rhf.config_from_hf(dict(TINY))
     with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported: use one of"):
         rhf.hf_config_dict(TransformerConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=2), "gpt2")
+
+
+def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
+    """transformers' Gemma 3 keeps ``attn_logit_softcapping`` in its config but its attention never
+    passes it on (``Gemma3Attention.forward``); Gemma 2 applies it."""
+    caps = dict(TINY, head_dim=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    gemma3 = rhf.config_from_hf(dict(caps, model_type="gemma3_text"))
+    gemma2 = rhf.config_from_hf(dict(caps, model_type="gemma2"))
+    assert (gemma3.logit_soft_cap, gemma3.final_logit_soft_cap) == (None, 3.0)
+    assert (gemma2.logit_soft_cap, gemma2.final_logit_soft_cap) == (5.0, 3.0)
