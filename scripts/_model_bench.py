@@ -114,11 +114,9 @@ class Counts:
 
 def param_counts(config) -> Counts:
     """``Counts`` of ``config``'s model, from shapes only (nothing allocated)."""
-    import equinox as eqx
+    from ringsplash.model import abstract_model
 
-    from ringsplash.model import Transformer
-
-    model = eqx.filter_eval_shape(Transformer, config, key=jax.random.key(0))
+    model = abstract_model(config)
     size = lambda tree: sum(x.size for x in jax.tree.leaves(tree) if hasattr(x, "size"))
     nbytes = sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(model) if hasattr(x, "size"))
     unembedding = config.d_model * config.vocab_size

@@ -255,18 +255,6 @@ def test_config_from_hf_refuses_values_of_the_wrong_type(key, value, expected):
     assert rhf.config_from_hf(_config_dict(rms_norm_eps=1, hidden_size=64)).norm_eps == 1.0  # an int is an exact number
 
 
-def test_a_model_field_missing_from_the_installed_config_is_refused(monkeypatch):
-    """A family whose model feature this ringsplash lacks is refused as not supported, never loaded
-    without it (the mechanism that kept families off while their model fields were being added)."""
-    from ringsplash.hf import config as hf_config
-
-    monkeypatch.setattr(hf_config, "model_supports", lambda field: field != "qk_norm")
-    d = dict(_config_dict(model_type="qwen3"), head_dim=32)
-    with pytest.raises(ValueError, match=r"qwen3 needs qk_norm=True, which .* not support yet"):
-        rhf.config_from_hf(d)
-    assert rhf.config_from_hf(_config_dict()).vocab_size == 256  # llama needs no qk_norm
-
-
 def test_load_hf_names_a_missing_or_misshaped_tensor(hf_models, tmp_path):
     from safetensors.numpy import load_file, save_file
 
@@ -503,8 +491,7 @@ def test_gradients_match_torch_autograd(hf_models, kind):
     each of our parameters matched to its HF tensors by the name map (stacked ones layer by layer)."""
     import torch
 
-    from ringsplash.hf.config import FAMILIES as HF_FAMILIES
-    from ringsplash.hf.names import name_map, path_name
+    from ringsplash.hf.names import path_name
 
     directory, hf_model, _ = hf_models(kind)
     tokens = _tokens(n=GRAD_SEQ)
@@ -514,7 +501,7 @@ def test_gradients_match_torch_autograd(hf_models, kind):
     loss.backward()
     model = rhf.load_hf(directory)
     grads = eqx.filter_grad(lambda m: jnp.sum(our_logits_traced(m, tokens) * w))(model)
-    names = name_map(model.config, gemma_norms=HF_FAMILIES[hf_model.config.model_type].gemma_norms)
+    names = rhf.FAMILIES[hf_model.config.model_type].name_map(model.config)
     worst, compared = 0.0, 0
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         tn = names[path_name(path)]

@@ -22,6 +22,7 @@ This module knows about arrays, specs and mesh axes only (not about attention or
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +53,8 @@ class ShardingPlan:
         return bool(self.axes) and self.num_shards > 1
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
+    """``"layers.attention.wq"`` for a ``jax.tree_util`` key path."""
     return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
@@ -94,7 +96,7 @@ def plan_sharding(
     def spec(path, x):
         if not fsdp or num_shards == 1:
             return P()
-        name = _path_name(path)
+        name = path_name(path)
         skip = 1 if stacked(name) else 0
         d = fsdp_dim(x.shape, num_shards, skip_leading=skip)
         if d is None:
@@ -106,10 +108,14 @@ def plan_sharding(
     return ShardingPlan(specs, tuple(axes) if fsdp else (), num_shards, tuple(replicated))
 
 
-def plan_model_sharding(params, mesh: jax.sharding.Mesh, *, fsdp: bool) -> ShardingPlan:
-    """The layout of a ringsplash ``Transformer``'s parameters on ``mesh``, the one the trainer and
-    ``hf.load_hf`` share: FSDP over every mesh axis together, each stacked ``layers.`` leaf's layer
-    axis kept whole; or replicated (``fsdp=False``)."""
+def plan_model_sharding(model, mesh: jax.sharding.Mesh, *, fsdp: bool) -> ShardingPlan:
+    """The layout of a ringsplash ``Transformer``'s parameters on ``mesh``, the one plan the trainer
+    (``train.sharding_plan``) and ``hf.load_hf`` share: FSDP over every mesh axis together, each
+    stacked ``layers.`` leaf's layer axis kept whole; or replicated (``fsdp=False``).
+
+    ``model``: the model, or its abstract twin (``model.abstract_model(config)``); ``specs`` is a tree
+    like it with ``None`` where a leaf is not an array."""
+    params = eqx.filter(model, lambda x: isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray))
     return plan_sharding(params, dict(mesh.shape), fsdp=fsdp, axes=tuple(mesh.axis_names),
                          stacked=lambda path: path.startswith("layers."))
 
@@ -199,6 +205,8 @@ __all__ = [
     "is_sharded",
     "local_bytes",
     "optimizer_shardings",
+    "path_name",
+    "plan_model_sharding",
     "plan_sharding",
     "shardings",
     "unstacked",

@@ -6,12 +6,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ringsplash import partitioning
-from ringsplash.hf.config import _family, build_config, hf_model_fields, read_config_json
+from ringsplash.hf.config import config_from_hf, read_config_json
+from ringsplash.hf.families import family_of
 from ringsplash.hf.io import Checkpoint
-from ringsplash.hf.names import TensorName, abstract_params, name_map
+from ringsplash.hf.names import TensorName, named_leaves
 from ringsplash.model import Transformer, abstract_model
 from ringsplash.model.config import DTYPES
 
@@ -34,13 +35,8 @@ def dtype_name(arg: str, value) -> str:
     return name
 
 
-def sharding_plan(config, mesh: jax.sharding.Mesh, fsdp: bool = True) -> partitioning.ShardingPlan:
-    """The trainer's parameter layout (``ringsplash.train.sharding_plan``): FSDP over every mesh
-    axis, the stacked layer axis kept whole."""
-    return partitioning.plan_model_sharding(abstract_params(config), mesh, fsdp=fsdp)
-
-
-def _hf_shape(tn: TensorName, shape: tuple[int, ...]) -> tuple[int, ...]:
+def hf_shape(tn: TensorName, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one HF tensor of a parameter of ``shape`` (one layer's, transposed or not)."""
     one = shape[1:] if tn.stacked else shape
     return tuple(reversed(one)) if tn.transpose else tuple(one)
 
@@ -52,7 +48,7 @@ def check_tensors(ckpt: Checkpoint, names: dict[str, TensorName], abstract: dict
     for path, tn in names.items():
         shape = tuple(abstract[path].shape)
         for layer in range(shape[0]) if tn.stacked else (None,):
-            expected[tn.hf_name(layer)] = (path, _hf_shape(tn, shape))
+            expected[tn.hf_name(layer)] = (path, hf_shape(tn, shape))
     have = ckpt.names()
     missing = sorted(set(expected) - have)
     if missing:
@@ -123,15 +119,18 @@ def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32
     """
     path = os.fspath(path)
     d = read_config_json(path)
-    family = _family(d)
+    family = family_of(d)
     param_dtype = dtype_name("param_dtype", param_dtype)
     compute_dtype = param_dtype if compute_dtype is None else dtype_name("compute_dtype", compute_dtype)
-    config = build_config(hf_model_fields(d), family.model_type, param_dtype=param_dtype,
-                          compute_dtype=compute_dtype, attention=attention, **overrides)
-    names = name_map(config, gemma_norms=family.gemma_norms)
-    abstract = abstract_params(config)
-    plan = sharding_plan(config, mesh, fsdp) if mesh is not None else None
-    specs = plan.specs if plan is not None else {}  # {path: PartitionSpec}
+    config = config_from_hf(d, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention,
+                            **overrides)
+    names = family.name_map(config)
+    like = abstract_model(config)
+    abstract = named_leaves(like, jax.ShapeDtypeStruct)
+    specs = {}  # {path: PartitionSpec}: the trainer's layout (train.sharding_plan), the same plan on the same tree
+    if mesh is not None:
+        plan = partitioning.plan_model_sharding(like, mesh, fsdp=fsdp)
+        specs = named_leaves(plan.specs, PartitionSpec)
     loaded = {}
     with Checkpoint(path) as ckpt:
         check_tensors(ckpt, names, abstract, config)
@@ -142,17 +141,10 @@ def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32
                 loaded[p] = jnp.asarray(read(()))
             else:
                 loaded[p] = jax.make_array_from_callback(shape, NamedSharding(mesh, specs[p]), read)
-    return _assemble(config, [loaded[p] for p in abstract])
-
-
-def _assemble(config, leaves: list) -> Transformer:
-
-    like = abstract_model(config)
     structs, treedef = jax.tree_util.tree_flatten(like)
-    arrays = [x for x in structs if isinstance(x, jax.ShapeDtypeStruct)]
-    if len(arrays) != len(leaves) or len(arrays) != len(structs):
-        raise AssertionError("parameter tree and loaded tensors disagree")  # unreachable: same config
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    if len(structs) != len(loaded):
+        raise AssertionError("parameter tree and loaded tensors disagree")  # unreachable: every leaf is a struct
+    return jax.tree_util.tree_unflatten(treedef, [loaded[p] for p in abstract])
 
 
-__all__ = ["check_tensors", "dtype_name", "load_hf", "sharding_plan"]
+__all__ = ["check_tensors", "dtype_name", "hf_shape", "load_hf"]

@@ -122,9 +122,7 @@ def _device_key(key):
 def sharding_plan(model_config: TransformerConfig, mesh, fsdp: bool) -> partitioning.ShardingPlan:
     """How the model's parameters (and so the optimiser state) are laid out on ``mesh``: FSDP over
     every mesh axis (stacked layer axes kept whole) or replicated."""
-    model = abstract_model(model_config)
-    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    return partitioning.plan_model_sharding(params, mesh, fsdp=fsdp)
+    return partitioning.plan_model_sharding(abstract_model(model_config), mesh, fsdp=fsdp)
 
 
 def _is_spec(x) -> bool:
