@@ -49,14 +49,12 @@ class _Function(Hook):
 
 
 def as_hook(hook: Hook | Callable[[StepInfo], bool | None]) -> Hook:
-    """``hook`` itself when it has ``on_step`` and ``on_end``, else the function as a hook."""
+    """``hook`` itself when it has ``on_step`` and ``on_end`` (a ``Hook``), else the function as a hook."""
     if isinstance(hook, Hook):
         return hook
-    if hasattr(hook, "on_step"):  # on_end left out
-        return _Function(hook.on_step)
     if callable(hook):
         return _Function(hook)
-    raise TypeError(f"a hook must have on_step(info) or be a function of the StepInfo, got {hook!r}")
+    raise TypeError(f"a hook must have on_step(info) and on_end(state) or be a function of the StepInfo, got {hook!r}")
 
 
 class StopIfNonfinite(Hook):
