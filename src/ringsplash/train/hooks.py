@@ -33,7 +33,8 @@ class Hook(Protocol):
     ``fit`` a plain function of the ``StepInfo``, run as ``on_step``)."""
 
     def on_step(self, info: StepInfo) -> bool | None:
-        """After each step; ``True`` stops training after it (``on_end`` then sees that state)."""
+        """After each step; ``True`` stops training after it (``on_end`` then sees that state). Every
+        process runs every hook: one that stops must decide alike on all (checkpoints are collective)."""
         return None
 
     def on_end(self, state: TrainState) -> None:
