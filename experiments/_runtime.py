@@ -5,13 +5,10 @@ continuing a run's checkpoints to more steps. Scripts only: the library never im
 import contextlib
 import json
 import os
-import signal
 import sys
 
 #: the model's parameter / compute dtypes (ringsplash.model.config.DTYPES)
 DTYPES = ("float32", "bfloat16", "float16")
-# Test hook: the process kills itself (SIGKILL, no clean-up) when training step N is logged, to test resuming.
-KILL_AT_STEP_ENV = "RINGSPLASH_TEST_KILL_AT_STEP"
 
 
 # ------------------------------------------------------------------------------------ platform
@@ -95,12 +92,6 @@ def _one_line(prog: str, error: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------------ runs
-
-
-def kill_if_asked(step: int) -> None:
-    """The test hook: SIGKILL this process (no clean-up) when training step ``KILL_AT_STEP_ENV`` is logged."""
-    if step == int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def continue_to(run_dir: str, tc, say=print) -> int | None:

@@ -38,7 +38,6 @@ from _runtime import (
     check_block,
     check_flags,
     continue_to,
-    kill_if_asked,
     run_script,
     splash_config,
 )
@@ -158,7 +157,8 @@ def corpora(config: Config) -> tuple[str, str]:
 BUCKETS = (0, 8, 32, 128, 256, 512, 1024, 2048, 4096)
 
 
-def main(config: Config) -> dict:
+def main(config: Config, hooks=()) -> dict:
+    # hooks: more train.fit hooks for every training run (the tests install one that kills the process mid-run)
     # the TPU when there is one, else the CPU with a simulated device per mesh position
     distributed.choose_platform(config.data_parallel * (config.context_parallel if config.attention == "ring" else 1))
     import numpy as np
@@ -198,8 +198,7 @@ def main(config: Config) -> dict:
     print(f"{config.attention} over {tc.context_parallel} device(s), seq_len={config.seq_len}, backend="
           f"{config.backend}, blocks={config.block or 'auto'}, dtypes param={config.param_dtype} "
           f"compute={config.compute_dtype}", flush=True)
-    state = train.fit(model_cfg, tc, loader, run_dir, mesh=mesh, on_log=lambda state, record: kill_if_asked(
-        record["step"]))
+    state = train.fit(model_cfg, tc, loader, run_dir, mesh=mesh, hooks=hooks)
 
     logits_fn = train.make_logits_fn(model_cfg, mesh, plan=train.sharding_plan(model_cfg, mesh, tc.fsdp))
     sums = np.zeros(len(BUCKETS)), np.zeros(len(BUCKETS))

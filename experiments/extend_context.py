@@ -56,7 +56,6 @@ from _runtime import (
     check_block,
     check_flags,
     continue_to,
-    kill_if_asked,
     run_script,
     splash_config,
 )
@@ -389,7 +388,8 @@ def _finetune_dir(run_dir: str, method: str, base_step: int | None) -> str:
     return os.path.join(method_dir, "finetune")
 
 
-def main(config: Config) -> dict:
+def main(config: Config, hooks=()) -> dict:
+    # hooks: more train.fit hooks for every training run (the tests install one that kills the process mid-run)
     # the TPU when there is one, else the CPU with a simulated device per member of the ring
     distributed.choose_platform(config.context_parallel)
     import numpy as np
@@ -461,7 +461,6 @@ def main(config: Config) -> dict:
         return data.Loader(paths, data.LoaderConfig(seq_len=length, batch_size=batch, seed=config.seed,
                                                     weights=weights))
 
-    on_log = lambda state, record: kill_if_asked(record["step"])  # the test hook (a kill mid-run)
     base_step = None  # the trained base's steps (None: --init-from)
     if base_model is None:  # 1. the base model
         base_cfg = base_model_config(config, vocab)
@@ -473,7 +472,7 @@ def main(config: Config) -> dict:
         continue_to(base_dir, tc)
         print(f"base: {config.base_steps} steps x {config.base_batch} rows x {config.base_len} tokens", flush=True)
         state = train.fit(base_cfg, tc, stream(config.base_len, config.base_batch, curriculum_steps, "base"),
-                          base_dir, mesh=train.make_mesh(1, 1), on_log=on_log)
+                          base_dir, mesh=train.make_mesh(1, 1), hooks=hooks)
         base_model, base_step = state.model, int(state.step)
     base = base_model.config
 
@@ -495,7 +494,7 @@ def main(config: Config) -> dict:
                 print(f"[{method}] finetune: {config.finetune_steps} steps x {config.finetune_batch} rows x "
                       f"{long_len} tokens, ring over {config.context_parallel} devices", flush=True)
                 model = train.fit(on_ring(ext, config), tc, long_stream, finetune_dir,
-                                  mesh=mesh, init_model=zero, on_log=on_log).model.with_config(ext)
+                                  mesh=mesh, init_model=zero, hooks=hooks).model.with_config(ext)
             out = evaluate(model, config, lengths, heldout, passkey, os.path.join(run_dir, method, phase),
                            f"{method} {phase}")
             for row in out[:-1]:

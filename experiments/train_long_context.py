@@ -20,11 +20,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
 from _runtime import (
     DTYPES,
-    KILL_AT_STEP_ENV,
     check_block,
     check_flags,
     continue_to,
-    kill_if_asked,
     run_script,
     splash_config,
 )
@@ -34,7 +32,7 @@ from ringsplash.cli import parse_config
 # Fields that may change between a run and its resumption (they do not change the trained model's past);
 # ``steps`` may grow: the run continues to the new total (the curriculum stays laid out over the first total).
 RESUMABLE_CHANGES = ("run_dir", "progress", "checkpoint_every", "log_every", "steps")
-__all__ = ["KILL_AT_STEP_ENV", "RESUMABLE_CHANGES", "Config", "main", "make_model_config", "parse_args"]
+__all__ = ["RESUMABLE_CHANGES", "Config", "main", "make_model_config", "parse_args"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +173,8 @@ def episode_len_at(stages, step: int) -> int:
     return [length for first, length in stages if first <= step][-1]
 
 
-def main(config: Config) -> dict:
+def main(config: Config, hooks=()) -> dict:
+    # hooks: more train.fit hooks for every training run (the tests install one that kills the process mid-run)
     # the TPU when there is one, else the CPU with a simulated device per mesh position
     distributed.choose_platform(config.data_parallel * config.context_parallel * config.ulysses_parallel)
     from ringsplash import checkpoints, data, train
@@ -221,7 +220,6 @@ def main(config: Config) -> dict:
 
     def on_log(state, record):
         step = record["step"]
-        kill_if_asked(step)
         extra = {"episode_len": episode_len_at(stages, step - 1)}
         if (config.eval_every and step % config.eval_every == 0) or step == config.steps:
             ev = train.evaluate(state.model, heldout, config.eval_batches, mesh, model_config, eval_step)
@@ -240,7 +238,7 @@ def main(config: Config) -> dict:
         f"ulysses={tc.ulysses_parallel}; attention={config.attention} layout={config.layout} "
         f"backend={config.backend} blocks={config.block or 'auto'}; dtypes param={config.param_dtype} "
         f"compute={config.compute_dtype}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
-    state = train.fit(model_config, tc, stream, run_dir, mesh=mesh, on_log=on_log)
+    state = train.fit(model_config, tc, stream, run_dir, mesh=mesh, on_log=on_log, hooks=hooks)
     final = train.evaluate(state.model, heldout, config.eval_batches, mesh, model_config, eval_step)
     plot = log.plot(title=f"associative recall, seq {config.seq_len}, {config.attention}")
     wall = time.perf_counter() - t_start

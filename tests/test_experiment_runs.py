@@ -20,7 +20,6 @@ from support.processes import child_env
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
-KILL = "RINGSPLASH_TEST_KILL_AT_STEP"
 
 
 def _job(name):
@@ -33,15 +32,16 @@ def _job(name):
 def _user_env(**extra):
     """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test session's TPU settings."""
     env = child_env()
-    for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", KILL):
+    for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):
         env.pop(name, None)
     return {**env, **extra}
 
 
 def _killed(script, args, step):
-    """``script args`` in a process of its own that SIGKILLs itself when training step ``step`` is logged."""
-    result = subprocess.run([sys.executable, f"experiments/{script}.py", *args], cwd=ROOT, env=_user_env(**{KILL: str(step)}),
-                            capture_output=True, text=True, timeout=400)
+    """``script args`` in a process of its own that SIGKILLs itself when training step ``step`` is done,
+    before it is logged (a hook installed by tests/support/killed_run.py)."""
+    result = subprocess.run([sys.executable, "tests/support/killed_run.py", str(step), script, *args], cwd=ROOT,
+                            env=_user_env(), capture_output=True, text=True, timeout=400)
     assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
     return result
 

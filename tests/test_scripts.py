@@ -128,17 +128,18 @@ MAIN_TINY = ["--seq-len", "512", "--num-pairs", "4", "--num-queries", "4", "--nu
 def _user_env():
     """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test session's TPU settings."""
     env = child_env()
-    for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES",
-                 "RINGSPLASH_TEST_KILL_AT_STEP"):
+    for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):
         env.pop(name, None)
     return env
 
 
 def _main_job(run_dir, kill_at_step=None):
+    """The main job in a process of its own; ``kill_at_step``: it SIGKILLs itself when that training
+    step is done, before it is logged (a hook installed by tests/support/killed_run.py)."""
     env = _user_env()  # the script chooses the CPU itself (no TPU here), and says so
-    if kill_at_step is not None:
-        env["RINGSPLASH_TEST_KILL_AT_STEP"] = str(kill_at_step)
-    args = [sys.executable, "experiments/train_long_context.py", *MAIN_TINY, "--run-dir", str(run_dir)]
+    script = ["experiments/train_long_context.py"] if kill_at_step is None else \
+        ["tests/support/killed_run.py", str(kill_at_step), "train_long_context"]
+    args = [sys.executable, *script, *MAIN_TINY, "--run-dir", str(run_dir)]
     return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -151,7 +152,7 @@ def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path, capsys
     job = _load("experiments/train_long_context.py", "train_long_context")
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     # The uninterrupted run (here, in the test process), then the run killed (SIGKILL, no clean-up,
-    # a process of its own) when step 6 is logged, i.e. after the periodic checkpoint of step 4 and
+    # a process of its own) when step 6 is done (before it is logged), i.e. after the periodic checkpoint of step 4 and
     # the metrics of step 5; then resumed here (the uninterrupted run's compiled step serves it).
     full = job.main(job.parse_args([*MAIN_TINY, "--run-dir", str(full_dir)]))
     cut = _main_job(cut_dir, kill_at_step=6)

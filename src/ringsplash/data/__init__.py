@@ -2,6 +2,7 @@
 (segment ids, mixtures, process-local rows, resumable state), and the synthetic tasks.
 
 * ``batch.py`` — ``Batch`` (tokens, labels, loss mask, positions, segment ids; ``[batch, seq]``).
+* ``source.py`` — ``BatchSource``: the protocol ``DataStream`` and ``Loader`` implement (what ``fit`` draws from).
 * ``stream.py`` — ``DataStream``: batches as a pure function of ``(seed, step)``.
 * ``synthetic.py`` — the recall task, ``pack_documents`` of in-memory documents.
 * ``tokenize.py`` / ``corpus.py`` — ``tokenize_corpus`` writes, ``TokenizedCorpus`` reads (memory-mapped).
@@ -16,12 +17,15 @@ from ringsplash.data.batch import Batch, check_token_ids
 from ringsplash.data.corpus import CorpusChangedError, TokenizedCorpus, read_manifest
 from ringsplash.data.loader import Loader, LoaderConfig
 from ringsplash.data.packing import PackPlan, pack_row, plan_packing
+from ringsplash.data.source import BatchIterator, BatchSource
 from ringsplash.data.stream import DataStream, heldout_stream
 from ringsplash.data.synthetic import RecallTask, pack_documents, recall_batch
 from ringsplash.data.tokenize import TokenizeOptions, input_files, tokenize_corpus
 
 __all__ = [
     "Batch",
+    "BatchIterator",
+    "BatchSource",
     "CorpusChangedError",
     "DataStream",
     "Loader",

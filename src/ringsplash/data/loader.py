@@ -9,8 +9,8 @@ the weights (in every window of rows the count of each source is within one of i
 Global row ``g`` (row ``r`` of batch ``step``: ``g = step * batch_size + r``) is a pure function
 of ``(seed, g)``: random access, so
 
-* ``batch(step, rows)`` draws any rows of any batch (the ``DataStream`` protocol ``fit``,
-  ``stream_batch`` and ``evaluate`` use);
+* ``batch(step, rows)`` draws any rows of any batch (the ``BatchSource`` protocol,
+  ``ringsplash.data.source``, that ``fit``, ``stream_batch`` and ``evaluate`` use);
 * ``iterator(rows, step)`` is this process's Grain ``DatasetIterator``: the batches of rows
   ``rows`` only (a process reads only the rows its devices hold) from ``step`` on, read by
   ``num_threads`` background threads ``prefetch`` batches ahead. Its state
@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -154,7 +155,10 @@ class Loader:
         # element g: (source index, row g)
         self.dataset = per_source[0] if len(per_source) == 1 else grain.MapDataset.mix(per_source, config.weights)
 
-    # the DataStream protocol
+    # the BatchSource protocol (ringsplash.data.source)
+    #: the Grain iterator's state goes into every checkpoint and is restored with it
+    stateful: ClassVar[bool] = True
+
     @property
     def batch_size(self) -> int:
         return self.config.batch_size

@@ -1,8 +1,10 @@
 """``DataStream``: a deterministic function of ``(seed, step)``: the "data RNG state" a checkpoint
-stores is just the next step, so a resumed run sees exactly the same batches."""
+stores is just the next step, so a resumed run sees exactly the same batches. It is a
+``BatchSource`` (``ringsplash.data.source``), as the ``Loader`` is."""
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -28,6 +30,18 @@ class DataStream:
     seed: int = 0
     per_row: bool = False
 
+    #: the checkpoint's step is the whole position (``BatchSource``): no iterator state is saved
+    stateful: ClassVar[bool] = False
+
+    @property
+    def seq_len(self) -> None:
+        """Unknown until drawn (``make`` decides): ``fit`` checks each batch as it draws it."""
+        return None
+
+    @property
+    def vocab_size(self) -> None:
+        return None
+
     def batch(self, step: int, rows: Sequence[int] | np.ndarray | None = None) -> Batch:
         """Batch ``step``, or only its rows ``rows`` (global row indices, in that order)."""
         if rows is None:
@@ -41,6 +55,39 @@ class DataStream:
             return full if rows == list(range(self.batch_size)) else Batch(*(np.asarray(x)[rows] for x in full))
         draws = [self.make(np.random.default_rng([int(self.seed), int(step), r]), 1, int(step)) for r in rows]
         return Batch(*(np.concatenate(field) for field in zip(*draws, strict=True)))
+
+    def iterator(self, rows: Sequence[int] | np.ndarray, step: int = 0) -> "StepBatches":
+        """Rows ``rows`` of batches ``step``, ``step + 1``, ... (``batch(step, rows)`` each)."""
+        return StepBatches(self, [int(r) for r in rows], step)
+
+    def describe(self) -> None:
+        """Nothing beyond the seed (which a run's config holds anyway)."""
+        return None
+
+    def verify_sources(self) -> None:
+        """Nothing on disk to check."""
+
+
+class StepBatches:
+    """A ``DataStream``'s batches (rows ``rows`` of each) from step ``step`` on, with the state
+    protocol of Grain's iterators (``{"next_index": step}``)."""
+
+    def __init__(self, stream: DataStream, rows: list[int], step: int):
+        self.stream, self.rows, self.step = stream, rows, int(step)
+
+    def __iter__(self) -> "StepBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        batch = self.stream.batch(self.step, rows=self.rows)
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict:
+        return {"next_index": self.step}
+
+    def set_state(self, state: dict) -> None:
+        self.step = int(state["next_index"])
 
 
 def heldout_stream(stream: DataStream) -> DataStream:

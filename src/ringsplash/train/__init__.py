@@ -1,6 +1,8 @@
 """Training: AdamW with warmup + cosine on a ``("data", "context"[, "ulysses"])`` mesh, batches
 laid out for the model's context-parallel strategy, a ``shard_map`` train step with FSDP and a
-chunked loss, sharded checkpoints with exact resumption, metrics, and the ``fit`` loop."""
+chunked loss, sharded checkpoints with exact resumption, metrics, and ``fit``: a driver that runs
+hooks (``train.hooks``: NaN stop, metrics, progress, checkpoints, evaluation) over the steps of
+``train_steps`` (``train.steps``), fed by any ``data.BatchSource`` (``train.feed``)."""
 
 from ringsplash.data import Batch
 from ringsplash.train.batches import (
@@ -13,6 +15,8 @@ from ringsplash.train.batches import (
     unlayout,
 )
 from ringsplash.train.config import TrainConfig, learning_rate_schedule, make_optimizer
+from ringsplash.train.feed import Feed
+from ringsplash.train.hooks import Checkpoints, Evaluate, Hook, LogMetrics, ProgressBar, StopIfNonfinite
 from ringsplash.train.loop import fit
 from ringsplash.train.mesh import CONTEXT, DATA, ULYSSES, batch_spec, check_mesh, make_mesh, mesh_axes, mesh_for
 from ringsplash.train.metrics import MetricsLog, max_logit_metrics, plot_metrics
@@ -41,13 +45,22 @@ from ringsplash.train.step import (
     make_train_step,
     sharding_plan,
 )
+from ringsplash.train.steps import StepInfo, train_steps
 
 __all__ = [
     "CONTEXT",
     "DATA",
     "ULYSSES",
     "Batch",
+    "Checkpoints",
+    "Evaluate",
+    "Feed",
+    "Hook",
+    "LogMetrics",
     "MetricsLog",
+    "ProgressBar",
+    "StepInfo",
+    "StopIfNonfinite",
     "TrainConfig",
     "TrainState",
     "abstract_state",
@@ -86,5 +99,6 @@ __all__ = [
     "start_from",
     "state_digest",
     "stream_batch",
+    "train_steps",
     "unlayout",
 ]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash._scalar_checks import check_divides, check_positive_int
-from ringsplash.data import Batch, DataStream, check_token_ids
+from ringsplash.data import Batch, BatchSource, check_token_ids
 from ringsplash.model import PAD_SEGMENT, TransformerConfig
 from ringsplash.train.mesh import DATA, batch_spec
 
@@ -97,7 +97,7 @@ def process_rows(mesh: jax.sharding.Mesh, batch_size: int) -> np.ndarray:
     return np.concatenate([np.arange(i * per_shard, (i + 1) * per_shard) for i in mine])
 
 
-def stream_batch(stream: DataStream, step: int, mesh: jax.sharding.Mesh, model_config: TransformerConfig) -> Batch:
+def stream_batch(stream: BatchSource, step: int, mesh: jax.sharding.Mesh, model_config: TransformerConfig) -> Batch:
     """Batch ``step`` of ``stream`` on the mesh, as ``shard_batch(stream.batch(step), ...)`` places
     it, from this process's part only: the process draws (``stream.batch(step, rows=...)``) and
     lays out only the rows of ``process_rows`` and fills only its addressable shards. With a

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import partitioning
 from ringsplash._types import Array, Float, Int
-from ringsplash.data import Batch, DataStream
+from ringsplash.data import Batch, BatchSource
 from ringsplash.model import Transformer, TransformerConfig, abstract_model
 from ringsplash.model.config import dtype_of
 from ringsplash.model.qk_clip import apply_qk_clip
@@ -310,7 +310,7 @@ def make_logits_fn(model_config: TransformerConfig, mesh, *, plan: partitioning.
     return _sharded_apply(model_config, mesh, plan, body, P(*batch_spec(model_config), None))
 
 
-def evaluate(model, stream: DataStream, num_batches: int, mesh, model_config: TransformerConfig, eval_step=None,
+def evaluate(model, stream: BatchSource, num_batches: int, mesh, model_config: TransformerConfig, eval_step=None,
              *, plan: partitioning.ShardingPlan | None = None):
     """Mean loss and accuracy (weighted by the loss mask) over ``num_batches`` of ``stream``
     (each process drawing only its rows, ``stream_batch``). ``plan``: the parameters' layout
