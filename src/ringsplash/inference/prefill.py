@@ -4,11 +4,12 @@ Each row's prompt (its first ``prompt_lengths[b]`` tokens) is padded with token 
 the model's own layers (``Block.apply`` with ``Attention.project_qkv``, the strategy's ``attend``,
 ``project_out``), keeping every layer's keys and values. The masks decoding supports are causal, so
 padding never reaches a prompt token; the cache's slots past each row's prompt hold zeros, and
-decoding overwrites each before any query sees it. Without a mesh the forward pass runs over :func:`forward_len` tokens (the prompt rounded up to
-a length the kernels tile with large blocks; a cache length such as ``prompt + 128`` would leave the
-kernels 128-token blocks and a tenth of the chip's speed), and its keys / values are cut or
-zero-padded to the cache's ``max_len`` slots; on a mesh it runs over ``max_len``, the cache's layout.
-RoPE always reads ``max_len`` as the current length, as decoding does.
+decoding overwrites each before any query sees it. Without a mesh the forward pass runs over
+:func:`forward_len` tokens (the prompt rounded up to a length the kernels tile with large blocks; a
+cache length such as ``prompt + 128`` would leave the kernels 128-token blocks and a tenth of the
+chip's speed), its keys / values cut or zero-padded to the cache's ``max_len`` slots; on a mesh it
+runs over ``max_len``, the cache's layout (a ``max_len`` that is a multiple of 1024 per device keeps
+the large blocks there). RoPE always reads ``max_len`` as the current length, as decoding does.
 
 Strategy: without a mesh, the model's own single-device strategy (``"reference"`` or
 ``"splash"``; a sequence-parallel model runs ``"splash"``). With a mesh, the model's strategy when it
