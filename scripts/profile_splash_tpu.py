@@ -51,7 +51,8 @@ def ringsplash_attn(row: bench.Row, overrides: dict):
 
 def device_op_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     """``(op name, ms per call, occurrences per call)`` of the device ops in the Perfetto trace under
-    ``trace_dir``, longest first (ops of the TPU processes' "XLA Ops" threads, else every TPU thread)."""
+    ``trace_dir``, longest first (ops of the TPU processes' "XLA Ops" threads, else every TPU thread;
+    each op's own time, without the ops nested in it)."""
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
@@ -68,15 +69,35 @@ def device_op_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     ops_threads = {key for key, name in threads.items() if key[0] in tpu and "XLA Ops" in name}
     if not ops_threads:
         print(f"no 'XLA Ops' thread; every TPU thread counted: {sorted(set(threads.values()))}", file=sys.stderr)
-    total, count = collections.Counter(), collections.Counter()
+    per_thread = collections.defaultdict(list)
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in tpu:
             continue
         if ops_threads and (e["pid"], e.get("tid")) not in ops_threads:
             continue
-        total[e["name"]] += float(e.get("dur", 0.0))
-        count[e["name"]] += 1
+        per_thread[(e["pid"], e.get("tid"))].append(e)
+    total, count = collections.Counter(), collections.Counter()
+    for thread_events in per_thread.values():
+        for name, us in self_times(thread_events):
+            total[name] += us
+            count[name] += 1
     return [(name, us / 1e3 / calls, count[name] / calls) for name, us in total.most_common()]
+
+
+def self_times(events: list[dict]) -> list[tuple[str, float]]:
+    """``(name, microseconds)`` of one thread's events, each less the events nested in it (a ``while``
+    op's span holds its body's ops: counting both would count the body twice)."""
+    spans = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events),
+                   key=lambda t: (t[0], -t[1]))
+    own = [dur for _, dur, _ in spans]
+    stack: list[int] = []  # indices of the open spans enclosing the current one
+    for i, (start, dur, _) in enumerate(spans):
+        while stack and spans[stack[-1]][0] + spans[stack[-1]][1] <= start:
+            stack.pop()
+        if stack:
+            own[stack[-1]] -= dur
+        stack.append(i)
+    return [(name, max(us, 0.0)) for (_, _, name), us in zip(spans, own)]
 
 
 def profile(label: str, fn, args, repeats: int, top: int):

@@ -104,6 +104,35 @@ def test_model_bench_flop_counts_match_a_direct_count():
     assert counts.param_bytes == 4 * total
 
 
+def test_profile_counts_each_device_op_once_without_the_ops_nested_in_it(tmp_path):
+    """profile_splash_tpu.device_op_times (used by bench_train_tpu --profile): a ``while`` op's span holds
+    its body's ops; its time is its own (span minus children), so the ops' times add up to the device time."""
+    import gzip
+    import json
+
+    spec = importlib.util.spec_from_file_location("profile_splash_tpu", ROOT / "scripts" / "profile_splash_tpu.py")
+    prof = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec.loader.exec_module(prof)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:TPU:0")),
+            dict(ph="M", name="thread_name", pid=1, tid=2, args=dict(name="XLA Ops"))]
+    ops = []
+    for step in range(2):  # two steps: a while loop (100 us) around a kernel (60) and a fusion (30), then a copy
+        t = 1000 * step
+        ops += [dict(ph="X", pid=1, tid=2, ts=t, dur=100, name="while.1"),
+                dict(ph="X", pid=1, tid=2, ts=t + 5, dur=60, name="splash_forward"),
+                dict(ph="X", pid=1, tid=2, ts=t + 70, dur=30, name="fusion.3"),
+                dict(ph="X", pid=1, tid=2, ts=t + 100, dur=8, name="copy.2")]
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=meta + ops), f)
+    times = {name: (ms, n) for name, ms, n in prof.device_op_times(str(tmp_path), calls=2)}
+    assert times == {"splash_forward": (0.06, 1), "fusion.3": (0.03, 1), "while.1": (0.01, 1), "copy.2": (0.008, 1)}
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_bench_train_tpu_cpu_smoke_prints_rows():
