@@ -40,8 +40,8 @@ _SMALL = TunedBlocks(512, 512, 512, 512, 512)
 #: (docs/tpu.md); larger head sizes (and float32, which counts double) keep 1024-blocks, not measured.
 _MEASURED = {
     "v5e": {
-        128: ((0, _SMALL), (4096, TunedBlocks(512, 1024, 512, 512, 1024)),
-              (8192, TunedBlocks(1024, 1024, 512, 1024, 1024)), (32768, TunedBlocks(2048, 2048, 512, 1024, 2048))),
+        128: ((0, _SMALL), (4096, TunedBlocks(1024, 1024, 512, 1024, 1024)),
+              (32768, TunedBlocks(2048, 2048, 512, 1024, 2048))),
         1 << 30: ((0, _SMALL), (8192, TunedBlocks(1024, 1024, 512, 1024, 1024))),
     },
 }
