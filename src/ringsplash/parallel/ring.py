@@ -68,6 +68,7 @@ from ringsplash.parallel.ring_plan import (
     ring_plan,
     ring_schedule,
 )
+from ringsplash.splash.attention import KvExchange
 from ringsplash.splash.config import SplashConfig
 
 # the host plan's public names, importable from here too
@@ -96,6 +97,7 @@ class _RingStatic:
     unroll: int | bool
     sinks_vma: frozenset = frozenset()
     max_logits: bool = False
+    kv_exchange: KvExchange | None = None  # maps the caller's k / v to the ring's (USP: Ulysses' all-to-all)
 
     def send(self, x):
         """``x`` one hop along the ring: device i sends to i + 1."""
@@ -143,6 +145,8 @@ class _RingStatic:
 def _ring_forward(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
     """``(out, residuals)``; ``out`` is ``(out, max_logits)`` with ``st.max_logits``."""
     plan, n, axis_name, max_logits = st.plan, st.n, st.axis, st.max_logits
+    if st.kv_exchange is not None:  # the exchanged K / V are the residuals (no re-exchange backward)
+        k, v = st.kv_exchange.gather(k), st.kv_exchange.gather(v)
     me = lax.axis_index(axis_name)
     active = jnp.asarray(plan.active)
 
@@ -248,6 +252,8 @@ def _ring_backward(st: _RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
         if axis_name in vma(local) - st.sinks_vma:
             local = lax.psum(local, axis_name)
         d_sinks = local.astype(sinks.dtype)
+    if st.kv_exchange is not None:  # back to the caller's k / v, summed in float32, one cast
+        return dq.astype(q.dtype), st.kv_exchange.reduce(dk, k.dtype), st.kv_exchange.reduce(dv, v.dtype), d_sinks
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
 
 
@@ -290,6 +296,7 @@ def ring_attention(
     unroll: int | bool = 1,
     return_max_logits: bool = False,
     schedule: RingSchedule | None = None,
+    kv_exchange: KvExchange | None = None,
 ) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
@@ -318,12 +325,19 @@ def ring_attention(
         schedule: this device's slice of :func:`ring_schedule` for these arguments (a
             ``shard_map`` operand with ``schedule.specs(axis_name)``), so the device holds only
             its own rows; None = the whole schedule, a constant replicated on every device.
+        kv_exchange: a ``splash.attention.KvExchange`` (a strategy's collective) inside the ring's
+            custom VJP: ``k`` / ``v`` are then the caller's, which ``kv_exchange.gather`` maps to
+            the shapes above, and their gradients come back through ``kv_exchange.reduce`` from
+            the ring's float32 sums (one cast; USP's Ulysses all-to-all and kv-head repeat).
 
     Returns:
         this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order (and
         ``max_logits`` with ``return_max_logits``).
     """
     unroll = check_unroll("unroll", unroll)
+    given_k, given_v = k, v
+    if kv_exchange is not None:  # checked and planned on the exchanged shapes
+        k, v = jax.eval_shape(kv_exchange.gather, k), jax.eval_shape(kv_exchange.gather, v)
     n = axis_size(axis_name, "ring_attention")
     call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
                             segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name,
@@ -338,6 +352,7 @@ def ring_attention(
     static = _RingStatic(
         plan, n, axis_name, call.scale, call.logit_soft_cap, blocks.config, unroll,
         sinks_vma=frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits),
+        kv_exchange=kv_exchange,
     )
     seg = call.segment_ids
     q_seg, kv_seg = (None, None) if seg is None else (seg.q, seg.kv)
@@ -345,7 +360,7 @@ def ring_attention(
         schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0])
     else:
         check_schedule(schedule, plan, n, ScheduleKey.of(mask, n, layout, config, q.shape[0], k.shape[0]))
-    return _ring(static, q, k, v, q_seg, kv_seg, sinks, schedule)
+    return _ring(static, q, given_k, given_v, q_seg, kv_seg, sinks, schedule)
 
 
 def _kind(mesh) -> str:

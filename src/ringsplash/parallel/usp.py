@@ -29,7 +29,7 @@ from ringsplash.parallel._common import (
 from ringsplash.parallel.heads import local_head_mask, ulysses_heads, usp_factorisations, valid_ulysses_degrees
 from ringsplash.parallel.ring import ring_attention
 from ringsplash.parallel.ring_plan import RingSchedule, fit_ring_blocks
-from ringsplash.parallel.ulysses import gather_head_maxima, heads_to_sequence, sequence_to_heads
+from ringsplash.parallel.ulysses import KvToHeads, gather_head_maxima, heads_to_sequence, sequence_to_heads
 from ringsplash.splash.config import SplashConfig
 
 __all__ = ["usp_attention", "usp_attention_sharded", "usp_mesh"]
@@ -105,10 +105,13 @@ def usp_attention(
     fit_ring_blocks(q_len * a * b, b, layout, config)
     config = interpreter_for_mesh(config, "usp_attention")  # the whole a x b mesh runs kernels
     local_mask = local_head_mask(mask, split)
-    q, k, v, segment_ids, sinks = sequence_to_heads(q, k, v, segment_ids, sinks, split, ulysses_axis)
+    # K / V cross to heads inside the ring's custom VJP (KvToHeads): their gradients come back summed
+    # over the kv-head copies in float32 before one cast, as the ring's own sums are
+    q, _, _, segment_ids, sinks = sequence_to_heads(q, None, None, segment_ids, sinks, split, ulysses_axis)
     out = ring_attention(q, k, v, local_mask, axis_name=ring_axis, segment_ids=segment_ids, layout=layout,
                          scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, unroll=unroll,
-                         return_max_logits=return_max_logits, schedule=schedule)
+                         return_max_logits=return_max_logits, schedule=schedule,
+                         kv_exchange=KvToHeads(ulysses_axis, split.kv_repeat))
     if return_max_logits:
         out, mx = out
         return heads_to_sequence(out, ulysses_axis), gather_head_maxima(mx, ulysses_axis)
