@@ -116,6 +116,32 @@ def test_vmem_estimate_bounds_mosaic_from_above():
         assert size is not None and size > 0, (kernel, blocks, estimate, size)
 
 
+@pytest.mark.cheap
+def test_calibrate_vmem_raises_the_limit_to_each_reported_size(monkeypatch):
+    """scripts/calibrate_vmem.py's search (no compile: Mosaic's one-compile step stands in): from 1 MiB, the
+    limit rises to each size Mosaic reports running out at (+ 16 KiB) until the kernel compiles; another
+    compile error is None."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "calibrate_vmem.py"
+    spec = importlib.util.spec_from_file_location("calibrate_vmem", path)
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    need, tried = 5 << 20, []
+
+    def scoped_oom(target, kernel, bq, bkv, compute, d, dtype, limit, seq_len=4096):
+        tried.append(limit)
+        return None if limit >= need else min(need, 2 * limit)  # the cumulative allocation at which it failed
+
+    monkeypatch.setattr(calibrate, "scoped_oom", scoped_oom)
+    kib16 = 16 << 10
+    assert calibrate.mosaic_bytes("v5e:2x2", "forward", 512, 512, 512, 128, "bfloat16") == need + kib16
+    assert tried == [1 << 20, (2 << 20) + kib16, (4 << 20) + 3 * kib16, need + kib16]
+    monkeypatch.setattr(calibrate, "scoped_oom", lambda *args, **kwargs: 0)
+    assert calibrate.mosaic_bytes("v5e:2x2", "forward", 512, 512, 512, 128, "bfloat16") is None
+
+
 def test_configs_beyond_the_chips_vmem_name_kernel_bytes_limit_and_a_fitting_config():
     s, d = 4096, 512
     mask = masks.CausalMask((s, s))
