@@ -34,40 +34,52 @@ def mosaic_bytes(target: str, kernel: str, bq: int, bkv: int, compute: int, d: i
                  seq_len: int = 4096) -> int | None:
     """Mosaic's scoped VMEM of one kernel (causal mask, 4 heads), or None if it never compiles.
     ringsplash's own check (``KernelVmem.check``) is off meanwhile: the limits tried are below it."""
+    limit = 1 << 20
+    for _ in range(64):
+        found = scoped_oom(target, kernel, bq, bkv, compute, d, dtype, limit, seq_len)
+        if found is None:
+            return limit
+        if not found:
+            return None
+        limit = max(found + (16 << 10), limit + (16 << 10))
+    return None
+
+
+def scoped_oom(target: str, kernel: str, bq: int, bkv: int, compute: int, d: int, dtype: str, limit: int,
+               seq_len: int = 4096) -> int | None:
+    """Compile one kernel (causal mask, 4 heads) with a scoped-VMEM limit of ``limit`` bytes: None if it
+    compiles, else the size (bytes, rounded up to a KiB) of the allocation Mosaic ran out at, or 0 when the
+    compile failed for another reason. ringsplash's own check (``KernelVmem.check``) is off meanwhile."""
     check, KernelVmem.check = KernelVmem.check, lambda self, chip: None
     try:
-        return _mosaic_bytes(target, kernel, bq, bkv, compute, d, dtype, seq_len)
+        return _scoped_oom(target, kernel, bq, bkv, compute, d, dtype, limit, seq_len)
     finally:
         KernelVmem.check = check
 
 
-def _mosaic_bytes(target, kernel, bq, bkv, compute, d, dtype, seq_len):
+def _scoped_oom(target, kernel, bq, bkv, compute, d, dtype, limit, seq_len):
     sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices(target)[0])
     spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=sharding)
     mask = masks.CausalMask((seq_len, seq_len))
     info, info_t = build_mask_info(mask, (bq, bkv)), build_mask_info(mask, (bq, bkv), transpose=True)
     qkv = (spec((4, seq_len, d)),) * 3
-    limit = 1 << 20
-    for _ in range(64):
-        config = rs.SplashConfig(block_q=bq, block_kv=bkv, block_kv_compute=compute, block_q_dkv=bq,
-                                 block_kv_dkv=bkv, backend="mosaic_tpu", vmem_limit_bytes=limit)
-        if kernel == "forward":
-            fn, args = (lambda q, k, v, c=config: rs.splash_forward(q, k, v, info, config=c)), qkv
-        else:
-            parts = {"dq": ("dq",), "dkv": ("dkv",), "fused": ("dq", "dkv")}[kernel]
-            fn = lambda q, k, v, do, lse, c=config, p=parts: rs.splash_backward(q, k, v, do, lse, lse, info, info_t,
-                                                                               config=c, parts=p)
-            args = (*qkv, spec((4, seq_len, d)), spec((4, seq_len), "float32"))
-        try:
-            aot.compile_report(fn, *args)
-            return limit
-        except Exception as exc:
-            found = re.search(r"Scoped allocation with size ([\d.]+)([KMG]) and limit", str(exc))
-            if not found:
-                return None
-            size = int(np.ceil(float(found.group(1)) * _UNITS[found.group(2)] / 1024)) * 1024
-            limit = max(size + (16 << 10), limit + (16 << 10))
-    return None
+    config = rs.SplashConfig(block_q=bq, block_kv=bkv, block_kv_compute=compute, block_q_dkv=bq,
+                             block_kv_dkv=bkv, backend="mosaic_tpu", vmem_limit_bytes=limit)
+    if kernel == "forward":
+        fn, args = (lambda q, k, v, c=config: rs.splash_forward(q, k, v, info, config=c)), qkv
+    else:
+        parts = {"dq": ("dq",), "dkv": ("dkv",), "fused": ("dq", "dkv")}[kernel]
+        fn = lambda q, k, v, do, lse, c=config, p=parts: rs.splash_backward(q, k, v, do, lse, lse, info, info_t,
+                                                                           config=c, parts=p)
+        args = (*qkv, spec((4, seq_len, d)), spec((4, seq_len), "float32"))
+    try:
+        aot.compile_report(fn, *args)
+        return None
+    except Exception as exc:
+        found = re.search(r"Scoped allocation with size ([\d.]+)([KMG]) and limit", str(exc))
+        if not found:
+            return 0
+        return int(np.ceil(float(found.group(1)) * _UNITS[found.group(2)] / 1024)) * 1024
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -474,7 +474,8 @@ def test_every_path_fits_blocks_by_one_rule():
     assert fit.block_shape == (128, 200) and fit.config.block_kv_compute == 256  # 128 does not tile 200: whole
 
 
-@pytest.mark.parametrize("strategy", ["splash", "allgather", "ulysses"])
+# allgather: ~6 s alone (8-12 s in the 2-core fast tier), over the fast tier's 5 s budget
+@pytest.mark.parametrize("strategy", ["splash", pytest.param("allgather", marks=pytest.mark.slow), "ulysses"])
 def test_a_length_blocks_do_not_divide_runs_on_every_path(strategy):
     """S = 768 with 512 blocks (refused before on these three paths) runs with 256 blocks and
     matches the reference, as the ring does."""
