@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import masks
+from ringsplash.model import ContextParallel, ModelFeatures
 from ringsplash.splash.config import SplashConfig
 from support.attention_inputs import inputs, max_err
 
@@ -550,15 +551,17 @@ CONFIG_CASES = [  # (id, call, argument the error must name)
     ("splash probs_dtype", lambda: SplashConfig(probs_dtype="bf16"), "probs_dtype"),
     ("splash block_q not a multiple", lambda: SplashConfig(block_q=100), "block_q"),
     ("splash block_kv str", lambda: SplashConfig(block_kv="512"), "block_kv"),
-    ("model attention", lambda: _model_config(attention="flash"), "attention"),
+    ("model strategy", lambda: _model_config(context_parallel=ContextParallel(strategy="flash")), "strategy"),
     ("model mask", lambda: _model_config(mask="triangle"), "mask"),
     ("model remat", lambda: _model_config(remat="yes"), "remat"),
     ("model param_dtype", lambda: _model_config(param_dtype="fp32"), "param_dtype"),
-    ("model ring_layout", lambda: _model_config(ring_layout="yes"), "ring_layout"),
-    ("model ring_axis_name", lambda: _model_config(ring_axis_name=3), "ring_axis_name"),
-    ("model ulysses_axis_name", lambda: _model_config(ulysses_axis_name=("a", "b")), "ulysses_axis_name"),
+    ("model layout", lambda: ContextParallel("ring", layout="yes"), "layout"),
+    ("model ring_axis", lambda: ContextParallel("ring", ring_axis=3), "ring_axis"),
+    ("model ulysses_axis", lambda: ContextParallel("ulysses", ulysses_axis=("a", "b")), "ulysses_axis"),
+    ("model context_parallel type", lambda: _model_config(context_parallel="ring"), "context_parallel"),
+    ("model features type", lambda: _model_config(features={"qk_norm": True}), "features"),
     ("model sinks str", lambda: _model_config(sinks="yes"), "sinks"),
-    ("model tie_embeddings int", lambda: _model_config(tie_embeddings=1), "tie_embeddings"),
+    ("model tie_embeddings int", lambda: ModelFeatures(tie_embeddings=1), "tie_embeddings"),
     ("model qk_norm", lambda: _model_config(qk_norm="no"), "qk_norm"),
     ("model d_model 0", lambda: _model_config(d_model=0), "d_model"),
     ("model rope_theta str", lambda: _model_config(rope_theta="1e4"), "rope_theta"),

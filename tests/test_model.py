@@ -226,7 +226,7 @@ def test_model_hands_attention_one_dtype_whatever_the_parameters(key):
 def test_ring_model_outside_shard_map_says_how_to_call_it(key):
     config = _config(max_seq_len=512, attention="ring", ring_size=2, ring_axis_name="context")
     model = Transformer(config, key=key)
-    with pytest.raises(ValueError, match=r"attention='ring'.*inside jax.shard_map.*make_logits_fn"):
+    with pytest.raises(ValueError, match=r"strategy='ring'.*inside jax.shard_map.*make_logits_fn"):
         model(jnp.arange(256) % 48, jnp.arange(256))  # was NameError: unbound axis name
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from ringsplash import data, layouts, partitioning, train
 from ringsplash.model import RopeScaling, Transformer, TransformerConfig
-from ringsplash.model.hf_features import LayerSegment, layer_segments
+from ringsplash.model.hf_features import LayerSegment, ModelFeatures, layer_segments, nest_features
 from ringsplash.model.schedule import schedule_bytes_per_device
 from ringsplash.model.transformer import _layer_schedules
 from ringsplash.splash import SplashConfig
@@ -322,7 +322,7 @@ def _patterned(num_layers=2, **kw):
                 layer_types=types, sliding_window=60, local_rope_theta=500.0, norm_offset=1.0, post_norms=True,
                 qk_norm=True, scale_embeddings=True, mlp_activation="gelu_tanh", final_logit_soft_cap=4.0,
                 logit_soft_cap=20.0, attention_scale=0.2, tie_embeddings=True, sinks=True)
-    return TransformerConfig(**{**base, **kw})
+    return TransformerConfig(**nest_features({**base, **kw}))
 
 
 def _count_eqns(jaxpr) -> int:
@@ -512,18 +512,17 @@ WRONG_TYPES = [("attention_bias", 1, TypeError), ("qk_norm", "yes", TypeError), 
 @pytest.mark.parametrize("field, value, error", WRONG_TYPES)
 def test_wrong_typed_hf_feature_values_rejected(field, value, error):
     """Outside the tests' annotation checks (as in library use) __post_init__ names the field too."""
-    kw = dict(vocab_size=V, d_model=32, num_layers=2, num_heads=4)
-    config = TransformerConfig(**kw)
+    features = ModelFeatures()
     with pytest.raises(error, match=field):
-        object.__setattr__(config, field, value)
-        config.__post_init__()
+        object.__setattr__(features, field, value)
+        features.__post_init__()
 
 
 def test_config_dict_round_trip_through_json():
     config = _patterned(2, rope_scaling=RopeScaling(type="linear", factor=2.0), intermediate_size=40,
                         attention_bias=True, norm_eps=1e-5, attention_scale=0.25)
     d = json.loads(json.dumps(config.to_dict()))
-    assert isinstance(d["layer_types"], list)
+    assert isinstance(d["features"]["layer_types"], list)
     back = TransformerConfig.from_dict(d)
-    assert back == config and isinstance(back.layer_types, tuple) and hash(back) == hash(config)
+    assert back == config and isinstance(back.features.layer_types, tuple) and hash(back) == hash(config)
     assert back.mlp_hidden == 40
