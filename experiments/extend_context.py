@@ -351,7 +351,7 @@ def preflight(config: Config, base, methods) -> int:
                 "--num-layers", str(c.num_layers), "--num-heads", str(c.num_heads), "--num-kv-heads",
                 str(c.num_kv_heads), "--head-dim", str(c.head_dim), "--rope-theta", repr(c.rope_theta),
                 "--batch-size", str(config.finetune_batch)]
-        s = c.rope_scaling
+        s = c.features.rope_scaling
         if s is not None:
             args += ["--rope-scaling", s.type, "--rope-factor", repr(s.factor)]
             if s.original_max_position_embeddings:

@@ -145,14 +145,14 @@ def context_parallel(config: Config):
     """The model's ``ContextParallel`` for ``--attention`` (the trainer's default mesh axes):
     ``--context-parallel`` devices on the first axis, USP's all-to-all over ``--ulysses-parallel``."""
     from ringsplash.model import ContextParallel
+    from ringsplash.model.parallelism import RULES
 
+    roles = RULES[config.attention].roles
+    if len(roles) == 2:  # USP: the ring across, Ulysses inside
+        return ContextParallel(config.attention, ring_size=config.context_parallel,
+                               ulysses_size=config.ulysses_parallel, layout=config.layout)
     cp = ContextParallel(layout=config.layout)
-    if config.attention == "usp":
-        return ContextParallel("usp", ring_size=config.context_parallel, ulysses_size=config.ulysses_parallel,
-                               layout=config.layout)
-    if config.attention in ("ring", "allgather", "ulysses"):
-        return cp.on_axis(None, config.context_parallel, config.attention)
-    return cp.single_device(config.attention)
+    return cp.on_axis(None, config.context_parallel, config.attention) if roles else cp.single_device(config.attention)
 
 
 def make_model_config(config: Config, vocab_size: int):

@@ -78,7 +78,7 @@ def _doc_losses_fn(config, model):
     def losses(batch):
         logits = np.asarray(logits_fn(model, train.shard_batch(batch, mesh, config)))
         if config.context_shards > 1:
-            logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
+            logits = layouts.unpermute(logits, config.context_parallel.layout, config.layout_shards, axis=1)
         return np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch.labels))
 
     return losses

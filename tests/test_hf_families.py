@@ -57,7 +57,7 @@ def test_registry_round_trips_every_family_config_both_ways(model_type, i):
     assert rhf.config_from_hf(written) == c
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps",
                 "sliding_window", "layer_types", "query_pre_attn_scalar", "final_logit_softcapping"):
-        if d.get(key) is not None and (key != "sliding_window" or model_type == "mistral" or c.layer_types):
+        if d.get(key) is not None and (key != "sliding_window" or model_type == "mistral" or c.features.layer_types):
             assert written[key] == d[key], key
 
 
@@ -81,7 +81,7 @@ def test_a_new_family_is_one_record(monkeypatch):
                            Key("final_logit_soft_cap", "logit_cap")))
     monkeypatch.setitem(families.FAMILIES, "toy", toy)
     c = rhf.config_from_hf(dict(TINY, model_type="toy", logit_cap=7.0))
-    assert c.qk_norm and c.final_logit_soft_cap == 7.0 and c.max_seq_len == 1024
+    assert c.features.qk_norm and c.features.final_logit_soft_cap == 7.0 and c.max_seq_len == 1024
     d = rhf.hf_config_dict(c, "toy")
     assert (d["architectures"], d["logit_cap"], d["hidden_act"]) == (["ToyForCausalLM"], 7.0, "silu")
     assert rhf.config_from_hf(d) == c

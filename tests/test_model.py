@@ -44,7 +44,7 @@ def _batch(seq, rows=2):
 def _run(config, model, batch):
     """(logits in original order, grads, loss) for one strategy: the trainer's logits function and
     sharded gradient function in one jit, so one compile per strategy (compiling dominates these runs)."""
-    n = config.ring_size
+    n = config.context_parallel.ring_size
     mesh = train.make_mesh(1, n)
     sharded = train.shard_batch(batch, mesh, config)
     params, static = eqx.partition(model, eqx.is_array)
@@ -54,8 +54,8 @@ def _run(config, model, batch):
     logits, (grads, metrics) = jax.jit(
         lambda p, b, sc: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b, None, sc)))(params, sharded, schedule)
     logits = np.asarray(logits)
-    if config.attention == "ring":
-        logits = layouts.unpermute(logits, config.ring_layout, n, axis=1)
+    if config.context_parallel.strategy == "ring":
+        logits = layouts.unpermute(logits, config.context_parallel.layout, n, axis=1)
     return logits, jax.device_get(grads), float(metrics["loss"])
 
 
@@ -78,7 +78,7 @@ def test_model_strategies_agree():
     for config in (ref_config.replace(attention="splash"), ring.replace(ring_layout="zigzag"),
                    ring.replace(ring_layout="striped")):
         logits, grads, loss = _run(config, _with_config(model, config), batch)
-        name = f"{config.attention} {config.ring_layout}"
+        name = f"{config.context_parallel.strategy} {config.context_parallel.layout}"
         np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL, err_msg=name)
         np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL, err_msg=name)
         for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):

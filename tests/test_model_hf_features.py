@@ -70,7 +70,7 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 def _load(hf, config: TransformerConfig) -> Transformer:
     """Test-local name map: the transformers weights copied into our model (HF ``[out, in]`` transposed)."""
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    gemma = config.post_norms
+    gemma = config.features.post_norms
 
     def stack(name, transpose=True):
         return jnp.asarray(np.stack([sd[f"model.layers.{i}.{name}"].T if transpose else sd[f"model.layers.{i}.{name}"]
@@ -78,7 +78,7 @@ def _load(hf, config: TransformerConfig) -> Transformer:
 
     pairs = [(lambda m: m.embedding, jnp.asarray(sd["model.embed_tokens.weight"])),
              (lambda m: m.final_norm.weight, jnp.asarray(sd["model.norm.weight"]))]
-    if not config.tie_embeddings:
+    if not config.features.tie_embeddings:
         pairs.append((lambda m: m.unembedding, jnp.asarray(sd["lm_head.weight"].T)))
     a = "self_attn."
     names = {"attention.wq": a + "q_proj.weight", "attention.wk": a + "k_proj.weight",
@@ -201,7 +201,7 @@ def test_sliding_window_one_token_off_is_caught():
             _compare(hf, config.replace(local_window=off), atol=5e-5)
     hf, config = _gemma2()
     with pytest.raises(AssertionError):
-        _compare(hf, config.replace(sliding_window=config.sliding_window + 1), atol=1.1e-5)
+        _compare(hf, config.replace(sliding_window=config.features.sliding_window + 1), atol=1.1e-5)
 
 
 def _gemma2():
@@ -229,7 +229,7 @@ def test_gemma3_matches_transformers():
     config = TransformerConfig(**{**_common(hf), **_gemma(hf), "qk_norm": True, "local_rope_theta": 1_000.0,
                                   "rope_scaling": RopeScaling(type="linear", factor=4.0)})
     assert config.rope_theta == 50_000.0 and hf.config.layer_types.count("full_attention") == 1
-    assert [len(s.kinds) for s in layer_segments(config.layer_types, 8)] == [6, 2]
+    assert [len(s.kinds) for s in layer_segments(config.features.layer_types, 8)] == [6, 2]
     _compare(hf, config, atol=1.6e-5)
 
 
@@ -356,7 +356,7 @@ def _unrolled(model: Transformer, tokens, positions):
     mx = []
     for i in range(c.num_layers):
         layer = jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, model.layers)
-        x, m = layer(x, positions, None, return_max_logits=True, layer_type=c.layer_types[i])
+        x, m = layer(x, positions, None, return_max_logits=True, layer_type=c.features.layer_types[i])
         mx.append(m)
     return model.logits(model.final_norm(x)), jnp.stack(mx)
 
@@ -399,7 +399,7 @@ def test_final_soft_cap_in_chunked_loss():
     assert float(jnp.max(jnp.abs(logits))) < 4.0
     want = float(jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels)))
     s, _ = train.chunked_loss_sums(hidden, model.unembedding_matrix(), labels, jnp.ones(128), 32,
-                                   model.config.final_logit_soft_cap)
+                                   model.config.features.final_logit_soft_cap)
     np.testing.assert_allclose(float(s), want, rtol=1e-5)
 
 
@@ -428,7 +428,7 @@ def _strategy_logits(config, model, tokens, *, fsdp=False):
     logits_fn = train.make_logits_fn(config, mesh, plan=plan)
     logits = np.asarray(logits_fn(eqx.combine(params, static), sharded))
     if config.context_shards > 1:
-        logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
+        logits = layouts.unpermute(logits, config.context_parallel.layout, config.layout_shards, axis=1)
     return logits[0]
 
 

@@ -53,7 +53,7 @@ def _run(config, model, batch):
     logits = np.asarray(logits_fn(eqx.combine(params, static), sharded))  # jitted, built once per config and mesh
     grads, _ = jax.jit(lambda p, b, sc: grad_fn(p, static, b, None, sc))(params, sharded, schedule)
     if config.context_shards > 1:
-        logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
+        logits = layouts.unpermute(logits, config.context_parallel.layout, config.layout_shards, axis=1)
     return logits, jax.device_get(grads)
 
 
