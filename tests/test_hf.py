@@ -18,7 +18,7 @@ import pytest
 import ringsplash.hf as rhf
 from ringsplash import layouts, train
 from ringsplash.hf import io as hf_io
-from ringsplash.model import RopeScaling, TransformerConfig
+from ringsplash.model import ContextParallel, RopeScaling, TransformerConfig
 from ringsplash.splash import SplashConfig
 from support.processes import child_env
 
@@ -158,11 +158,11 @@ def test_config_from_hf_reads_the_older_rope_keys():
     c = rhf.config_from_hf(d)
     assert c.rope_theta == 500000.0 and c.features.rope_scaling == RopeScaling("linear", factor=4.0)
     d = dict(model_type="llama", **TINY, rope_theta=10000.0, rope_scaling=None)
-    assert rhf.config_from_hf(d).rope_scaling == RopeScaling("default")
+    assert rhf.config_from_hf(d).features.rope_scaling == RopeScaling("default")
     # both keys: rope_scaling wins, as in transformers
     d = dict(model_type="llama", **TINY, rope_scaling=dict(type="linear", factor=4.0),
              rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-    assert rhf.config_from_hf(d).rope_scaling == RopeScaling("linear", factor=4.0)
+    assert rhf.config_from_hf(d).features.rope_scaling == RopeScaling("linear", factor=4.0)
     config = transformers.LlamaConfig(**TINY, rope_scaling=dict(type="linear", factor=4.0),
                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
     assert config.rope_parameters["rope_type"] == "linear"
@@ -227,7 +227,7 @@ def _config_dict(**changes):
 ])
 def test_config_from_hf_refuses_what_it_cannot_build(changes, message):
     if message is None:  # a neighbour that is accepted
-        assert rhf.config_from_hf(_config_dict(**changes)).layer_types is None
+        assert rhf.config_from_hf(_config_dict(**changes)).features.layer_types is None
         return
     with pytest.raises(ValueError, match=message):
         rhf.config_from_hf(_config_dict(**changes))
@@ -252,7 +252,7 @@ def test_config_from_hf_refuses_values_of_the_wrong_type(key, value, expected):
         rhf.config_from_hf(_config_dict(**{key: value}))
     with pytest.raises(Exception, match=key):  # the oracle refuses the same value
         transformers.LlamaConfig(**{**TINY, key: value})
-    assert rhf.config_from_hf(_config_dict(rms_norm_eps=1, hidden_size=64)).norm_eps == 1.0  # an int is an exact number
+    assert rhf.config_from_hf(_config_dict(rms_norm_eps=1, hidden_size=64)).features.norm_eps == 1.0  # an int is an exact number
 
 
 def test_load_hf_names_a_missing_or_misshaped_tensor(hf_models, tmp_path):
@@ -535,9 +535,8 @@ def our_logits_traced(model, tokens):
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
 STRATEGIES = {
-    "ring-zigzag": dict(attention="ring", ring_axis_name="context", ring_size=4, ring_layout="zigzag"),
-    "usp-2x2": dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses",
-                    ulysses_size=2),
+    "ring-zigzag": dict(context_parallel=ContextParallel("ring", ring_size=4, layout="zigzag")),
+    "usp-2x2": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2)),
 }
 
 
@@ -568,9 +567,9 @@ def test_imported_models_under_ring_and_usp_on_4_devices(hf_models, kind, strate
 
 
 OTHER_STRATEGIES = {
-    "splash": dict(attention="splash"),
-    "allgather-4": dict(attention="allgather", ring_axis_name="context", ring_size=4, ring_layout="striped"),
-    "ulysses-2": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=2),
+    "splash": dict(context_parallel=ContextParallel("splash")),
+    "allgather-4": dict(context_parallel=ContextParallel("allgather", ring_size=4, layout="striped")),
+    "ulysses-2": dict(context_parallel=ContextParallel("ulysses", ulysses_size=2)),
 }
 
 

@@ -69,7 +69,7 @@ def test_to_hf_names_everything_a_family_cannot_express():
     with pytest.raises(ValueError, match=r"as model_type='qwen2': attention_bias=False \(the family has True\)"):
         rhf.hf_config_dict(c, "qwen2")
     assert families.infer_model_type(c.replace(mask="local", local_window=7)) == "mistral"
-    assert families.infer_model_type(c.replace(attention_bias=True)) == "qwen2"
+    assert families.infer_model_type(c.replace(features=c.features.replace(attention_bias=True))) == "qwen2"
 
 
 def test_a_new_family_is_one_record(monkeypatch):
@@ -114,5 +114,5 @@ def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
     caps = dict(TINY, head_dim=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
     gemma3 = rhf.config_from_hf(dict(caps, model_type="gemma3_text"))
     gemma2 = rhf.config_from_hf(dict(caps, model_type="gemma2"))
-    assert (gemma3.logit_soft_cap, gemma3.final_logit_soft_cap) == (None, 3.0)
-    assert (gemma2.logit_soft_cap, gemma2.final_logit_soft_cap) == (5.0, 3.0)
+    assert (gemma3.logit_soft_cap, gemma3.features.final_logit_soft_cap) == (None, 3.0)
+    assert (gemma2.logit_soft_cap, gemma2.features.final_logit_soft_cap) == (5.0, 3.0)

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from ringsplash import data, layouts, partitioning, train
-from ringsplash.model import RopeScaling, Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, RopeScaling, Transformer, TransformerConfig
 from ringsplash.model.hf_features import LayerSegment, ModelFeatures, layer_segments, nest_features
 from ringsplash.model.schedule import schedule_bytes_per_device
 from ringsplash.model.transformer import _layer_schedules
@@ -119,6 +119,11 @@ def _common(hf) -> dict:
                 rope_scaling=RopeScaling(), norm_eps=c.rms_norm_eps, tie_embeddings=c.tie_word_embeddings)
 
 
+def _flat_config(**fields) -> TransformerConfig:
+    """A config from flat fields (the ``ModelFeatures`` ones nested into ``features``)."""
+    return TransformerConfig(**nest_features(fields))
+
+
 def _gemma(hf) -> dict:
     c = hf.config
     return dict(mlp_activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True,
@@ -148,7 +153,7 @@ def _compare(hf, config, atol):
 def test_llama_matches_transformers(tie):
     """Llama (a tied one: the unembedding is the embedding itself). Measured 5.2e-6 / 6.0e-6 (tied)."""
     hf = _hf_model("llama", tie_word_embeddings=tie, rms_norm_eps=1e-5)
-    _compare(hf, TransformerConfig(**_common(hf)), atol=6e-5)
+    _compare(hf, _flat_config(**_common(hf)), atol=6e-5)
 
 
 @pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
@@ -156,19 +161,19 @@ def test_qwen2_attention_bias_matches_transformers():
     """q/k/v biases. Measured 3.0e-6."""
     hf = _hf_model("qwen2")
     assert hf.model.layers[0].self_attn.q_proj.bias is not None
-    _compare(hf, TransformerConfig(**_common(hf), attention_bias=True), atol=3e-5)
+    _compare(hf, _flat_config(**_common(hf), features=ModelFeatures(attention_bias=True)), atol=3e-5)
 
 
 @pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 def test_qwen3_qk_norm_matches_transformers():
     """Per-head RMSNorm of q and k before RoPE. Measured 4.0e-6."""
     hf = _hf_model("qwen3")
-    _compare(hf, TransformerConfig(**_common(hf), qk_norm=True), atol=4e-5)
+    _compare(hf, _flat_config(**_common(hf), features=ModelFeatures(qk_norm=True)), atol=4e-5)
 
 
 def _mistral(w=100):
     hf = _hf_model("mistral", sliding_window=w)
-    return hf, TransformerConfig(**_common(hf), mask="local", local_window=w - 1)
+    return hf, _flat_config(**_common(hf), mask="local", local_window=w - 1)
 
 
 @pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
@@ -185,7 +190,7 @@ def test_all_sliding_layer_types_equal_local_mask():
     n, w = 128, 40
     local = TransformerConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, max_seq_len=n, mask="local",
                               local_window=w - 1)
-    typed = local.replace(mask="causal", local_window=None, layer_types=("sliding_attention",) * 2, sliding_window=w)
+    typed = local.replace(mask="causal", local_window=None, features=local.features.replace(layer_types=("sliding_attention",) * 2, sliding_window=w))
     model = Transformer(local, key=jax.random.key(4))
     tokens = jnp.asarray(_tokens()[:n], jnp.int32)
     run = eqx.filter_jit(lambda m: m(tokens, jnp.arange(n)))
@@ -201,13 +206,13 @@ def test_sliding_window_one_token_off_is_caught():
             _compare(hf, config.replace(local_window=off), atol=5e-5)
     hf, config = _gemma2()
     with pytest.raises(AssertionError):
-        _compare(hf, config.replace(sliding_window=config.features.sliding_window + 1), atol=1.1e-5)
+        _compare(hf, config.replace(features=config.features.replace(sliding_window=config.features.sliding_window + 1)), atol=1.1e-5)
 
 
 def _gemma2():
     hf = _hf_model("gemma2", sliding_window=100, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh")
-    return hf, TransformerConfig(**_common(hf), **_gemma(hf))
+    return hf, _flat_config(**_common(hf), **_gemma(hf))
 
 
 def test_gemma2_matches_transformers():
@@ -226,7 +231,7 @@ def test_gemma3_matches_transformers():
     hf = _hf_model("gemma3", num_hidden_layers=8, sliding_window=100, query_pre_attn_scalar=24,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}})
-    config = TransformerConfig(**{**_common(hf), **_gemma(hf), "qk_norm": True, "local_rope_theta": 1_000.0,
+    config = _flat_config(**{**_common(hf), **_gemma(hf), "qk_norm": True, "local_rope_theta": 1_000.0,
                                   "rope_scaling": RopeScaling(type="linear", factor=4.0)})
     assert config.rope_theta == 50_000.0 and hf.config.layer_types.count("full_attention") == 1
     assert [len(s.kinds) for s in layer_segments(config.features.layer_types, 8)] == [6, 2]
@@ -272,9 +277,7 @@ def test_defaults_add_no_parameters_or_ops():
     model = _default_model()
     a = model.layers.attention
     assert a.bq is None and a.q_norm is None and model.layers.post_attention_norm is None
-    spelled = model.config.replace(intermediate_size=None, mlp_activation="silu", attention_bias=False, qk_norm=False,
-                                   norm_eps=1e-6, norm_offset=0.0, post_norms=False, scale_embeddings=False,
-                                   attention_scale=None, final_logit_soft_cap=None, layer_types=None)
+    spelled = model.config.replace(features=model.config.features.replace(intermediate_size=None, mlp_activation="silu", attention_bias=False, qk_norm=False, norm_eps=1e-6, norm_offset=0.0, post_norms=False, scale_embeddings=False, attention_scale=None, final_logit_soft_cap=None, layer_types=None))
     tokens = jnp.zeros(64, jnp.int32)
     jaxpr = lambda m: str(jax.make_jaxpr(lambda t: m(t, jnp.arange(64)))(tokens))
     assert jaxpr(model) == jaxpr(model.with_config(spelled))
@@ -282,7 +285,7 @@ def test_defaults_add_no_parameters_or_ops():
 
 def test_tied_unembedding_is_the_embedding():
     config = TransformerConfig(vocab_size=512, d_model=64, num_layers=1, num_heads=4, max_seq_len=64,
-                               tie_embeddings=True)
+                               features=ModelFeatures(tie_embeddings=True))
     model = Transformer(config, key=jax.random.key(0))
     assert model.unembedding is None
     np.testing.assert_array_equal(model.unembedding_matrix(), model.embedding.T)
@@ -406,13 +409,13 @@ def test_final_soft_cap_in_chunked_loss():
 # ------------------------------------------------------------------ patterned model under every strategy
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-RING = dict(ring_axis_name="context", splash=BLOCKS)
+RING = dict(splash=BLOCKS)
 STRATEGIES = {
-    "splash": dict(attention="splash", splash=BLOCKS),
-    "ring-4-zigzag": dict(attention="ring", ring_size=4, **RING),
-    "allgather-4": dict(attention="allgather", ring_size=4, **RING),
-    "ulysses-2": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=2, splash=BLOCKS),
-    "usp-2x2": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
+    "splash": dict(context_parallel=ContextParallel("splash"), splash=BLOCKS),
+    "ring-4-zigzag": dict(context_parallel=ContextParallel("ring", ring_size=4), **RING),
+    "allgather-4": dict(context_parallel=ContextParallel("allgather", ring_size=4), **RING),
+    "ulysses-2": dict(context_parallel=ContextParallel("ulysses", ulysses_size=2), splash=BLOCKS),
+    "usp-2x2": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2), **RING),
 }
 
 
@@ -500,7 +503,7 @@ BAD = [
 @pytest.mark.parametrize("changes, field", BAD, ids=[str(c) for c, _ in BAD])
 def test_bad_hf_feature_values_rejected(changes, field):
     with pytest.raises(ValueError, match=field):
-        TransformerConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, **changes)
+        TransformerConfig(**nest_features(dict(vocab_size=V, d_model=32, num_layers=2, num_heads=4, **changes)))
 
 
 # a flag of another type is a TypeError, an option outside its choices a ValueError

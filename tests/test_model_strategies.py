@@ -65,7 +65,6 @@ def reference():
     return model, batch, _run(config, model, batch)
 
 
-RING = dict(ring_axis_name="context")
 # One model-level case per strategy wiring (mesh, batch layout, sharded grads); the degrees and layouts
 # a strategy supports are swept at the attention level in test_parallel.py (all-gather: every mask x
 # every layout at N = 4; Ulysses at N = 4; USP at both (2, 4) and (4, 2) with kv heads repeated and
@@ -75,14 +74,12 @@ RING = dict(ring_axis_name="context")
 # striped and contiguous layouts, the xla backend and the Pallas kernels.
 CASES = {
     # 8 devices: Ulysses repeats each of the 2 kv heads 4 times; USP repeats them twice
-    "allgather-8-striped": dict(attention="allgather", ring_size=8, ring_layout="striped", **RING),
-    "ulysses-8": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=8),
-    "usp-4x2-contiguous": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4,
-                               ring_layout="contiguous", **RING),
+    "allgather-8-striped": dict(context_parallel=ContextParallel("allgather", ring_size=8, layout="striped")),
+    "ulysses-8": dict(context_parallel=ContextParallel("ulysses", ulysses_size=8)),
+    "usp-4x2-contiguous": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=4, layout="contiguous")),
     # 4 devices, zigzag, the Pallas kernels (generic interpreter): the inner ring's per-device schedule
     # carries the dK/dV view too; Ulysses 2 splits the 2 kv heads (1 per rank)
-    "usp-2x2-interpret": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2,
-                              splash=dataclasses.replace(BLOCKS, backend="interpret", interpret_params="generic"), **RING),
+    "usp-2x2-interpret": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2), splash=dataclasses.replace(BLOCKS, backend="interpret", interpret_params="generic")),
 }
 
 
@@ -180,7 +177,7 @@ def test_trainer_mesh_must_match_the_strategy():
 
 def test_usp_fsdp_shards_over_every_mesh_axis():
     """FSDP on the USP mesh shards parameters over data x context x ulysses together."""
-    usp = _config(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2)
+    usp = _config(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2))
     plan = train.sharding_plan(usp, train.mesh_for(usp, data=2), fsdp=True)
     assert plan.axes == ("data", "context", "ulysses") and plan.num_shards == 8
     assert plan.specs.layers.mlp.w_gate[2] == ("data", "context", "ulysses")
