@@ -37,8 +37,6 @@ DTYPES: tuple[str, ...] = literal_choices(DType)
 #: matmul result without batch dimensions plus the attention outputs.
 RematPolicy = Literal["none", "full", "save_attention", "save_dots"]
 REMAT_POLICIES: tuple[str, ...] = literal_choices(RematPolicy)
-#: strategies whose attention returns per-head max logits (``return_max_logits``), so QK-clip can run
-MAX_LOGIT_STRATEGIES: tuple[str, ...] = STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +223,7 @@ class TransformerConfig:
 
     def padded_seq_len(self, seq_len: int) -> int:
         """The global length a sequence of ``seq_len`` tokens runs at under the context-parallel
-        strategy: the smallest length >= ``seq_len`` that the ``ring_layout`` splits over the
+        strategy: the smallest length >= ``seq_len`` that the ``context_parallel.layout`` splits over the
         devices and the Splash blocks tile (``check_seq_len``). The trainer pads every batch to it
         (``ringsplash.train.layout_batch``); ``seq_len`` itself when it tiles, and without context
         parallelism. A fixed-shape ``Mask`` serves its own length only, so it is never padded."""
@@ -255,7 +253,7 @@ class TransformerConfig:
 
     @property
     def layout_shards(self) -> int:
-        """Shards of the ``ring_layout`` permutation (``ContextParallel.layout_shards``)."""
+        """Shards of the ``context_parallel.layout`` permutation (``ContextParallel.layout_shards``)."""
         return self.context_parallel.layout_shards
 
     @property
