@@ -37,7 +37,7 @@ def _constants_of_shape(text: str, shape) -> int:
 @pytest.mark.slow
 def test_train_step_takes_the_ring_schedule_sharded_not_as_a_constant():
     mesh = train.mesh_for(CONFIG)
-    tc = train.TrainConfig(steps=2, batch_size=1, context_parallel=N, warmup_steps=1)
+    tc = train.TrainConfig(steps=2, batch_size=1, warmup_steps=1)
     optimizer = train.make_optimizer(tc)
     model = Transformer(CONFIG, key=jax.random.key(0))
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))  # (lowering only: placement does not matter)

@@ -45,7 +45,7 @@ def _first_step_grads(opt_state, grad_norm, tc):
 def _runs():
     """{fsdp: (plan, first-step grads and parameters, 20 losses, final state)} for fsdp in (False, True)."""
     config = _config()
-    tc = train.TrainConfig(steps=20, batch_size=ROWS, data_parallel=DATA, context_parallel=CONTEXT, warmup_steps=2,
+    tc = train.TrainConfig(steps=20, batch_size=ROWS, data_parallel=DATA, warmup_steps=2,
                            learning_rate=1e-2, progress=False)
     mesh = train.make_mesh(DATA, CONTEXT)
     optimizer = train.make_optimizer(tc)

@@ -31,7 +31,7 @@ def test_train_reduces_loss(tmp_path):
 @pytest.mark.slow
 def test_train_ring_on_data_by_context_mesh_reduces_loss(tmp_path):
     config, tc, stream = _setup(seq=512, steps=6, context_parallel=ContextParallel("ring", ring_size=2))
-    tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "context_parallel": 2, "learning_rate": 1e-2})
+    tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "learning_rate": 1e-2})
     state = train.fit(config, tc, stream, str(tmp_path))
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert int(state.step) == 6 and losses[-1] < losses[0], losses

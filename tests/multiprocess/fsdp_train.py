@@ -39,7 +39,7 @@ def setup():
     blocks = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
     config = TransformerConfig(vocab_size=task.vocab_size, d_model=16, num_layers=1, num_heads=2, max_seq_len=SEQ,
                                splash=blocks, context_parallel=ContextParallel("ring", ring_size=CONTEXT))
-    tc = train.TrainConfig(steps=STEPS, batch_size=ROWS, data_parallel=DATA, context_parallel=CONTEXT,
+    tc = train.TrainConfig(steps=STEPS, batch_size=ROWS, data_parallel=DATA,
                            warmup_steps=1, learning_rate=1e-2, log_every=1, progress=False)
     return config, tc, data.DataStream(make=make, batch_size=ROWS, seed=1, per_row=True)
 
