@@ -117,15 +117,16 @@ def parse_args(argv=None) -> Config:
 
 def model_config(config: Config, vocab_size: int = 256):
     """The ``TransformerConfig`` of ``config`` (``vocab_size``: the corpus's; 256 for bytes)."""
-    from ringsplash.model import TransformerConfig
+    from ringsplash.model import ContextParallel, TransformerConfig
 
-    ring = config.attention == "ring"
+    cp = ContextParallel(layout=config.layout)
+    cp = cp.on_axis(None, config.context_parallel, "ring") if config.attention == "ring" else cp.single_device(
+        config.attention)
     return TransformerConfig(
         vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads or None, head_dim=config.head_dim or None, mlp_ratio=config.mlp_ratio,
         mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta, remat=config.remat,
-        max_seq_len=config.seq_len, attention=config.attention, ring_axis_name="context" if ring else None,
-        ring_layout=config.layout, ring_size=config.context_parallel if ring else 1,
+        max_seq_len=config.seq_len, context_parallel=cp,
         splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
     )
 
@@ -169,20 +170,19 @@ def main(config: Config, hooks=()) -> dict:
     t0 = time.perf_counter()
     run_dir = config.run_dir or os.path.join("runs", "byte_lm", time.strftime("%Y%m%d-%H%M%S"))
     train_path, heldout_path = corpora(config)
-    ring = config.attention == "ring"
     loader = data.Loader(train_path, data.LoaderConfig(seq_len=config.seq_len, batch_size=config.batch_size,
                                                        seed=config.seed, packing=config.packing))
     model_cfg = model_config(config, loader.vocab_size)
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), data_parallel=config.data_parallel,
-        context_parallel=config.context_parallel if ring else 1, seed=config.seed, progress=config.progress,
+        seed=config.seed, progress=config.progress,
         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
     )
     # held out: documents cut at row ends (concat_split), so each piece starts its document's context
     heldout = data.Loader(heldout_path, data.LoaderConfig(seq_len=config.seq_len, batch_size=config.batch_size,
                                                           seed=config.seed + 1, packing="concat_split"))
-    mesh = train.make_mesh(tc.data_parallel, tc.context_parallel)
+    mesh = train.mesh_for(model_cfg, tc.data_parallel)
     if heldout.corpora[0].fingerprint == loader.corpora[0].fingerprint:
         raise ValueError(f"--heldout {heldout_path!r} holds the same documents as --data {train_path!r}: pass a "
                          f"corpus of other documents")
@@ -195,7 +195,7 @@ def main(config: Config, hooks=()) -> dict:
           f"{unit}s, {loader.sources[0].plan.num_rows} packed rows ({config.packing}); held out: {heldout_path} "
           f"({len(heldout.corpora[0])} other documents)")
     print(distributed.device_line())
-    print(f"{config.attention} over {tc.context_parallel} device(s), seq_len={config.seq_len}, backend="
+    print(f"{config.attention} over {model_cfg.context_parallel.shards} device(s), seq_len={config.seq_len}, backend="
           f"{config.backend}, blocks={config.block or 'auto'}, dtypes param={config.param_dtype} "
           f"compute={config.compute_dtype}", flush=True)
     state = train.fit(model_cfg, tc, loader, run_dir, mesh=mesh, hooks=hooks)

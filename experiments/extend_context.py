@@ -159,12 +159,12 @@ def parse_args(argv=None) -> Config:
 
 def base_model_config(config: Config, vocab_size: int):
     """The base model: one device (Splash), ``base_len`` tokens."""
-    from ringsplash.model import TransformerConfig
+    from ringsplash.model import ContextParallel, TransformerConfig
 
     return TransformerConfig(
         vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads or None, rope_theta=config.rope_theta, max_seq_len=config.base_len,
-        attention="splash", splash=splash_config(config), param_dtype=config.param_dtype,
+        context_parallel=ContextParallel("splash"), splash=splash_config(config), param_dtype=config.param_dtype,
         compute_dtype=config.compute_dtype)
 
 
@@ -182,14 +182,14 @@ def extended(base, method: str, factor: int, base_len: int):
     elif method == "llama3":  # Llama 3.1's defaults for the smooth band
         scaling = RopeScaling(type="llama3", factor=float(factor), original_max_position_embeddings=base_len,
                               low_freq_factor=1.0, high_freq_factor=4.0)
-    return dataclasses.replace(base, max_seq_len=factor * base_len, rope_theta=theta, rope_scaling=scaling)
+    return base.replace(max_seq_len=factor * base_len, rope_theta=theta,
+                        features=base.features.replace(rope_scaling=scaling))
 
 
 def on_ring(c, config: Config):
     """``c`` with its attention as the finetune's ring over ``config.context_parallel`` devices."""
-    return dataclasses.replace(
-        c, attention="ring", ring_axis_name="context", ring_size=config.context_parallel, ring_layout=config.layout,
-        splash=splash_config(config))
+    cp = c.context_parallel.on_axis(None, config.context_parallel, "ring", layout=config.layout)
+    return c.replace(context_parallel=cp, splash=splash_config(config))
 
 
 # ------------------------------------------------------------------------------------ data
@@ -351,7 +351,7 @@ def preflight(config: Config, base, methods) -> int:
                 "--num-layers", str(c.num_layers), "--num-heads", str(c.num_heads), "--num-kv-heads",
                 str(c.num_kv_heads), "--head-dim", str(c.head_dim), "--rope-theta", repr(c.rope_theta),
                 "--batch-size", str(config.finetune_batch)]
-        s = c.rope_scaling
+        s = c.features.rope_scaling
         if s is not None:
             args += ["--rope-scaling", s.type, "--rope-factor", repr(s.factor)]
             if s.original_max_position_embeddings:
@@ -478,7 +478,7 @@ def main(config: Config, hooks=()) -> dict:
 
     results = []
     long_stream = stream(long_len, config.finetune_batch, 0, "long")  # whole-length recall rows
-    mesh = train.make_mesh(1, config.context_parallel)
+    mesh = train.mesh_for(on_ring(base, config))
     for method in methods:  # 2. each method: zero-shot, finetune on the ring, again
         ext = extended(base, method, config.factor, config.base_len)
         zero = base_model.with_config(ext)
@@ -486,9 +486,9 @@ def main(config: Config, hooks=()) -> dict:
             if model is None:
                 steps = config.finetune_steps
                 tc = train.TrainConfig(steps=steps, batch_size=config.finetune_batch, learning_rate=config.finetune_lr,
-                                       warmup_steps=max(1, steps // 10), context_parallel=config.context_parallel,
-                                       seed=config.seed, log_every=max(1, steps // 10),
-                                       checkpoint_every=config.checkpoint_every, progress=config.progress)
+                                       warmup_steps=max(1, steps // 10), seed=config.seed,
+                                       log_every=max(1, steps // 10), checkpoint_every=config.checkpoint_every,
+                                       progress=config.progress)
                 finetune_dir = _finetune_dir(run_dir, method, base_step)
                 continue_to(finetune_dir, tc)
                 print(f"[{method}] finetune: {config.finetune_steps} steps x {config.finetune_batch} rows x "

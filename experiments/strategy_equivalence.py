@@ -63,23 +63,24 @@ def parse_args(argv=None) -> Config:
 
 def strategy_configs(base, strategies, n: int, layout: str) -> list[tuple[str, object]]:
     """(label, model config or the reason it cannot run) for each sequence-parallel strategy on N devices."""
+    from ringsplash.model import ContextParallel
     from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
 
     h, kv = base.num_heads, base.num_kv_heads
+    cp = base.context_parallel
     out = []
     for name in strategies:
-        common = dict(attention=name, ring_layout=layout)
         if name in ("ring", "allgather"):
-            out.append((f"{name}/{layout}", base.replace(ring_axis_name="context", ring_size=n, **common)))
+            out.append((f"{name}/{layout}", base.replace(context_parallel=cp.on_axis(None, n, name, layout=layout))))
         elif name == "ulysses":
             ok = n in valid_ulysses_degrees(h, kv)
-            out.append((f"ulysses/{layout}", base.replace(ulysses_axis_name="context", ulysses_size=n, **common)
+            out.append((f"ulysses/{layout}", base.replace(context_parallel=cp.on_axis(None, n, name, layout=layout))
                         if ok else f"heads {h}/{kv} kv cannot split over {n}"))
         elif name == "usp":
             for a, b in usp_factorisations(n, h, kv):
                 if 1 < a < n:
-                    out.append((f"usp {a}x{b}/{layout}", base.replace(
-                        ring_axis_name="context", ring_size=b, ulysses_axis_name="ulysses", ulysses_size=a, **common)))
+                    usp = ContextParallel("usp", ring_size=b, ulysses_size=a, layout=layout)
+                    out.append((f"usp {a}x{b}/{layout}", base.replace(context_parallel=usp)))
         else:
             raise ValueError(f"unknown strategy {name!r} in --strategies: choose among ring, allgather, ulysses, usp")
     return out
@@ -128,7 +129,7 @@ def main(config: Config) -> list[dict]:
 
     ref_logits, ref_grads, ref_loss, t = run(base)
     rows = [dict(strategy="reference", n=1, logits=0.0, grads=0.0, loss=ref_loss, seconds=t)]
-    configs = [("splash", base.replace(attention="splash"))]
+    configs = [("splash", base.replace(context_parallel=base.context_parallel.single_device("splash")))]
     for n in sizes:
         configs += strategy_configs(base, [x for x in config.strategies.split(",") if x], n, config.layout)
     for name, cfg in configs:

@@ -141,31 +141,34 @@ def job_config(config: Config, curriculum_steps: int) -> dict:
     return {**fields, "curriculum_steps": curriculum_steps}
 
 
-def context_fields(config: Config) -> dict:
-    """The model's context-parallel fields for ``config.attention`` on the trainer's mesh axes."""
-    ring = dict(ring_axis_name="context", ring_size=config.context_parallel)
-    if config.attention in ("ring", "allgather"):
-        return ring
-    if config.attention == "ulysses":
-        return dict(ulysses_axis_name="context", ulysses_size=config.context_parallel)
-    if config.attention == "usp":
-        return dict(ring, ulysses_axis_name="ulysses", ulysses_size=config.ulysses_parallel)
-    return {}
+def context_parallel(config: Config):
+    """The model's ``ContextParallel`` for ``--attention`` (the trainer's default mesh axes):
+    ``--context-parallel`` devices on the first axis, USP's all-to-all over ``--ulysses-parallel``."""
+    from ringsplash.model import ContextParallel
+    from ringsplash.model.parallelism import RULES
+
+    roles = RULES[config.attention].roles
+    if len(roles) == 2:  # USP: the ring across, Ulysses inside
+        return ContextParallel(config.attention, ring_size=config.context_parallel,
+                               ulysses_size=config.ulysses_parallel, layout=config.layout)
+    cp = ContextParallel(layout=config.layout)
+    return cp.on_axis(None, config.context_parallel, config.attention) if roles else cp.single_device(config.attention)
 
 
 def make_model_config(config: Config, vocab_size: int):
     """The ``TransformerConfig`` of ``config`` (the vocabulary: the task's)."""
-    from ringsplash.model import TransformerConfig, rope_scaling_from_flags
+    from ringsplash.model import ModelFeatures, TransformerConfig, rope_scaling_from_flags
 
     return TransformerConfig(
         vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim or None,
         mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
         remat=config.remat, max_seq_len=config.seq_len,
-        attention=config.attention, ring_layout=config.layout, **context_fields(config),
+        context_parallel=context_parallel(config),
         splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
         qk_clip_threshold=config.qk_clip_threshold,
-        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
+        features=ModelFeatures(rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor,
+                                                                    config.rope_original_max_len)),
     )
 
 
@@ -193,11 +196,8 @@ def main(config: Config, hooks=()) -> dict:
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), weight_decay=config.weight_decay,
-        data_parallel=config.data_parallel,
-        context_parallel=config.context_parallel if config.attention not in ("reference", "splash") else 1,
-        ulysses_parallel=config.ulysses_parallel,
-        seed=config.seed, log_every=config.log_every, checkpoint_every=config.checkpoint_every,
-        progress=config.progress, log_max_logits=config.log_max_logits,
+        data_parallel=config.data_parallel, seed=config.seed, log_every=config.log_every,
+        checkpoint_every=config.checkpoint_every, progress=config.progress, log_max_logits=config.log_max_logits,
     )
     # a continued run (a larger --steps) keeps the curriculum laid out over the steps it started with
     job_path = os.path.join(run_dir, "job_config.json")
@@ -234,8 +234,7 @@ def main(config: Config, hooks=()) -> dict:
     resumed_at = continue_to(run_dir, tc, say)
     say(f"run directory: {run_dir}" + (f" (resuming from its checkpoint); step {resumed_at} of {config.steps}"
                                        if resumed_at is not None else ""))
-    say(f"{distributed.device_line()}; mesh data={tc.data_parallel} x context={tc.context_parallel} x "
-        f"ulysses={tc.ulysses_parallel}; attention={config.attention} layout={config.layout} "
+    say(f"{distributed.device_line()}; mesh {dict(mesh.shape)}; attention={config.attention} layout={config.layout} "
         f"backend={config.backend} blocks={config.block or 'auto'}; dtypes param={config.param_dtype} "
         f"compute={config.compute_dtype}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
     state = train.fit(model_config, tc, stream, run_dir, mesh=mesh, on_log=on_log, hooks=hooks)

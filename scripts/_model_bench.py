@@ -91,13 +91,13 @@ class Shape:
 def model_config(shape: Shape, seq_len: int, *, param_dtype: str, compute_dtype: str, remat: str = "none",
                  splash=None):
     """``TransformerConfig`` of ``shape`` with Splash attention (``splash``: a ``SplashConfig``, None = default)."""
-    from ringsplash.model import TransformerConfig
+    from ringsplash.model import ContextParallel, ModelFeatures, TransformerConfig
     from ringsplash.splash import SplashConfig
 
     return TransformerConfig(
         vocab_size=shape.vocab, d_model=shape.d_model, num_layers=shape.layers, num_heads=shape.heads,
-        num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, intermediate_size=shape.mlp, max_seq_len=seq_len,
-        attention="splash", splash=splash or SplashConfig(), remat=remat, param_dtype=param_dtype,
+        num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, features=ModelFeatures(intermediate_size=shape.mlp),
+        max_seq_len=seq_len, context_parallel=ContextParallel("splash"), splash=splash or SplashConfig(), remat=remat, param_dtype=param_dtype,
         compute_dtype=compute_dtype)
 
 
@@ -180,7 +180,7 @@ def log_line(log, **fields) -> None:
 # ----------------------------------------------------------------------------------------- attention peers
 #
 # The model picks its attention in ``ringsplash.model.attention.attend(config, q, k, v, segment_ids, sinks, ...)``
-# (``config.attention``: reference / splash / the context-parallel strategies), which ``Attention.__call__``
+# (``config.context_parallel.strategy``: reference / splash / the context-parallel strategies), which ``Attention.__call__``
 # looks up as a module global at trace time. The peers below replace it for the programs traced inside
 # ``attention_override`` (nothing in the library changes); the override counts its calls, so a program that
 # did not go through it is reported instead of being timed as the peer.
@@ -199,7 +199,7 @@ def xla_attention(config, q, k, v, segment_ids, sinks, *, original, **kw):
     del original, segment_ids
     _check_plain(config, sinks, kw)
     t = lambda x: x.transpose(1, 0, 2)[None]  # [heads, seq, d] -> [1, seq, heads, d]
-    out = jax.nn.dot_product_attention(t(q), t(k), t(v), scale=config.attention_scale, is_causal=True,
+    out = jax.nn.dot_product_attention(t(q), t(k), t(v), scale=config.features.attention_scale, is_causal=True,
                                        implementation="xla")
     return out[0].transpose(1, 0, 2)
 
@@ -230,7 +230,7 @@ def jax_splash_attention(blocks: tuple[int, int, int], interpret: bool):
         group = heads // k.shape[0]
         if group > 1:
             k, v = jnp.repeat(k, group, axis=0), jnp.repeat(v, group, axis=0)
-        scale = d**-0.5 if config.attention_scale is None else config.attention_scale
+        scale = d**-0.5 if config.features.attention_scale is None else config.features.attention_scale
         kernel = jax_splash_kernel(heads, seq, tuple(blocks), interpret)
         return kernel((q.astype(jnp.float32) * scale).astype(q.dtype), k, v)
 

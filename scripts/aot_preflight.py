@@ -103,7 +103,7 @@ MODEL_FLAGS = ("preset", "vocab_size", "d_model", "num_layers", "num_heads", "nu
 def build_model_config(config: Config, **run):
     """The ``TransformerConfig`` of ``config``'s model with the run options ``run`` (strategy, length,
     dtypes, blocks, remat): from ``--hf-config`` (``ringsplash.hf.config_from_hf``) or the model flags."""
-    from ringsplash.model import TransformerConfig, rope_scaling_from_flags
+    from ringsplash.model import ModelFeatures, TransformerConfig, rope_scaling_from_flags
 
     if config.hf_config:
         defaults = Config()
@@ -121,25 +121,26 @@ def build_model_config(config: Config, **run):
         # from the length it was trained at (its max_position_embeddings) unless the flag says otherwise
         trained = config.rope_original_max_len or (0 if config.rope_scaling == "linear" else max_position_embeddings(
             config.hf_config))
-        return model.replace(rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, trained))
+        scaling = rope_scaling_from_flags(config.rope_scaling, config.rope_factor, trained)
+        return model.replace(features=model.features.replace(rope_scaling=scaling))
     return TransformerConfig(
         vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta, mask=config.mask,
-        rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor, config.rope_original_max_len),
+        features=ModelFeatures(rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor,
+                                                                    config.rope_original_max_len)),
         **run)
 
 
 def run_options(config: Config, context: int) -> dict:
     """The ``TransformerConfig`` fields the run flags set (not the model's own)."""
-    from ringsplash import train
+    from ringsplash.model import ContextParallel
     from ringsplash.splash import SplashConfig
 
     b = config.block
-    ring = context > 1
-    return dict(max_seq_len=config.seq_len, attention="ring" if ring else "splash",
-                ring_axis_name=train.CONTEXT if ring else None, ring_layout=config.layout, ring_size=context,
-                remat=config.remat, param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
+    cp = ContextParallel("ring", ring_size=context, layout=config.layout) if context > 1 else ContextParallel(
+        "splash", layout=config.layout)
+    return dict(max_seq_len=config.seq_len, context_parallel=cp, remat=config.remat, param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
                 splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend))
 
 
@@ -263,7 +264,7 @@ def _estimates(config, model_config, params_abs, data, context, rows, sharded) -
     }
     if sharded:
         est["gathered weights: 2 layers + their gradients (compute dtype)"] = 4 * layer * cdt
-        emb = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
+        emb = c.vocab_size * c.d_model * (1 if c.features.tie_embeddings else 2)
         est["gathered embedding + unembedding and gradients"] = 2 * emb * cdt
     return est
 

@@ -15,19 +15,18 @@ import numpy as np
 import pytest
 
 from ringsplash import data, train
-from ringsplash.model import PAD_SEGMENT, RopeScaling, Transformer, TransformerConfig
+from ringsplash.model import PAD_SEGMENT, ContextParallel, ModelFeatures, RopeScaling, Transformer, TransformerConfig
 from ringsplash.splash import SplashConfig
 
 S = 600
 TPU_TILING = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128)  # backend "auto"
 XLA = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
 BASE = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=S, splash=TPU_TILING)
-RING = dict(ring_axis_name="context")
 STRATEGIES = {
-    "ring-zigzag-4": dict(attention="ring", ring_size=4, ring_layout="zigzag", **RING),
-    "allgather-4": dict(attention="allgather", ring_size=4, ring_layout="zigzag", **RING),
-    "ulysses-4": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4),
-    "usp-2x2": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
+    "ring-zigzag-4": dict(context_parallel=ContextParallel("ring", ring_size=4, layout="zigzag")),
+    "allgather-4": dict(context_parallel=ContextParallel("allgather", ring_size=4, layout="zigzag")),
+    "ulysses-4": dict(context_parallel=ContextParallel("ulysses", ulysses_size=4)),
+    "usp-2x2": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2)),
 }
 # measured (float32, CPU) over the four strategies: max |d logits| <= 1.5e-6; ~7x headroom
 LOGITS_ATOL = 1e-5
@@ -56,12 +55,14 @@ PADDED = {  # id: (config changes, S, the length it runs at)
     "ring-zigzag-xla": (dict(STRATEGIES["ring-zigzag-4"], splash=XLA), 600, 600),  # xla: a short whole part
     "ring-zigzag-xla-layout": (dict(STRATEGIES["ring-zigzag-4"], splash=XLA), 300, 304),  # ... once split
     "ring-zigzag-default-blocks": (dict(STRATEGIES["ring-zigzag-4"], splash=SplashConfig()), 1000, 1024),
-    "ring-contiguous": (dict(STRATEGIES["ring-zigzag-4"], ring_layout="contiguous"), 600, 1024),  # 150-token shards
+    "ring-contiguous": (dict(STRATEGIES["ring-zigzag-4"],
+                             context_parallel=ContextParallel("ring", ring_size=4, layout="contiguous")),
+                        600, 1024),  # 150-token shards
     "allgather": (STRATEGIES["allgather-4"], 600, 1024),  # 160 .. 224 queries per device: no 128-multiple block
     "ulysses": (STRATEGIES["ulysses-4"], 600, 640),
     "usp": (STRATEGIES["usp-2x2"], 600, 1024),
-    "splash": (dict(attention="splash"), 600, 600),  # pads inside the attention itself (model.attention)
-    "reference": (dict(attention="reference"), 600, 600),
+    "splash": (dict(context_parallel=ContextParallel("splash")), 600, 600),  # pads inside the attention itself (model.attention)
+    "reference": (dict(context_parallel=ContextParallel("reference")), 600, 600),
 }
 
 
@@ -133,7 +134,8 @@ def test_dynamic_rope_reads_the_callers_length_not_the_padded_one(reference):
     """Dynamic NTK's frequencies follow the current length (600 tokens, past the original 256), not the
     1024 the ring runs at: the model caps it at max_seq_len, so padding never changes the frequencies."""
     model, batch, _ = reference
-    dynamic = dict(rope_scaling=RopeScaling("dynamic", factor=2.0, original_max_position_embeddings=256))
+    dynamic = dict(features=ModelFeatures(rope_scaling=RopeScaling("dynamic", factor=2.0,
+                                                                   original_max_position_embeddings=256)))
     want = model.with_config(_config(**dynamic))
     want = np.asarray(eqx.filter_jit(lambda m, b: jax.vmap(m)(b.tokens, b.positions, b.segment_ids))(want, batch))
     config = _config(**STRATEGIES["ring-zigzag-4"], **dynamic)

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from ringsplash import data, layouts, train
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig
 from ringsplash.splash import SplashConfig
 from support.corpus import make_corpus
 
@@ -78,7 +78,7 @@ def _doc_losses_fn(config, model):
     def losses(batch):
         logits = np.asarray(logits_fn(model, train.shard_batch(batch, mesh, config)))
         if config.context_shards > 1:
-            logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
+            logits = layouts.unpermute(logits, config.context_parallel.layout, config.layout_shards, axis=1)
         return np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch.labels))
 
     return losses
@@ -94,8 +94,8 @@ DOC_ATOL = 5e-6
 def test_each_packed_documents_loss_is_its_loss_alone(corpus, attention):
     """Rows packed by the loader (best fit, no splitting): every document's loss in the packed row
     equals its loss run alone in a row of its own, under splash and under the ring on 4 devices."""
-    kw = dict(ring_axis_name="context", ring_size=4, ring_layout="zigzag") if attention == "ring" else {}
-    config = _config(attention=attention, **kw)
+    cp = ContextParallel("ring", ring_size=4, layout="zigzag") if attention == "ring" else ContextParallel(attention)
+    config = _config(context_parallel=cp)
     model = Transformer(config, key=jax.random.key(1))
     loader = data.Loader(corpus.path, data.LoaderConfig(seq_len=S, batch_size=2, seed=3, long_documents="error"))
     packed = loader.batch(0)

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import masks
+from ringsplash.model import ContextParallel, ModelFeatures
 from ringsplash.splash.config import SplashConfig
 from support.attention_inputs import inputs, max_err
 
@@ -495,12 +496,12 @@ def test_model_config_accepts_what_splash_attention_accepts():
     from ringsplash.model import TransformerConfig
 
     base = dict(vocab_size=32, d_model=64, num_layers=1, num_heads=4)
-    assert TransformerConfig(**base, attention="splash", max_seq_len=256).max_seq_len == 256  # refused before
-    assert TransformerConfig(**base, attention="splash", max_seq_len=768).max_seq_len == 768
+    assert TransformerConfig(**base, context_parallel=ContextParallel("splash"), max_seq_len=256).max_seq_len == 256  # refused before
+    assert TransformerConfig(**base, context_parallel=ContextParallel("splash"), max_seq_len=768).max_seq_len == 768
     # a length the 128-token lanes do not tile: the model pads it inside (tests/test_model.py), the config accepts it
-    assert TransformerConfig(**base, attention="splash", max_seq_len=1000).max_seq_len == 1000
+    assert TransformerConfig(**base, context_parallel=ContextParallel("splash"), max_seq_len=1000).max_seq_len == 1000
     # the context-parallel strategies: the trainer pads a length they do not tile (test_context_parallel_lengths.py)
-    ring = dict(attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=1000)
+    ring = dict(context_parallel=ContextParallel("ring", ring_size=4), max_seq_len=1000)
     assert TransformerConfig(**base, **ring).padded_seq_len(1000) == 1024
     # ... except under a fixed-shape Mask, which serves its own length only
     with pytest.raises(ValueError, match=r"125-token zigzag half-shard.*e.g. S=1024\), or SplashConfig\(backend='xla'\)"):
@@ -551,16 +552,18 @@ CONFIG_CASES = [  # (id, call, argument the error must name)
     ("splash probs_dtype", lambda: SplashConfig(probs_dtype="bf16"), "probs_dtype"),
     ("splash block_q not a multiple", lambda: SplashConfig(block_q=100), "block_q"),
     ("splash block_kv str", lambda: SplashConfig(block_kv="512"), "block_kv"),
-    ("model attention", lambda: _model_config(attention="flash"), "attention"),
+    ("model strategy", lambda: _model_config(context_parallel=ContextParallel(strategy="flash")), "strategy"),
     ("model mask", lambda: _model_config(mask="triangle"), "mask"),
     ("model remat", lambda: _model_config(remat="yes"), "remat"),
     ("model param_dtype", lambda: _model_config(param_dtype="fp32"), "param_dtype"),
-    ("model ring_layout", lambda: _model_config(ring_layout="yes"), "ring_layout"),
-    ("model ring_axis_name", lambda: _model_config(ring_axis_name=3), "ring_axis_name"),
-    ("model ulysses_axis_name", lambda: _model_config(ulysses_axis_name=("a", "b")), "ulysses_axis_name"),
+    ("model layout", lambda: ContextParallel("ring", layout="yes"), "layout"),
+    ("model ring_axis", lambda: ContextParallel("ring", ring_axis=3), "ring_axis"),
+    ("model ulysses_axis", lambda: ContextParallel("ulysses", ulysses_axis=("a", "b")), "ulysses_axis"),
+    ("model context_parallel type", lambda: _model_config(context_parallel="ring"), "context_parallel"),
+    ("model features type", lambda: _model_config(features={"qk_norm": True}), "features"),
     ("model sinks str", lambda: _model_config(sinks="yes"), "sinks"),
-    ("model tie_embeddings int", lambda: _model_config(tie_embeddings=1), "tie_embeddings"),
-    ("model qk_norm", lambda: _model_config(qk_norm="no"), "qk_norm"),
+    ("model tie_embeddings int", lambda: ModelFeatures(tie_embeddings=1), "tie_embeddings"),
+    ("model qk_norm", lambda: _model_config(features=ModelFeatures(qk_norm="no")), "qk_norm"),
     ("model d_model 0", lambda: _model_config(d_model=0), "d_model"),
     ("model rope_theta str", lambda: _model_config(rope_theta="1e4"), "rope_theta"),
     ("model attention_dropout 1", lambda: _model_config(attention_dropout=1.0), "attention_dropout"),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data, evals, train
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig
 from support.training import BLOCKS
 
 SEQ = 512
@@ -491,10 +491,9 @@ def test_tokenizer_json_loads_and_builds_passkey_prompts(tmp_path):
 
 
 def test_single_device_keeps_the_parameters_of_a_ring_model(model):
-    ring = model.with_config(TransformerConfig(**{**CONFIG.__dict__, "attention": "ring", "ring_axis_name": "context",
-                                                  "ring_size": 2}))
+    ring = model.with_config(CONFIG.replace(context_parallel=ContextParallel("ring", ring_size=2)))
     one = evals.single_device(ring, "reference")
-    assert one.config.attention == "reference" and one.config.ring_size == 1 and one.config.ring_axis_name is None
+    assert one.config.context_parallel == ContextParallel("reference")
     for x, y in zip(jax.tree.leaves(eqx.filter(one, eqx.is_array)), jax.tree.leaves(eqx.filter(ring, eqx.is_array)),
                     strict=True):
         assert x is y

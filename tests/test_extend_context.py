@@ -97,12 +97,13 @@ def test_extend_context_methods_change_only_the_rope():
     for method in job.METHODS:
         c = job.extended(base, method, 8, 512)
         assert c.max_seq_len == 4096 and (c.d_model, c.num_layers, c.vocab_size) == (32, 1, 256)
-        seen.add((c.rope_theta, c.rope_scaling))
+        seen.add((c.rope_theta, c.features.rope_scaling))
         ring = job.on_ring(c, job.Config(**TINY))
-        assert (ring.attention, ring.ring_size, ring.rope_scaling) == ("ring", 2, c.rope_scaling)
+        cp = ring.context_parallel
+        assert (cp.strategy, cp.ring_size, ring.features.rope_scaling) == ("ring", 2, c.features.rope_scaling)
     assert len(seen) == len(job.METHODS)  # six different RoPEs
     assert job.extended(base, "base", 8, 512).rope_theta == pytest.approx(10_000 * 8 ** (16 / 14))
-    assert job.extended(base, "yarn", 8, 512).rope_scaling.original_max_position_embeddings == 512
+    assert job.extended(base, "yarn", 8, 512).features.rope_scaling.original_max_position_embeddings == 512
 
 
 @pytest.mark.parametrize("kwargs, match", [

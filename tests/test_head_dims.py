@@ -160,7 +160,7 @@ def test_model_attention_v_head_dim_splash_matches_reference(key):
         loss = lambda a: jnp.sum(jnp.sin(a(x, positions, segment_ids)))
         return attn(x, positions, segment_ids), eqx.filter_grad(loss)(attn)
 
-    splash = Attention(ref_config.replace(attention="splash"), key=key)  # the same parameters
+    splash = Attention(ref_config.replace(context_parallel=ref_config.context_parallel.replace(strategy="splash")), key=key)  # the same parameters
     (want, want_g), (got, got_g) = out_and_grads(attn), out_and_grads(splash)
     rel = lambda a, b: max_err(a, b) / float(jnp.max(jnp.abs(b)))  # gradients reach ~40
     errs = {n: rel(getattr(got_g, n), getattr(want_g, n)) for n in ("wq", "wk", "wv", "wo", "sinks")}

@@ -18,7 +18,7 @@ import pytest
 import ringsplash.hf as rhf
 from ringsplash import layouts, train
 from ringsplash.hf import io as hf_io
-from ringsplash.model import RopeScaling, TransformerConfig
+from ringsplash.model import ContextParallel, RopeScaling, TransformerConfig
 from ringsplash.splash import SplashConfig
 from support.processes import child_env
 
@@ -138,13 +138,13 @@ def test_config_from_hf_fields(hf_models):
     assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (256, 64, 2, 4, 2, 16)
     assert c.mlp_hidden == 160 and c.max_seq_len == 1024
     assert c.mask == "local" and c.local_window == 127  # a query sees itself and sliding_window - 1 before it
-    assert c.rope_scaling == RopeScaling("default") and c.rope_theta == 10000.0
+    assert c.features.rope_scaling == RopeScaling("default") and c.rope_theta == 10000.0
     # the same from the file, the dict, and with overrides validated together
     with open(os.path.join(directory, "config.json")) as f:
         assert rhf.config_from_hf(json.load(f)) == c
     assert rhf.config_from_hf(os.path.join(directory, "config.json"), max_seq_len=512).max_seq_len == 512
     c = rhf.config_from_hf(hf_models("llama3.1-rope")[0])
-    assert c.rope_scaling == RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    assert c.features.rope_scaling == RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                          original_max_position_embeddings=128) and c.rope_theta == 500000.0
     assert rhf.config_from_hf(hf_models("llama-head-dim")[0]).head_dim == 32
 
@@ -156,13 +156,13 @@ def test_config_from_hf_reads_the_older_rope_keys():
     d = dict(model_type="llama", **TINY, rope_theta=500000.0,
              rope_scaling=dict(type="linear", factor=4.0))
     c = rhf.config_from_hf(d)
-    assert c.rope_theta == 500000.0 and c.rope_scaling == RopeScaling("linear", factor=4.0)
+    assert c.rope_theta == 500000.0 and c.features.rope_scaling == RopeScaling("linear", factor=4.0)
     d = dict(model_type="llama", **TINY, rope_theta=10000.0, rope_scaling=None)
-    assert rhf.config_from_hf(d).rope_scaling == RopeScaling("default")
+    assert rhf.config_from_hf(d).features.rope_scaling == RopeScaling("default")
     # both keys: rope_scaling wins, as in transformers
     d = dict(model_type="llama", **TINY, rope_scaling=dict(type="linear", factor=4.0),
              rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-    assert rhf.config_from_hf(d).rope_scaling == RopeScaling("linear", factor=4.0)
+    assert rhf.config_from_hf(d).features.rope_scaling == RopeScaling("linear", factor=4.0)
     config = transformers.LlamaConfig(**TINY, rope_scaling=dict(type="linear", factor=4.0),
                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
     assert config.rope_parameters["rope_type"] == "linear"
@@ -170,8 +170,8 @@ def test_config_from_hf_reads_the_older_rope_keys():
     d = dict(model_type="gemma3_text", **TINY, head_dim=16, rope_theta=1e6, rope_local_base_freq=1e4,
              rope_scaling=dict(rope_type="linear", factor=8.0), sliding_window_pattern=2)
     c = rhf.config_from_hf(d)
-    assert (c.rope_theta, c.local_rope_theta, c.rope_scaling) == (1e6, 1e4, RopeScaling("linear", factor=8.0))
-    assert c.layer_types == ("sliding_attention", "full_attention") and c.sliding_window == 4096
+    assert (c.rope_theta, c.features.local_rope_theta, c.features.rope_scaling) == (1e6, 1e4, RopeScaling("linear", factor=8.0))
+    assert c.features.layer_types == ("sliding_attention", "full_attention") and c.features.sliding_window == 4096
     with pytest.raises(ValueError, match=r"sliding layers' RoPE must be plain .* rope_type='linear'"):
         rhf.config_from_hf(dict(d, rope_parameters=dict(sliding_attention=dict(rope_type="linear", factor=2.0))))
 
@@ -227,7 +227,7 @@ def _config_dict(**changes):
 ])
 def test_config_from_hf_refuses_what_it_cannot_build(changes, message):
     if message is None:  # a neighbour that is accepted
-        assert rhf.config_from_hf(_config_dict(**changes)).layer_types is None
+        assert rhf.config_from_hf(_config_dict(**changes)).features.layer_types is None
         return
     with pytest.raises(ValueError, match=message):
         rhf.config_from_hf(_config_dict(**changes))
@@ -252,7 +252,7 @@ def test_config_from_hf_refuses_values_of_the_wrong_type(key, value, expected):
         rhf.config_from_hf(_config_dict(**{key: value}))
     with pytest.raises(Exception, match=key):  # the oracle refuses the same value
         transformers.LlamaConfig(**{**TINY, key: value})
-    assert rhf.config_from_hf(_config_dict(rms_norm_eps=1, hidden_size=64)).norm_eps == 1.0  # an int is an exact number
+    assert rhf.config_from_hf(_config_dict(rms_norm_eps=1, hidden_size=64)).features.norm_eps == 1.0  # an int is an exact number
 
 
 def test_load_hf_names_a_missing_or_misshaped_tensor(hf_models, tmp_path):
@@ -347,7 +347,7 @@ def test_save_hf_writes_token_ids_and_generation_config_as_transformers(tmp_path
     model = rhf.load_hf(src)
     ids = ("bos_token_id", "eos_token_id", "pad_token_id")
     expected = [getattr(original.config, k) for k in ids]
-    assert [model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id] == [
+    assert [model.config.features.bos_token_id, model.config.features.eos_token_id, model.config.features.pad_token_id] == [
         tuple(v) if isinstance(v, list) else v for v in expected]
     rhf.save_hf(model, out)
     ours, theirs = (json.loads((d / "config.json").read_text()) for d in (out, src))
@@ -535,9 +535,8 @@ def our_logits_traced(model, tokens):
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
 STRATEGIES = {
-    "ring-zigzag": dict(attention="ring", ring_axis_name="context", ring_size=4, ring_layout="zigzag"),
-    "usp-2x2": dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses",
-                    ulysses_size=2),
+    "ring-zigzag": dict(context_parallel=ContextParallel("ring", ring_size=4, layout="zigzag")),
+    "usp-2x2": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2)),
 }
 
 
@@ -550,12 +549,12 @@ def _logits_in_shard_map(model, tokens: np.ndarray) -> np.ndarray:
     c = model.config
     mesh = train.mesh_for(c)
     spec = train.batch_spec(c)
-    lay = lambda x: layouts.permute(x[None], c.ring_layout, c.layout_shards, axis=1)
+    lay = lambda x: layouts.permute(x[None], c.context_parallel.layout, c.layout_shards, axis=1)
     params, static = eqx.partition(model, eqx.is_array)
     run = jax.jit(jax.shard_map(lambda p, t, q: jax.vmap(eqx.combine(p, static))(t, q), mesh=mesh,
                                 in_specs=(P(), spec, spec), out_specs=P(*spec, None), check_vma=False))
     out = run(params, lay(tokens), lay(np.arange(len(tokens), dtype=np.int32)))
-    return layouts.unpermute(np.asarray(out), c.ring_layout, c.layout_shards, axis=1)[0]
+    return layouts.unpermute(np.asarray(out), c.context_parallel.layout, c.layout_shards, axis=1)[0]
 
 
 @pytest.mark.slow
@@ -568,9 +567,9 @@ def test_imported_models_under_ring_and_usp_on_4_devices(hf_models, kind, strate
 
 
 OTHER_STRATEGIES = {
-    "splash": dict(attention="splash"),
-    "allgather-4": dict(attention="allgather", ring_axis_name="context", ring_size=4, ring_layout="striped"),
-    "ulysses-2": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=2),
+    "splash": dict(context_parallel=ContextParallel("splash")),
+    "allgather-4": dict(context_parallel=ContextParallel("allgather", ring_size=4, layout="striped")),
+    "ulysses-2": dict(context_parallel=ContextParallel("ulysses", ulysses_size=2)),
 }
 
 
@@ -645,8 +644,8 @@ def test_preflight_hf_config_builds_the_model_from_the_file(tmp_path):
     run = preflight.run_options(config, 4)
     c = preflight.build_model_config(config, **run)
     assert c == rhf.config_from_hf(tmp_path, **run)
-    assert (c.max_seq_len, c.attention, c.ring_size, c.remat) == (4096, "ring", 4, "full")
-    assert c.layer_types == ("sliding_attention", "full_attention") and c.sliding_window == 1024 and c.qk_norm
+    assert (c.max_seq_len, c.context_parallel.strategy, c.context_parallel.ring_size, c.remat) == (4096, "ring", 4, "full")
+    assert c.features.layer_types == ("sliding_attention", "full_attention") and c.features.sliding_window == 1024 and c.features.qk_norm
     config = preflight.parse_args(["--hf-config", str(tmp_path), "--num-layers", "4", "--mask", "full"])
     with pytest.raises(SystemExit, match=r"describes the model: drop --num-layers, --mask"):
         preflight.build_model_config(config, **run)
@@ -655,7 +654,7 @@ def test_preflight_hf_config_builds_the_model_from_the_file(tmp_path):
                                    "--rope-factor", "4"])
     c = preflight.build_model_config(config, **preflight.run_options(config, 4))
     trained = rhf.config_from_hf(tmp_path).max_seq_len
-    assert c.rope_scaling == RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=trained)
+    assert c.features.rope_scaling == RopeScaling(type="yarn", factor=4.0, original_max_position_embeddings=trained)
 
 
 @pytest.mark.tpu_compile

@@ -57,7 +57,7 @@ def test_registry_round_trips_every_family_config_both_ways(model_type, i):
     assert rhf.config_from_hf(written) == c
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps",
                 "sliding_window", "layer_types", "query_pre_attn_scalar", "final_logit_softcapping"):
-        if d.get(key) is not None and (key != "sliding_window" or model_type == "mistral" or c.layer_types):
+        if d.get(key) is not None and (key != "sliding_window" or model_type == "mistral" or c.features.layer_types):
             assert written[key] == d[key], key
 
 
@@ -69,7 +69,7 @@ def test_to_hf_names_everything_a_family_cannot_express():
     with pytest.raises(ValueError, match=r"as model_type='qwen2': attention_bias=False \(the family has True\)"):
         rhf.hf_config_dict(c, "qwen2")
     assert families.infer_model_type(c.replace(mask="local", local_window=7)) == "mistral"
-    assert families.infer_model_type(c.replace(attention_bias=True)) == "qwen2"
+    assert families.infer_model_type(c.replace(features=c.features.replace(attention_bias=True))) == "qwen2"
 
 
 def test_a_new_family_is_one_record(monkeypatch):
@@ -81,7 +81,7 @@ def test_a_new_family_is_one_record(monkeypatch):
                            Key("final_logit_soft_cap", "logit_cap")))
     monkeypatch.setitem(families.FAMILIES, "toy", toy)
     c = rhf.config_from_hf(dict(TINY, model_type="toy", logit_cap=7.0))
-    assert c.qk_norm and c.final_logit_soft_cap == 7.0 and c.max_seq_len == 1024
+    assert c.features.qk_norm and c.features.final_logit_soft_cap == 7.0 and c.max_seq_len == 1024
     d = rhf.hf_config_dict(c, "toy")
     assert (d["architectures"], d["logit_cap"], d["hidden_act"]) == (["ToyForCausalLM"], 7.0, "silu")
     assert rhf.config_from_hf(d) == c
@@ -114,5 +114,5 @@ def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
     caps = dict(TINY, head_dim=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
     gemma3 = rhf.config_from_hf(dict(caps, model_type="gemma3_text"))
     gemma2 = rhf.config_from_hf(dict(caps, model_type="gemma2"))
-    assert (gemma3.logit_soft_cap, gemma3.final_logit_soft_cap) == (None, 3.0)
-    assert (gemma2.logit_soft_cap, gemma2.final_logit_soft_cap) == (5.0, 3.0)
+    assert (gemma3.logit_soft_cap, gemma3.features.final_logit_soft_cap) == (None, 3.0)
+    assert (gemma2.logit_soft_cap, gemma2.features.final_logit_soft_cap) == (5.0, 3.0)

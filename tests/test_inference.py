@@ -16,7 +16,7 @@ import pytest
 import ringsplash as rs
 from ringsplash import train
 from ringsplash.inference import decode_step, empty_cache, filter_logits, generate, prefill, sample
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ModelFeatures, Transformer, TransformerConfig
 
 # measured max |decode - full forward| logits (f32, logits of magnitude ~1-5): llama 9.5e-7, sliding 1.2e-6,
 # gemma 1.9e-6; sharded vs unsharded 1.4e-6; the tolerance is 10x the largest
@@ -26,16 +26,13 @@ TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2
 CONFIGS = {
     "llama": TransformerConfig(**TINY),
     # one window on every layer, biases, sinks, attention-logit soft cap
-    "sliding": TransformerConfig(**TINY, mask="local", local_window=3, attention_bias=True, sinks=True,
+    "sliding": TransformerConfig(**TINY, mask="local", local_window=3, features=ModelFeatures(attention_bias=True), sinks=True,
                                  logit_soft_cap=4.0),
     # Gemma 3: local / global layers with their own RoPE, q/k norms, offset and post norms, scaled embeddings,
     # GeGLU, a final logit soft cap, Llama 3 RoPE scaling on the global layers
-    "gemma": TransformerConfig(**TINY, layer_types=("sliding_attention", "full_attention"), sliding_window=4,
-                               local_rope_theta=100.0, qk_norm=True, norm_offset=1.0, post_norms=True,
-                               scale_embeddings=True, mlp_activation="gelu_tanh", final_logit_soft_cap=3.0,
-                               rope_scaling=rs.model.RopeScaling("llama3", factor=8.0, low_freq_factor=1.0,
+    "gemma": TransformerConfig(**TINY, features=ModelFeatures(layer_types=("sliding_attention", "full_attention"), sliding_window=4, local_rope_theta=100.0, qk_norm=True, norm_offset=1.0, post_norms=True, scale_embeddings=True, mlp_activation="gelu_tanh", final_logit_soft_cap=3.0, rope_scaling=rs.model.RopeScaling("llama3", factor=8.0, low_freq_factor=1.0,
                                                                  high_freq_factor=4.0,
-                                                                 original_max_position_embeddings=16)),
+                                                                 original_max_position_embeddings=16))),
 }
 
 
@@ -140,8 +137,7 @@ def test_ring_model_fills_a_zigzag_cache_and_generates_as_on_one_device():
     """A model of attention='ring' (zigzag) prefills with its own ring over the mesh; the cache keeps the zigzag
     layout (each new token goes to the device whose zigzag chunk holds its position)."""
     model = _randomised(CONFIGS["gemma"], seed=5)
-    ring = model.with_config(CONFIGS["gemma"].replace(attention="ring", ring_axis_name="context", ring_size=4,
-                                                      ring_layout="zigzag"))
+    ring = model.with_config(CONFIGS["gemma"].replace(context_parallel=CONFIGS["gemma"].context_parallel.replace(strategy="ring", ring_axis="context", ring_size=4, layout="zigzag")))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 300)), jnp.int32)
     lengths = jnp.asarray([300, 200], jnp.int32)
     _, cache = prefill(ring, tokens, prompt_lengths=lengths, mesh=train.make_mesh(1, 4))
@@ -242,7 +238,7 @@ def test_decode_step_compiles_for_8b_with_1m_cache_on_v5p_4x4x4():
     from ringsplash.inference.cache import KVCache, cache_specs, model_key
 
     config = TransformerConfig(vocab_size=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                               intermediate_size=14336, rope_theta=500000.0, max_seq_len=1 << 20,
+                               features=ModelFeatures(intermediate_size=14336), rope_theta=500000.0, max_seq_len=1 << 20,
                                param_dtype="bfloat16", compute_dtype="bfloat16")
     mesh = aot.topology_mesh("v5p:4x4x4", ("context",))
     n, max_len = mesh.shape["context"], 1 << 20

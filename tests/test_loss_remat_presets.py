@@ -11,7 +11,7 @@ import pytest
 
 from ringsplash import train
 from ringsplash.cli import parse_config
-from ringsplash.model import REMAT_POLICIES, Transformer, TransformerConfig
+from ringsplash.model import REMAT_POLICIES, ContextParallel, Transformer, TransformerConfig
 from ringsplash.model.presets import PRESET_NAMES, PRESETS, preset
 
 
@@ -167,8 +167,7 @@ def test_save_attention_does_not_rerun_the_ring_forward():
     counts = {}
     for policy in ("none", "full", "save_attention"):
         config = TransformerConfig(vocab_size=task.vocab_size, d_model=16, num_layers=1, num_heads=2, max_seq_len=512,
-                                   splash=blocks, attention="ring", ring_axis_name="context", ring_size=4,
-                                   remat=policy)
+                                   splash=blocks, context_parallel=ContextParallel("ring", ring_size=4), remat=policy)
         params, static = eqx.partition(Transformer(config, key=jax.random.key(0)), eqx.is_array)
         batch = train.shard_batch(task.batch(np.random.default_rng(0), 2), mesh, config)
         grad_fn = train.make_grad_fn(config, mesh)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data, layouts, train
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, ModelFeatures, Transformer, TransformerConfig
 from ringsplash.splash import SplashConfig
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
@@ -44,7 +44,7 @@ def _batch(seq, rows=2):
 def _run(config, model, batch):
     """(logits in original order, grads, loss) for one strategy: the trainer's logits function and
     sharded gradient function in one jit, so one compile per strategy (compiling dominates these runs)."""
-    n = config.ring_size
+    n = config.context_parallel.ring_size
     mesh = train.make_mesh(1, n)
     sharded = train.shard_batch(batch, mesh, config)
     params, static = eqx.partition(model, eqx.is_array)
@@ -54,8 +54,8 @@ def _run(config, model, batch):
     logits, (grads, metrics) = jax.jit(
         lambda p, b, sc: (logits_fn(eqx.combine(p, static), b), grad_fn(p, static, b, None, sc)))(params, sharded, schedule)
     logits = np.asarray(logits)
-    if config.attention == "ring":
-        logits = layouts.unpermute(logits, config.ring_layout, n, axis=1)
+    if config.context_parallel.strategy == "ring":
+        logits = layouts.unpermute(logits, config.context_parallel.layout, n, axis=1)
     return logits, jax.device_get(grads), float(metrics["loss"])
 
 
@@ -74,11 +74,11 @@ def test_model_strategies_agree():
     batch = _batch(seq)
     ref_logits, ref_grads, ref_loss = _run(ref_config, model, batch)
     assert np.isfinite(ref_logits).all() and np.isfinite(ref_loss)
-    ring = ref_config.replace(attention="ring", ring_axis_name="context", ring_size=4)
-    for config in (ref_config.replace(attention="splash"), ring.replace(ring_layout="zigzag"),
-                   ring.replace(ring_layout="striped")):
+    ring = ref_config.replace(context_parallel=ref_config.context_parallel.replace(strategy="ring", ring_axis="context", ring_size=4))
+    for config in (ref_config.replace(context_parallel=ref_config.context_parallel.replace(strategy="splash")), ring.replace(context_parallel=ring.context_parallel.replace(layout="zigzag")),
+                   ring.replace(context_parallel=ring.context_parallel.replace(layout="striped"))):
         logits, grads, loss = _run(config, _with_config(model, config), batch)
-        name = f"{config.attention} {config.ring_layout}"
+        name = f"{config.context_parallel.strategy} {config.context_parallel.layout}"
         np.testing.assert_allclose(logits, ref_logits, rtol=RTOL, atol=ATOL, err_msg=name)
         np.testing.assert_allclose(loss, ref_loss, rtol=LOSS_RTOL, err_msg=name)
         for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
@@ -91,7 +91,7 @@ def _with_config(model, config):
 
 
 def test_model_shapes_and_options(key):
-    config = _config(max_seq_len=256, num_kv_heads=1, remat="full", tie_embeddings=True)
+    config = _config(max_seq_len=256, num_kv_heads=1, remat="full", features=ModelFeatures(tie_embeddings=True))
     model = Transformer(config, key=key)
     tokens = jnp.arange(256) % config.vocab_size
     logits = model(tokens, jnp.arange(256))
@@ -145,7 +145,7 @@ def test_model_positions_are_explicit(key):
 
 @pytest.mark.slow
 def test_model_dropout_only_with_key(key):
-    config = _config(max_seq_len=128, attention="reference", attention_dropout=0.3)
+    config = _config(max_seq_len=128, context_parallel=ContextParallel("reference"), attention_dropout=0.3)
     model = Transformer(config, key=key)
     plain = _with_config(model, config.replace(attention_dropout=0.0))
     tokens, positions = jnp.arange(128) % config.vocab_size, jnp.arange(128)
@@ -173,7 +173,7 @@ def test_model_bfloat16(key):
 def test_model_input_errors_name_the_argument(key):
     from ringsplash.model.transformer import _check_example
 
-    config = _config(max_seq_len=256, attention="splash")
+    config = _config(max_seq_len=256, context_parallel=ContextParallel("splash"))
     model = Transformer(config, key=key)
     tokens, positions = jnp.arange(256) % 48, jnp.arange(256)
     with pytest.raises(ValueError, match=r"tokens must be \[seq\].*batch with jax.vmap.*\(1, 256\)"):
@@ -197,7 +197,7 @@ def test_model_input_errors_name_the_argument(key):
 def test_model_length_beyond_max_seq_len_names_both(key):
     from ringsplash.model.transformer import _check_example
 
-    config = _config(max_seq_len=128, attention="reference", num_layers=1)
+    config = _config(max_seq_len=128, context_parallel=ContextParallel("reference"), num_layers=1)
     model = Transformer(config, key=key)
     tokens, positions = jnp.arange(192) % 48, jnp.arange(192)
     # was accepted: the reference builds its mask at any length, past the length the config was checked for
@@ -215,7 +215,7 @@ def test_model_hands_attention_one_dtype_whatever_the_parameters(key):
     """q, k, v reach the strategy in the compute dtype even when the parameters mix dtypes (e.g.
     a checkpoint with some weights in float16): every attention entry point now refuses a q / k / v
     dtype mix, the reference included, so the model must never produce one."""
-    config = _config(max_seq_len=128, attention="reference", num_layers=1)
+    config = _config(max_seq_len=128, context_parallel=ContextParallel("reference"), num_layers=1)
     model = Transformer(config, key=key)
     mixed = eqx.tree_at(lambda m: (m.layers.attention.wk, m.layers.attention.wv), model,
                         (model.layers.attention.wk.astype(jnp.bfloat16), model.layers.attention.wv.astype(jnp.float16)))
@@ -224,9 +224,9 @@ def test_model_hands_attention_one_dtype_whatever_the_parameters(key):
 
 
 def test_ring_model_outside_shard_map_says_how_to_call_it(key):
-    config = _config(max_seq_len=512, attention="ring", ring_size=2, ring_axis_name="context")
+    config = _config(max_seq_len=512, context_parallel=ContextParallel("ring", ring_size=2))
     model = Transformer(config, key=key)
-    with pytest.raises(ValueError, match=r"attention='ring'.*inside jax.shard_map.*make_logits_fn"):
+    with pytest.raises(ValueError, match=r"strategy='ring'.*inside jax.shard_map.*make_logits_fn"):
         model(jnp.arange(256) % 48, jnp.arange(256))  # was NameError: unbound axis name
 
 
@@ -235,9 +235,9 @@ def test_splash_model_runs_at_a_length_the_blocks_do_not_tile(key):
     """600 tokens (not a multiple of the kernels' 128-token lanes): the model pads inside; logits,
     gradients and max logits equal the reference strategy's, with and without packed documents."""
     config = TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, max_seq_len=600, sinks=True,
-                               attention="splash")
+                               context_parallel=ContextParallel("splash"))
     model = Transformer(config, key=key)
-    reference = model.with_config(config.replace(attention="reference"))
+    reference = model.with_config(config.replace(context_parallel=config.context_parallel.replace(strategy="reference")))
     tokens = jax.random.randint(jax.random.fold_in(key, 1), (600,), 0, 64)
     positions = jnp.arange(600)
     segments = (jnp.arange(600) >= 250).astype(jnp.int32)

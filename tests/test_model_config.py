@@ -3,7 +3,7 @@
 import pytest
 
 from ringsplash import masks
-from ringsplash.model import TransformerConfig
+from ringsplash.model import ContextParallel, TransformerConfig
 from ringsplash.splash import SplashConfig
 
 SMALL = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
@@ -16,21 +16,20 @@ def make(**changes):
 
 REJECTED = [
     # (changes, fragments the message must contain)
-    (dict(attention="splash", attention_dropout=0.1),
-     ["attention_dropout=0.1", "not supported by the splash/ring kernels", "attention='reference'", "attention_dropout=0"]),
-    (dict(attention="ring", ring_axis_name="context", ring_size=4, attention_dropout=0.2),
-     ["not supported by the splash/ring kernels", "attention='reference' or attention_dropout=0"]),
-    (dict(attention="ring", ring_size=4), ["attention='ring' needs ring_axis_name", "ring_axis_name='context'"]),
-    (dict(attention="ring", ring_axis_name="", ring_size=4), ["needs ring_axis_name"]),
+    (dict(context_parallel=ContextParallel("splash"), attention_dropout=0.1),
+     ["attention_dropout=0.1", "not supported by the splash/ring kernels", "ContextParallel('reference')",
+      "attention_dropout=0"]),
+    (dict(context_parallel=ContextParallel("ring", ring_size=4), attention_dropout=0.2),
+     ["not supported by the splash/ring kernels", "ContextParallel('reference') or attention_dropout=0"]),
     (dict(num_heads=4, num_kv_heads=3), ["num_heads=4 must be divisible by num_kv_heads=3", "num_kv_heads"]),
     # the ring shrinks blocks to its shards; a length it cannot tile is padded by the trainer
     # (tests/test_context_parallel_lengths.py), except under a fixed-shape Mask, which serves its own
     # length only: a shard the ring cannot tile then names the config / S that would
-    (dict(attention="ring", ring_axis_name="context", ring_size=4, max_seq_len=8 * 200,
+    (dict(context_parallel=ContextParallel("ring", ring_size=4), max_seq_len=8 * 200,
           mask=masks.CausalMask((1600, 1600))),
      ["S // 8 = 1600 // 8 = 200 tokens per zigzag half-shard", "cannot tile the 200-token zigzag half-shard",
       "S=2048"]),
-    (dict(attention="ring", ring_axis_name="context", ring_size=4, ring_layout="contiguous", max_seq_len=4 * 200,
+    (dict(context_parallel=ContextParallel("ring", ring_size=4, layout="contiguous"), max_seq_len=4 * 200,
           mask=masks.CausalMask((800, 800))),
      ["S // 4 = 800 // 4 = 200 tokens per shard", "SplashConfig(block_q=256", "S=1024"]),
     (dict(mask="local"), ["mask='local' needs local_window"]),
@@ -38,7 +37,6 @@ REJECTED = [
     (dict(mask="prefix_lm"), ["mask='prefix_lm' needs prefix_len"]),
     (dict(mask="causal", local_window=8), ["local_window=8 only applies to mask='local'", "local_window=None"]),
     (dict(mask="prefix_lm", prefix_len=2048), ["prefix_len=2048 must be <= max_seq_len=1024"]),
-    (dict(ring_size=2), ["ring_size=2 needs attention='ring'", "ring_size=1"]),
     (dict(attention_dropout=1.0), ["attention_dropout must be in [0, 1)"]),
     (dict(num_heads=3), ["head_dim=None needs num_heads=3 to divide d_model=64", "head_dim"]),
     (dict(head_dim=15), ["head_dim=15 must be even"]),
@@ -60,8 +58,6 @@ def test_config_rejects_with_message(changes, fragments):
 # Literal-typed mode strings: rejected by the config's own check (ValueError) or, first, by the
 # test run's jaxtyping/beartype check of the Literal annotation (TypeError); both name the field and value.
 LITERAL_REJECTED = [
-    (dict(attention="flash"), "attention", "flash"),
-    (dict(attention="ring", ring_axis_name="context", ring_layout="spiral"), "ring_layout", "spiral"),
     (dict(mask="sliding"), "mask", "sliding"),
     (dict(param_dtype="float64"), "param_dtype", "float64"),
     (dict(compute_dtype="int8"), "compute_dtype", "int8"),
@@ -75,25 +71,51 @@ def test_config_rejects_unknown_mode_string(changes, field, value):
     assert field in str(info.value) and repr(value) in str(info.value), str(info.value)
 
 
+# ContextParallel: its own checks name the field (ContextParallel.<field>) and what was given
+CONTEXT_PARALLEL_REJECTED = [
+    (dict(ring_size=2), ["ContextParallel.ring_size=2 needs strategy in", "strategy='reference'", "ring_size=1"]),
+    (dict(strategy="ring", ring_size=0), ["ContextParallel.ring_size must be a positive int"]),
+    (dict(strategy="ulysses", ring_size=2, ulysses_size=2), ["ContextParallel.ring_size=2 needs strategy in"]),
+    (dict(strategy="usp", ring_axis="x", ulysses_axis="x"), ["strategy='usp' needs two different mesh axes"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, fragments", CONTEXT_PARALLEL_REJECTED, ids=[str(k) for k, _ in CONTEXT_PARALLEL_REJECTED])
+def test_context_parallel_rejects_with_message(kwargs, fragments):
+    with pytest.raises((ValueError, TypeError)) as info:
+        ContextParallel(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+@pytest.mark.parametrize("field, value", [("strategy", "rnig"), ("layout", "spiral")])
+def test_context_parallel_rejects_unknown_mode_string(field, value):
+    """Outside the tests' annotation checks (as in library use) __post_init__ names the field and value."""
+    cp = ContextParallel("ring")
+    object.__setattr__(cp, field, value)
+    with pytest.raises(ValueError, match=rf"ContextParallel\.{field} must be one of .*got ContextParallel\.{field}='{value}'"):
+        cp.__post_init__()
+
+
 @pytest.mark.parametrize(
     "changes",
     [
         dict(),
-        dict(attention="splash"),
-        dict(attention="ring", ring_axis_name="context", ring_size=4),
-        dict(attention="ring", ring_axis_name="context", ring_size=8, ring_layout="striped"),
-        dict(attention="reference", attention_dropout=0.1),
+        dict(context_parallel=ContextParallel("splash")),
+        dict(context_parallel=ContextParallel("ring", ring_size=4)),
+        dict(context_parallel=ContextParallel("ring", ring_size=8, layout="striped")),
+        dict(context_parallel=ContextParallel("reference"), attention_dropout=0.1),
         dict(mask="local", local_window=16),
         dict(mask="chunked", chunk_size=64),
         dict(mask="prefix_lm", prefix_len=100),
         dict(mask="full"),
         dict(num_kv_heads=1, sinks=True, logit_soft_cap=30.0, remat="save_dots", param_dtype="bfloat16"),
-        dict(attention="splash", d_model=512, num_heads=4, splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="mosaic_tpu")),
+        dict(context_parallel=ContextParallel("splash"), d_model=512, num_heads=4, splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="mosaic_tpu")),
         # head sizes other than 128 on the TPU kernels (compiled for v5e: tests/test_head_dims_tpu_compile.py)
-        dict(attention="splash", d_model=256, num_heads=4, splash=SplashConfig(backend="mosaic_tpu", block_q=128,
+        dict(context_parallel=ContextParallel("splash"), d_model=256, num_heads=4, splash=SplashConfig(backend="mosaic_tpu", block_q=128,
                                                                               block_kv=128, block_q_dkv=128,
                                                                               block_kv_dkv=128)),
-        dict(attention="ring", ring_axis_name="context", ring_size=4, head_dim=96,
+        dict(context_parallel=ContextParallel("ring", ring_size=4), head_dim=96,
              splash=SplashConfig(backend="mosaic_tpu")),
     ],
 )

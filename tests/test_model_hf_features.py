@@ -18,8 +18,8 @@ import optax
 import pytest
 
 from ringsplash import data, layouts, partitioning, train
-from ringsplash.model import RopeScaling, Transformer, TransformerConfig
-from ringsplash.model.hf_features import LayerSegment, layer_segments
+from ringsplash.model import ContextParallel, RopeScaling, Transformer, TransformerConfig
+from ringsplash.model.hf_features import LayerSegment, ModelFeatures, layer_segments, nest_features
 from ringsplash.model.schedule import schedule_bytes_per_device
 from ringsplash.model.transformer import _layer_schedules
 from ringsplash.splash import SplashConfig
@@ -70,7 +70,7 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 def _load(hf, config: TransformerConfig) -> Transformer:
     """Test-local name map: the transformers weights copied into our model (HF ``[out, in]`` transposed)."""
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    gemma = config.post_norms
+    gemma = config.features.post_norms
 
     def stack(name, transpose=True):
         return jnp.asarray(np.stack([sd[f"model.layers.{i}.{name}"].T if transpose else sd[f"model.layers.{i}.{name}"]
@@ -78,7 +78,7 @@ def _load(hf, config: TransformerConfig) -> Transformer:
 
     pairs = [(lambda m: m.embedding, jnp.asarray(sd["model.embed_tokens.weight"])),
              (lambda m: m.final_norm.weight, jnp.asarray(sd["model.norm.weight"]))]
-    if not config.tie_embeddings:
+    if not config.features.tie_embeddings:
         pairs.append((lambda m: m.unembedding, jnp.asarray(sd["lm_head.weight"].T)))
     a = "self_attn."
     names = {"attention.wq": a + "q_proj.weight", "attention.wk": a + "k_proj.weight",
@@ -119,6 +119,11 @@ def _common(hf) -> dict:
                 rope_scaling=RopeScaling(), norm_eps=c.rms_norm_eps, tie_embeddings=c.tie_word_embeddings)
 
 
+def _flat_config(**fields) -> TransformerConfig:
+    """A config from flat fields (the ``ModelFeatures`` ones nested into ``features``)."""
+    return TransformerConfig(**nest_features(fields))
+
+
 def _gemma(hf) -> dict:
     c = hf.config
     return dict(mlp_activation="gelu_tanh", norm_offset=1.0, post_norms=True, scale_embeddings=True,
@@ -148,7 +153,7 @@ def _compare(hf, config, atol):
 def test_llama_matches_transformers(tie):
     """Llama (a tied one: the unembedding is the embedding itself). Measured 5.2e-6 / 6.0e-6 (tied)."""
     hf = _hf_model("llama", tie_word_embeddings=tie, rms_norm_eps=1e-5)
-    _compare(hf, TransformerConfig(**_common(hf)), atol=6e-5)
+    _compare(hf, _flat_config(**_common(hf)), atol=6e-5)
 
 
 @pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
@@ -156,19 +161,19 @@ def test_qwen2_attention_bias_matches_transformers():
     """q/k/v biases. Measured 3.0e-6."""
     hf = _hf_model("qwen2")
     assert hf.model.layers[0].self_attn.q_proj.bias is not None
-    _compare(hf, TransformerConfig(**_common(hf), attention_bias=True), atol=3e-5)
+    _compare(hf, _flat_config(**_common(hf), features=ModelFeatures(attention_bias=True)), atol=3e-5)
 
 
 @pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
 def test_qwen3_qk_norm_matches_transformers():
     """Per-head RMSNorm of q and k before RoPE. Measured 4.0e-6."""
     hf = _hf_model("qwen3")
-    _compare(hf, TransformerConfig(**_common(hf), qk_norm=True), atol=4e-5)
+    _compare(hf, _flat_config(**_common(hf), features=ModelFeatures(qk_norm=True)), atol=4e-5)
 
 
 def _mistral(w=100):
     hf = _hf_model("mistral", sliding_window=w)
-    return hf, TransformerConfig(**_common(hf), mask="local", local_window=w - 1)
+    return hf, _flat_config(**_common(hf), mask="local", local_window=w - 1)
 
 
 @pytest.mark.slow  # compiles models (tests/test_hf.py keeps Llama and Gemma 3 in the fast tier)
@@ -185,7 +190,7 @@ def test_all_sliding_layer_types_equal_local_mask():
     n, w = 128, 40
     local = TransformerConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, max_seq_len=n, mask="local",
                               local_window=w - 1)
-    typed = local.replace(mask="causal", local_window=None, layer_types=("sliding_attention",) * 2, sliding_window=w)
+    typed = local.replace(mask="causal", local_window=None, features=local.features.replace(layer_types=("sliding_attention",) * 2, sliding_window=w))
     model = Transformer(local, key=jax.random.key(4))
     tokens = jnp.asarray(_tokens()[:n], jnp.int32)
     run = eqx.filter_jit(lambda m: m(tokens, jnp.arange(n)))
@@ -201,13 +206,13 @@ def test_sliding_window_one_token_off_is_caught():
             _compare(hf, config.replace(local_window=off), atol=5e-5)
     hf, config = _gemma2()
     with pytest.raises(AssertionError):
-        _compare(hf, config.replace(sliding_window=config.sliding_window + 1), atol=1.1e-5)
+        _compare(hf, config.replace(features=config.features.replace(sliding_window=config.features.sliding_window + 1)), atol=1.1e-5)
 
 
 def _gemma2():
     hf = _hf_model("gemma2", sliding_window=100, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh")
-    return hf, TransformerConfig(**_common(hf), **_gemma(hf))
+    return hf, _flat_config(**_common(hf), **_gemma(hf))
 
 
 def test_gemma2_matches_transformers():
@@ -226,10 +231,10 @@ def test_gemma3_matches_transformers():
     hf = _hf_model("gemma3", num_hidden_layers=8, sliding_window=100, query_pre_attn_scalar=24,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}})
-    config = TransformerConfig(**{**_common(hf), **_gemma(hf), "qk_norm": True, "local_rope_theta": 1_000.0,
+    config = _flat_config(**{**_common(hf), **_gemma(hf), "qk_norm": True, "local_rope_theta": 1_000.0,
                                   "rope_scaling": RopeScaling(type="linear", factor=4.0)})
     assert config.rope_theta == 50_000.0 and hf.config.layer_types.count("full_attention") == 1
-    assert [len(s.kinds) for s in layer_segments(config.layer_types, 8)] == [6, 2]
+    assert [len(s.kinds) for s in layer_segments(config.features.layer_types, 8)] == [6, 2]
     _compare(hf, config, atol=1.6e-5)
 
 
@@ -272,9 +277,7 @@ def test_defaults_add_no_parameters_or_ops():
     model = _default_model()
     a = model.layers.attention
     assert a.bq is None and a.q_norm is None and model.layers.post_attention_norm is None
-    spelled = model.config.replace(intermediate_size=None, mlp_activation="silu", attention_bias=False, qk_norm=False,
-                                   norm_eps=1e-6, norm_offset=0.0, post_norms=False, scale_embeddings=False,
-                                   attention_scale=None, final_logit_soft_cap=None, layer_types=None)
+    spelled = model.config.replace(features=model.config.features.replace(intermediate_size=None, mlp_activation="silu", attention_bias=False, qk_norm=False, norm_eps=1e-6, norm_offset=0.0, post_norms=False, scale_embeddings=False, attention_scale=None, final_logit_soft_cap=None, layer_types=None))
     tokens = jnp.zeros(64, jnp.int32)
     jaxpr = lambda m: str(jax.make_jaxpr(lambda t: m(t, jnp.arange(64)))(tokens))
     assert jaxpr(model) == jaxpr(model.with_config(spelled))
@@ -282,7 +285,7 @@ def test_defaults_add_no_parameters_or_ops():
 
 def test_tied_unembedding_is_the_embedding():
     config = TransformerConfig(vocab_size=512, d_model=64, num_layers=1, num_heads=4, max_seq_len=64,
-                               tie_embeddings=True)
+                               features=ModelFeatures(tie_embeddings=True))
     model = Transformer(config, key=jax.random.key(0))
     assert model.unembedding is None
     np.testing.assert_array_equal(model.unembedding_matrix(), model.embedding.T)
@@ -322,7 +325,7 @@ def _patterned(num_layers=2, **kw):
                 layer_types=types, sliding_window=60, local_rope_theta=500.0, norm_offset=1.0, post_norms=True,
                 qk_norm=True, scale_embeddings=True, mlp_activation="gelu_tanh", final_logit_soft_cap=4.0,
                 logit_soft_cap=20.0, attention_scale=0.2, tie_embeddings=True, sinks=True)
-    return TransformerConfig(**{**base, **kw})
+    return TransformerConfig(**nest_features({**base, **kw}))
 
 
 def _count_eqns(jaxpr) -> int:
@@ -356,7 +359,7 @@ def _unrolled(model: Transformer, tokens, positions):
     mx = []
     for i in range(c.num_layers):
         layer = jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, model.layers)
-        x, m = layer(x, positions, None, return_max_logits=True, layer_type=c.layer_types[i])
+        x, m = layer(x, positions, None, return_max_logits=True, layer_type=c.features.layer_types[i])
         mx.append(m)
     return model.logits(model.final_norm(x)), jnp.stack(mx)
 
@@ -399,20 +402,20 @@ def test_final_soft_cap_in_chunked_loss():
     assert float(jnp.max(jnp.abs(logits))) < 4.0
     want = float(jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels)))
     s, _ = train.chunked_loss_sums(hidden, model.unembedding_matrix(), labels, jnp.ones(128), 32,
-                                   model.config.final_logit_soft_cap)
+                                   model.config.features.final_logit_soft_cap)
     np.testing.assert_allclose(float(s), want, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ patterned model under every strategy
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
-RING = dict(ring_axis_name="context", splash=BLOCKS)
+RING = dict(splash=BLOCKS)
 STRATEGIES = {
-    "splash": dict(attention="splash", splash=BLOCKS),
-    "ring-4-zigzag": dict(attention="ring", ring_size=4, **RING),
-    "allgather-4": dict(attention="allgather", ring_size=4, **RING),
-    "ulysses-2": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=2, splash=BLOCKS),
-    "usp-2x2": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2, **RING),
+    "splash": dict(context_parallel=ContextParallel("splash"), splash=BLOCKS),
+    "ring-4-zigzag": dict(context_parallel=ContextParallel("ring", ring_size=4), **RING),
+    "allgather-4": dict(context_parallel=ContextParallel("allgather", ring_size=4), **RING),
+    "ulysses-2": dict(context_parallel=ContextParallel("ulysses", ulysses_size=2), splash=BLOCKS),
+    "usp-2x2": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2), **RING),
 }
 
 
@@ -428,7 +431,7 @@ def _strategy_logits(config, model, tokens, *, fsdp=False):
     logits_fn = train.make_logits_fn(config, mesh, plan=plan)
     logits = np.asarray(logits_fn(eqx.combine(params, static), sharded))
     if config.context_shards > 1:
-        logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
+        logits = layouts.unpermute(logits, config.context_parallel.layout, config.layout_shards, axis=1)
     return logits[0]
 
 
@@ -500,7 +503,7 @@ BAD = [
 @pytest.mark.parametrize("changes, field", BAD, ids=[str(c) for c, _ in BAD])
 def test_bad_hf_feature_values_rejected(changes, field):
     with pytest.raises(ValueError, match=field):
-        TransformerConfig(vocab_size=V, d_model=32, num_layers=2, num_heads=4, **changes)
+        TransformerConfig(**nest_features(dict(vocab_size=V, d_model=32, num_layers=2, num_heads=4, **changes)))
 
 
 # a flag of another type is a TypeError, an option outside its choices a ValueError
@@ -512,18 +515,17 @@ WRONG_TYPES = [("attention_bias", 1, TypeError), ("qk_norm", "yes", TypeError), 
 @pytest.mark.parametrize("field, value, error", WRONG_TYPES)
 def test_wrong_typed_hf_feature_values_rejected(field, value, error):
     """Outside the tests' annotation checks (as in library use) __post_init__ names the field too."""
-    kw = dict(vocab_size=V, d_model=32, num_layers=2, num_heads=4)
-    config = TransformerConfig(**kw)
+    features = ModelFeatures()
     with pytest.raises(error, match=field):
-        object.__setattr__(config, field, value)
-        config.__post_init__()
+        object.__setattr__(features, field, value)
+        features.__post_init__()
 
 
 def test_config_dict_round_trip_through_json():
     config = _patterned(2, rope_scaling=RopeScaling(type="linear", factor=2.0), intermediate_size=40,
                         attention_bias=True, norm_eps=1e-5, attention_scale=0.25)
     d = json.loads(json.dumps(config.to_dict()))
-    assert isinstance(d["layer_types"], list)
+    assert isinstance(d["features"]["layer_types"], list)
     back = TransformerConfig.from_dict(d)
-    assert back == config and isinstance(back.layer_types, tuple) and hash(back) == hash(config)
+    assert back == config and isinstance(back.features.layer_types, tuple) and hash(back) == hash(config)
     assert back.mlp_hidden == 40

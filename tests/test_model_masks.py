@@ -11,7 +11,7 @@ import pytest
 
 from ringsplash import masks
 from ringsplash.model import Transformer, TransformerConfig
-from test_model_strategies import RING, S, _batch, _config, _run
+from test_model_strategies import S, _batch, _config, _run
 
 # float32, CPU: the reference strategy with a FunctionMask and with the same rule as a NumpyMask
 # evaluates the same dense mask, so the logits are bit-identical (measured); the ring (zigzag, 4
@@ -102,7 +102,7 @@ def test_model_with_a_function_mask_matches_the_same_rule_dense_and_under_the_ri
                             batch)
     assert float(np.max(np.abs(logits - causal_logits))) > 1e-3  # the window matters at S = 512
 
-    ring_config = fn_config.replace(attention="ring", ring_size=4, ring_layout="zigzag", **RING)
+    ring_config = fn_config.replace(context_parallel=fn_config.context_parallel.replace(strategy="ring", ring_size=4, layout="zigzag"))
     ring_logits, ring_grads = _run(ring_config, model.with_config(ring_config), batch)
     err = float(np.max(np.abs(ring_logits - logits)))
     grad_err = max(float(np.max(np.abs(np.asarray(g) - np.asarray(r))) / np.max(np.abs(np.asarray(r))))

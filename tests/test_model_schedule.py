@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import data, train
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig
 from ringsplash.model.schedule import model_ring_schedule
 from ringsplash.splash import SplashConfig
 
@@ -24,7 +24,7 @@ S, N = 1024, 8
 CONFIG = TransformerConfig(
     vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_seq_len=S,
     splash=SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla"),
-    attention="ring", ring_axis_name="context", ring_size=N, ring_layout="zigzag",
+    context_parallel=ContextParallel("ring", ring_size=N, layout="zigzag"),
 )
 
 
@@ -37,7 +37,7 @@ def _constants_of_shape(text: str, shape) -> int:
 @pytest.mark.slow
 def test_train_step_takes_the_ring_schedule_sharded_not_as_a_constant():
     mesh = train.mesh_for(CONFIG)
-    tc = train.TrainConfig(steps=2, batch_size=1, context_parallel=N, warmup_steps=1)
+    tc = train.TrainConfig(steps=2, batch_size=1, warmup_steps=1)
     optimizer = train.make_optimizer(tc)
     model = Transformer(CONFIG, key=jax.random.key(0))
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))  # (lowering only: placement does not matter)
@@ -73,9 +73,8 @@ def test_train_step_takes_the_ring_schedule_sharded_not_as_a_constant():
 
 def test_model_ring_schedule_matches_what_each_strategy_runs():
     """USP's inner ring runs over the ring degree b with heads / a q heads; others have no ring."""
-    usp = CONFIG.replace(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4,
-                         ring_layout="contiguous")
+    usp = CONFIG.replace(context_parallel=CONFIG.context_parallel.replace(strategy="usp", ring_size=2, ulysses_axis="ulysses", ulysses_size=4, layout="contiguous"))
     mesh = train.mesh_for(usp)
     schedule = model_ring_schedule(usp, S, mesh, shapes_only=True)
     assert all(x.shape[1:3] == (2, 2) and x.sharding.spec == P(None, "context") for x in jax.tree.leaves(schedule))
-    assert model_ring_schedule(CONFIG.replace(attention="allgather"), S, train.mesh_for(CONFIG)) is None
+    assert model_ring_schedule(CONFIG.replace(context_parallel=CONFIG.context_parallel.replace(strategy="allgather")), S, train.mesh_for(CONFIG)) is None

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data, layouts, masks, train
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig
 from ringsplash.splash import SplashConfig
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
@@ -53,7 +53,7 @@ def _run(config, model, batch):
     logits = np.asarray(logits_fn(eqx.combine(params, static), sharded))  # jitted, built once per config and mesh
     grads, _ = jax.jit(lambda p, b, sc: grad_fn(p, static, b, None, sc))(params, sharded, schedule)
     if config.context_shards > 1:
-        logits = layouts.unpermute(logits, config.ring_layout, config.layout_shards, axis=1)
+        logits = layouts.unpermute(logits, config.context_parallel.layout, config.layout_shards, axis=1)
     return logits, jax.device_get(grads)
 
 
@@ -65,7 +65,6 @@ def reference():
     return model, batch, _run(config, model, batch)
 
 
-RING = dict(ring_axis_name="context")
 # One model-level case per strategy wiring (mesh, batch layout, sharded grads); the degrees and layouts
 # a strategy supports are swept at the attention level in test_parallel.py (all-gather: every mask x
 # every layout at N = 4; Ulysses at N = 4; USP at both (2, 4) and (4, 2) with kv heads repeated and
@@ -75,14 +74,12 @@ RING = dict(ring_axis_name="context")
 # striped and contiguous layouts, the xla backend and the Pallas kernels.
 CASES = {
     # 8 devices: Ulysses repeats each of the 2 kv heads 4 times; USP repeats them twice
-    "allgather-8-striped": dict(attention="allgather", ring_size=8, ring_layout="striped", **RING),
-    "ulysses-8": dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=8),
-    "usp-4x2-contiguous": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4,
-                               ring_layout="contiguous", **RING),
+    "allgather-8-striped": dict(context_parallel=ContextParallel("allgather", ring_size=8, layout="striped")),
+    "ulysses-8": dict(context_parallel=ContextParallel("ulysses", ulysses_size=8)),
+    "usp-4x2-contiguous": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=4, layout="contiguous")),
     # 4 devices, zigzag, the Pallas kernels (generic interpreter): the inner ring's per-device schedule
     # carries the dK/dV view too; Ulysses 2 splits the 2 kv heads (1 per rank)
-    "usp-2x2-interpret": dict(attention="usp", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2,
-                              splash=dataclasses.replace(BLOCKS, backend="interpret", interpret_params="generic"), **RING),
+    "usp-2x2-interpret": dict(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2), splash=dataclasses.replace(BLOCKS, backend="interpret", interpret_params="generic")),
 }
 
 
@@ -104,39 +101,25 @@ def test_model_strategy_matches_reference(reference, case):
 # ----------------------------------------------------------------------------------------
 # bad input
 
+CP = ContextParallel
 REJECTED = [
     # Ulysses degree the heads do not allow: the numbers and the degrees that work
-    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=16),
-     ["num_heads=8 is not divisible by ulysses_size=16", "use ulysses_size in [1, 2, 4, 8]"]),
-    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4, num_heads=12, num_kv_heads=3,
-          d_model=48),
-     ["num_kv_heads=3 neither divides nor is divisible by ulysses_size=4", "use ulysses_size in [1, 3, 6, 12]"]),
+    (dict(context_parallel=CP("ulysses", ulysses_size=16)),
+     ["num_heads=8 is not divisible by ulysses_size=16", "use ContextParallel.ulysses_size in [1, 2, 4, 8]"]),
+    (dict(context_parallel=CP("ulysses", ulysses_size=4), num_heads=12, num_kv_heads=3, d_model=48),
+     ["num_kv_heads=3 neither divides nor is divisible by ulysses_size=4", "ulysses_size in [1, 3, 6, 12]"]),
     # USP: a bad inner degree names the factorisations of N that work
-    (dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=16,
-          max_seq_len=4096),
+    (dict(context_parallel=CP("usp", ring_size=2, ulysses_size=16), max_seq_len=4096),
      ["ulysses_size=16", "factorisations of the 32 devices that work: [(1, 32), (2, 16), (4, 8), (8, 4)]"]),
-    (dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="context", ulysses_size=2),
-     ["two different mesh axes", "both 'context'"]),
-    (dict(attention="usp", ring_axis_name="context", ring_size=2, ulysses_size=2),
-     ["attention='usp' needs ulysses_axis_name", "ulysses_axis_name='ulysses'"]),
-    (dict(attention="allgather", ring_size=4), ["attention='allgather' needs ring_axis_name"]),
-    (dict(attention="ulysses", ulysses_size=4), ["attention='ulysses' needs ulysses_axis_name",
-                                                  "ulysses_axis_name='context'"]),
-    # sizes given to a strategy that does not use them
-    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4, ring_size=2),
-     ["ring_size=2 needs attention='ring'", "attention='ulysses' does not"]),
-    (dict(attention="ring", ring_axis_name="context", ring_size=4, ulysses_size=2),
-     ["ulysses_size=2 needs attention='ulysses' or 'usp'", "ulysses_size=1"]),
     # a length the strategy cannot tile is padded by the trainer (tests/test_context_parallel_lengths.py), except
     # under a fixed-shape Mask (its own length only). All-gather: blocks must tile each device's queries
-    (dict(attention="allgather", ring_axis_name="context", ring_size=4, max_seq_len=1000,
-          mask=masks.CausalMask((1000, 1000))),
-     ["attention='allgather' at max_seq_len=1000: SplashConfig.block_q=128 cannot tile the 250-token per-device q_len",
-      "SplashConfig(block_q=256", "divisible by 512"]),
-    (dict(attention="usp", ring_axis_name="context", ring_size=4, ulysses_axis_name="ulysses", ulysses_size=2,
-          max_seq_len=1020, mask=masks.CausalMask((1020, 1020))),
+    (dict(context_parallel=CP("allgather", ring_size=4), max_seq_len=1000, mask=masks.CausalMask((1000, 1000))),
+     ["strategy='allgather' at max_seq_len=1000: SplashConfig.block_q=128 cannot tile the 250-token per-device "
+      "q_len", "SplashConfig(block_q=256", "divisible by 512"]),
+    (dict(context_parallel=CP("usp", ring_size=4, ulysses_size=2), max_seq_len=1020,
+          mask=masks.CausalMask((1020, 1020))),
      ["max_seq_len=1020 must be divisible by ring_size x ulysses_size = 4 x 2 = 8"]),
-    (dict(attention="ulysses", ulysses_axis_name="context", ulysses_size=4, attention_dropout=0.1),
+    (dict(context_parallel=CP("ulysses", ulysses_size=4), attention_dropout=0.1),
      ["not supported by the splash/ring kernels"]),
 ]
 
@@ -149,32 +132,52 @@ def test_strategy_config_rejects_with_message(changes, fragments):
         assert fragment in str(info.value), (fragment, str(info.value))
 
 
+# the axes and sizes: ContextParallel's own checks
+CP_REJECTED = [
+    (dict(strategy="usp", ring_size=2, ulysses_axis="context", ulysses_size=2),
+     ["two different mesh axes", "both 'context'"]),
+    (dict(strategy="ulysses", ulysses_size=4, ring_size=2),
+     ["ContextParallel.ring_size=2 needs strategy in ('ring', 'allgather', 'usp')", "got strategy='ulysses'"]),
+    (dict(strategy="ring", ring_size=4, ulysses_size=2),
+     ["ContextParallel.ulysses_size=2 needs strategy in ('ulysses', 'usp')", "ulysses_size=1"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, fragments", CP_REJECTED, ids=[str(c) for c, _ in CP_REJECTED])
+def test_context_parallel_rejects_with_message(kwargs, fragments):
+    with pytest.raises(ValueError) as info:
+        ContextParallel(**kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
 def test_trainer_mesh_must_match_the_strategy():
-    usp = _config(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=4)
+    usp = _config(context_parallel=CP("usp", ring_size=2, ulysses_size=4))
     # a mesh missing the Ulysses axis
-    with pytest.raises(ValueError, match=r"needs a 'ulysses' mesh axis of ulysses_size=4 devices.*make_mesh"):
+    with pytest.raises(ValueError, match=r"needs a 'ulysses' mesh axis of 4 devices.*mesh_for"):
         train.check_mesh(usp, train.make_mesh(1, 2))
     # a 2-D factorisation that does not match the mesh (4 x 2 config, 2 x 4 mesh)
-    with pytest.raises(ValueError, match=r"ring_size=2 must equal the mesh's context axis \(4\)"):
+    with pytest.raises(ValueError, match=r"'context' axis has 2 devices but the mesh's has 4"):
         train.check_mesh(usp, train.make_mesh(1, 4, ulysses=2))
     # a Ulysses axis under a strategy that does not use it, and Ulysses off the trainer's axis
-    ring = _config(attention="ring", ring_axis_name="context", ring_size=4)
-    with pytest.raises(ValueError, match=r"ulysses_parallel=2 needs attention='usp'"):
+    ring = _config(context_parallel=CP("ring", ring_size=4))
+    with pytest.raises(ValueError, match=r"mesh's 'ulysses' axis has 2 devices, but strategy='ring' does not"):
         train.check_mesh(ring, train.make_mesh(1, 4, ulysses=2))
-    with pytest.raises(ValueError, match=r"runs attention='ulysses' over 'context': set ulysses_axis_name='context'"):
-        train.check_mesh(_config(attention="ulysses", ulysses_axis_name="sp", ulysses_size=4), train.make_mesh(1, 4))
-    with pytest.raises(ValueError, match=r"context_parallel=4 needs attention='ring', 'allgather', 'ulysses' or 'usp'"):
-        train.check_mesh(_config(attention="splash"), train.make_mesh(1, 4))
+    with pytest.raises(ValueError, match=r"the trainer runs context_parallel over the mesh axes \('context',\)"):
+        train.check_mesh(_config(context_parallel=CP("ulysses", ulysses_axis="sp", ulysses_size=4)),
+                         train.make_mesh(1, 4))
+    with pytest.raises(ValueError, match=r"mesh's 'context' axis has 4 devices, but strategy='splash' does not"):
+        train.check_mesh(_config(context_parallel=CP("splash")), train.make_mesh(1, 4))
     # the mesh the trainer builds for each strategy passes
-    for config in (usp, ring, _config(attention="ulysses", ulysses_axis_name="context", ulysses_size=8)):
+    for config in (usp, ring, _config(context_parallel=CP("ulysses", ulysses_size=8))):
         mesh = train.mesh_for(config)
         train.check_mesh(config, mesh)
-        assert mesh.size == config.context_shards
+        assert mesh.size == config.context_parallel.shards
 
 
 def test_usp_fsdp_shards_over_every_mesh_axis():
     """FSDP on the USP mesh shards parameters over data x context x ulysses together."""
-    usp = _config(attention="usp", ring_axis_name="context", ring_size=2, ulysses_axis_name="ulysses", ulysses_size=2)
+    usp = _config(context_parallel=ContextParallel("usp", ring_size=2, ulysses_size=2))
     plan = train.sharding_plan(usp, train.mesh_for(usp, data=2), fsdp=True)
     assert plan.axes == ("data", "context", "ulysses") and plan.num_shards == 8
     assert plan.specs.layers.mlp.w_gate[2] == ("data", "context", "ulysses")

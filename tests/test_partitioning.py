@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import data, partitioning, train
-from ringsplash.model import TransformerConfig
+from ringsplash.model import ContextParallel, TransformerConfig
 from ringsplash.splash import SplashConfig
 
 SEQ, ROWS, DATA, CONTEXT = 128, 4, 2, 4
@@ -29,8 +29,7 @@ ATOL = 1e-6
 def _config():
     # sinks [layers, heads=2]: no dimension divisible by 8 devices -> replicated (mixed tree)
     return TransformerConfig(vocab_size=TASK.vocab_size, d_model=16, num_layers=2, num_heads=2, max_seq_len=SEQ,
-                             splash=BLOCKS, sinks=True, attention="ring", ring_axis_name="context",
-                             ring_size=CONTEXT, remat="save_attention")
+                             splash=BLOCKS, sinks=True, context_parallel=ContextParallel("ring", ring_size=CONTEXT), remat="save_attention")
 
 
 def _first_step_grads(opt_state, grad_norm, tc):
@@ -46,7 +45,7 @@ def _first_step_grads(opt_state, grad_norm, tc):
 def _runs():
     """{fsdp: (plan, first-step grads and parameters, 20 losses, final state)} for fsdp in (False, True)."""
     config = _config()
-    tc = train.TrainConfig(steps=20, batch_size=ROWS, data_parallel=DATA, context_parallel=CONTEXT, warmup_steps=2,
+    tc = train.TrainConfig(steps=20, batch_size=ROWS, data_parallel=DATA, warmup_steps=2,
                            learning_rate=1e-2, progress=False)
     mesh = train.make_mesh(DATA, CONTEXT)
     optimizer = train.make_optimizer(tc)
@@ -197,7 +196,7 @@ def test_sharded_init_equals_the_unsharded_init_and_is_born_sharded():
     """``init_sharded_state`` (what ``fit`` starts from) creates each parameter and AdamW moment
     directly in the plan's shardings, with ``init_state``'s values bit for bit."""
     config, mesh = _config(), train.make_mesh(DATA, CONTEXT)
-    tc = train.TrainConfig(steps=20, batch_size=ROWS, data_parallel=DATA, context_parallel=CONTEXT, warmup_steps=2)
+    tc = train.TrainConfig(steps=20, batch_size=ROWS, data_parallel=DATA, warmup_steps=2)
     plan = train.sharding_plan(config, mesh, True)
     want = train.init_state(config, tc, data_seed=3)
     got = train.init_sharded_state(config, tc, mesh, plan, data_seed=3)

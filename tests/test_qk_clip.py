@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data, train
-from ringsplash.model import Transformer, TransformerConfig, apply_qk_clip, qk_clip_factors
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig, apply_qk_clip, qk_clip_factors
 from ringsplash.splash import SplashConfig
 
 BLOCKS = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
@@ -38,8 +38,7 @@ def test_qk_clip_factors_scale_each_head_by_exactly_its_clip():
 def _model_and_batch(attention, heads, kv_heads, ring_size=1):
     config = TransformerConfig(
         vocab_size=TASK.vocab_size, d_model=32, num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=16,
-        max_seq_len=TASK.seq_len, splash=BLOCKS, attention=attention,
-        ring_axis_name="context" if attention == "ring" else None, ring_size=ring_size,
+        max_seq_len=TASK.seq_len, splash=BLOCKS, context_parallel=ContextParallel(attention, ring_size=ring_size),
     )
     model = Transformer(config, key=jax.random.key(1))
     # head 0 gets large logits (its W_q x 4): it alone exceeds the threshold chosen below
@@ -56,7 +55,7 @@ def _batch_max_logits(m, tokens, positions, segment_ids):
 
 def _max_logits(model, config, batch):
     """Per-layer per-head max logits of the whole batch, computed on one device with splash."""
-    m = model.with_config(config.replace(attention="splash", ring_axis_name=None, ring_size=1, qk_clip_threshold=None))
+    m = model.with_config(config.replace(context_parallel=config.context_parallel.replace(strategy="splash", ring_axis=None, ring_size=1), qk_clip_threshold=None))
     return np.asarray(_batch_max_logits(m, batch.tokens, batch.positions, batch.segment_ids))
 
 
@@ -107,7 +106,7 @@ def test_qk_clip_step_brings_every_head_to_the_threshold(attention, heads, kv_he
 def test_fit_with_qk_clip_logs_max_logits_and_resumes_exactly(tmp_path):
     task = TASK
     config = TransformerConfig(vocab_size=task.vocab_size, d_model=32, num_layers=2, num_heads=2,
-                               max_seq_len=task.seq_len, splash=BLOCKS, attention="splash", qk_clip_threshold=0.3)
+                               max_seq_len=task.seq_len, splash=BLOCKS, context_parallel=ContextParallel("splash"), qk_clip_threshold=0.3)
     tc = train.TrainConfig(steps=2, batch_size=2, learning_rate=3e-3, warmup_steps=1, log_every=1, progress=False,
                            checkpoint_every=1)
     stream = data.DataStream(make=lambda rng, n, step: task.batch(rng, n), batch_size=2, seed=3)

@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 
 import ringsplash as rs
 from ringsplash import data, masks, train
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig
 from ringsplash.model.schedule import model_ring_schedule
 from ringsplash.splash import SplashConfig
 from support.attention_inputs import inputs
@@ -47,12 +47,11 @@ def test_ring_refuses_a_schedule_built_for_another_mask(qkv):
 
 
 MODEL = TransformerConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, max_seq_len=S,
-                          splash=CONFIG, attention="ring", ring_axis_name="context", ring_size=N,
-                          ring_layout="zigzag")
+                          splash=CONFIG, context_parallel=ContextParallel("ring", ring_size=N, layout="zigzag"))
 
 
-@pytest.mark.parametrize("strategy", [dict(attention="ring"),
-                                      dict(attention="usp", ulysses_axis_name="ulysses", ulysses_size=2)])
+@pytest.mark.parametrize("strategy", [dict(context_parallel=ContextParallel("ring")),
+                                      dict(context_parallel=ContextParallel("usp", ulysses_size=2))])
 def test_model_refuses_a_schedule_built_for_another_mask(strategy):
     config = MODEL.replace(**strategy)
     other = config.replace(mask="local", local_window=16)

@@ -25,6 +25,7 @@ import pytest
 import ringsplash as rs
 import ringsplash.model.rope_scaling as rope_lib
 from ringsplash.model import (
+    ModelFeatures,
     RopeScaling,
     Transformer,
     TransformerConfig,
@@ -333,7 +334,7 @@ def test_model_without_rope_scaling_is_unchanged(key, monkeypatch):
     tokens = jax.random.randint(key, (128,), 0, config.vocab_size)
     positions = jnp.arange(128) * 7  # far positions, where frequency rounding shows
     new = np.asarray(eqx.filter_jit(lambda m: m(tokens, positions))(model))
-    default = Transformer(config.replace(rope_scaling=RopeScaling()), key=key)
+    default = Transformer(config.replace(features=config.features.replace(rope_scaling=RopeScaling())), key=key)
     with_default = np.asarray(eqx.filter_jit(lambda m: m(tokens, positions))(default))
     monkeypatch.setattr(attention, "rope", lambda x, p, theta, scaling, seq_len: _old_rope(x, p, theta))
     old = np.asarray(eqx.filter_jit(lambda m: m(tokens, positions))(model))
@@ -343,11 +344,11 @@ def test_model_without_rope_scaling_is_unchanged(key, monkeypatch):
 
 def test_model_rope_scaling_changes_far_positions_and_config_round_trips(key):
     s = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=32)
-    config = _model_config(rope_scaling=s)
+    config = _model_config(features=ModelFeatures(rope_scaling=s))
     d = json.loads(json.dumps(config.to_dict()))
     assert TransformerConfig.from_dict(d) == config
-    long = _model_config(rope_scaling=RopeScaling("longrope", factor=4.0, original_max_position_embeddings=32,
-                                                  short_factor=(1.0,) * 8, long_factor=(2.0,) * 8))
+    long = _model_config(features=ModelFeatures(rope_scaling=RopeScaling("longrope", factor=4.0, original_max_position_embeddings=32,
+                                                  short_factor=(1.0,) * 8, long_factor=(2.0,) * 8)))
     assert TransformerConfig.from_dict(json.loads(json.dumps(long.to_dict()))) == long
     model = Transformer(config, key=key)
     plain = Transformer(_model_config(), key=key)
@@ -355,10 +356,10 @@ def test_model_rope_scaling_changes_far_positions_and_config_round_trips(key):
     a, b = (np.asarray(eqx.filter_jit(lambda m: m(tokens, jnp.arange(128)))(m)) for m in (model, plain))
     assert np.isfinite(a).all() and not np.allclose(a, b)
     with pytest.raises(ValueError, match="needs dim // 2 = 8"):
-        _model_config(rope_scaling=RopeScaling("longrope", factor=4.0, original_max_position_embeddings=32,
-                                               short_factor=(1.0,) * 4, long_factor=(2.0,) * 4))
+        _model_config(features=ModelFeatures(rope_scaling=RopeScaling("longrope", factor=4.0, original_max_position_embeddings=32,
+                                               short_factor=(1.0,) * 4, long_factor=(2.0,) * 4)))
     with pytest.raises(TypeError, match="rope_scaling"):  # (the test run's type checks speak first)
-        _model_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+        _model_config(features=ModelFeatures(rope_scaling={"rope_type": "linear", "factor": 2.0}))
 
 
 def test_import_ringsplash_does_not_import_torch():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data, layouts, train
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig
 from ringsplash.train import loop
 from support.training import BLOCKS, TASK
 from support.training import setup as _setup
@@ -30,8 +30,8 @@ def test_train_reduces_loss(tmp_path):
 
 @pytest.mark.slow
 def test_train_ring_on_data_by_context_mesh_reduces_loss(tmp_path):
-    config, tc, stream = _setup(seq=512, steps=6, attention="ring", ring_axis_name="context", ring_size=2)
-    tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "context_parallel": 2, "learning_rate": 1e-2})
+    config, tc, stream = _setup(seq=512, steps=6, context_parallel=ContextParallel("ring", ring_size=2))
+    tc = tc.__class__(**{**tc.__dict__, "data_parallel": 2, "learning_rate": 1e-2})
     state = train.fit(config, tc, stream, str(tmp_path))
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert int(state.step) == 6 and losses[-1] < losses[0], losses
@@ -39,7 +39,7 @@ def test_train_ring_on_data_by_context_mesh_reduces_loss(tmp_path):
 
 def test_layout_batch_permutes_every_field_once():
     config = TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, max_seq_len=1024, splash=BLOCKS,
-                               attention="ring", ring_axis_name="context", ring_size=4)
+                               context_parallel=ContextParallel("ring", ring_size=4))
     task = data.RecallTask(seq_len=1024)
     batch = task.batch(np.random.default_rng(0), 2)
     laid = train.layout_batch(batch, config)
@@ -175,7 +175,7 @@ def test_data_stream_draws_only_the_rows_asked_for():
 def test_stream_batch_equals_shard_batch_of_the_whole_batch():
     """One process: ``stream_batch`` (the process-local path) places exactly what
     ``shard_batch`` places from the whole batch, in the same shardings."""
-    config, _, _ = _setup(seq=512, attention="ring", ring_axis_name="context", ring_size=4)
+    config, _, _ = _setup(seq=512, context_parallel=ContextParallel("ring", ring_size=4))
     stream = data.DataStream(lambda rng, n, step: TASK.__class__(**{**TASK.__dict__, "seq_len": 512}).batch(rng, n),
                              4, seed=2, per_row=True)
     mesh = train.make_mesh(2, 4)

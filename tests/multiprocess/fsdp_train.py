@@ -17,6 +17,8 @@ process imports ``setup`` to train the same run in one process.
 
 import sys
 
+from ringsplash.model import ContextParallel
+
 SEQ, ROWS, DATA, CONTEXT, STEPS = 512, 4, 2, 4, 3
 DRAWN: list[tuple[int, int]] = []  # (step, row) of every row this process drew
 
@@ -36,8 +38,8 @@ def setup():
 
     blocks = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
     config = TransformerConfig(vocab_size=task.vocab_size, d_model=16, num_layers=1, num_heads=2, max_seq_len=SEQ,
-                               splash=blocks, attention="ring", ring_axis_name="context", ring_size=CONTEXT)
-    tc = train.TrainConfig(steps=STEPS, batch_size=ROWS, data_parallel=DATA, context_parallel=CONTEXT,
+                               splash=blocks, context_parallel=ContextParallel("ring", ring_size=CONTEXT))
+    tc = train.TrainConfig(steps=STEPS, batch_size=ROWS, data_parallel=DATA,
                            warmup_steps=1, learning_rate=1e-2, log_every=1, progress=False)
     return config, tc, data.DataStream(make=make, batch_size=ROWS, seed=1, per_row=True)
 

@@ -2,7 +2,6 @@
 or a ringsplash training run directory (``train.fit`` 's ``config.json`` + ``checkpoints/``), run on
 one device with a single-device attention strategy; ``generate_fn`` over ``rs.inference.generate``."""
 
-import dataclasses
 import json
 import os
 
@@ -11,24 +10,22 @@ import numpy as np
 
 from ringsplash.evals.scoring import GenerateFn
 from ringsplash.model import Transformer
+from ringsplash.model.parallelism import SINGLE_DEVICE_STRATEGIES
 
-SINGLE_DEVICE = ("reference", "splash")
+SINGLE_DEVICE = SINGLE_DEVICE_STRATEGIES
 
 
 def single_device(model: Transformer, attention: str = "splash") -> Transformer:
-    """``model`` 's parameters under a one-device strategy (a context-parallel model's ring / Ulysses
-    fields reset); the parameters are unchanged."""
+    """``model`` 's parameters under a one-device strategy (``ContextParallel.single_device``); the
+    parameters are unchanged."""
     if attention not in SINGLE_DEVICE:
         raise ValueError(f"attention={attention!r} must be one of {SINGLE_DEVICE} (the evaluations run on one device)")
-    c = model.config
-    if c.attention == attention and c.ring_size == 1 and c.ulysses_size == 1:
-        return model
-    return model.with_config(_single_device_config(c, attention))
+    config = _single_device_config(model.config, attention)
+    return model if config == model.config else model.with_config(config)
 
 
 def _single_device_config(c, attention: str):
-    return dataclasses.replace(c, attention=attention, ring_axis_name=None, ring_size=1, ulysses_axis_name=None,
-                               ulysses_size=1)
+    return c.replace(context_parallel=c.context_parallel.single_device(attention))
 
 
 def load_model(path: str, *, attention: str = "splash", param_dtype: str = "float32",
@@ -61,7 +58,7 @@ def _load_run(path: str, d: dict, attention: str) -> Transformer:
     if checkpoints.latest_step(ckpt) is None:
         raise FileNotFoundError(f"run directory {path} has no checkpoint under {ckpt}")
     config = TransformerConfig.from_dict(d["model"])
-    tc = train.TrainConfig(**{**d["train"], "data_parallel": 1, "context_parallel": 1, "ulysses_parallel": 1})
+    tc = train.TrainConfig.from_dict({**d["train"], "data_parallel": 1})
     # the saved strategy may need a context axis: restore onto one device with the single-device strategy
     if attention not in SINGLE_DEVICE:
         raise ValueError(f"attention={attention!r} must be one of {SINGLE_DEVICE} (the evaluations run on one device)")

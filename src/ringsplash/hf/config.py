@@ -21,6 +21,7 @@ from ringsplash.hf.families import SUPPORTED_MODEL_TYPES, Family, family_of
 from ringsplash.hf.family import SCALED_ROPE_TYPES, scaled_max_len
 from ringsplash.hf.features import refuse
 from ringsplash.model.config import TransformerConfig
+from ringsplash.model.hf_features import nest_features
 
 #: keys whose presence (with a non-empty value) means a mixture-of-experts model
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok",
@@ -117,7 +118,7 @@ def _check_flags(d: dict, fam: Family) -> None:
 
 
 def hf_model_fields(d: dict) -> dict:
-    """The ``TransformerConfig`` fields of a config.json dict (its family's ``fields_from_hf``, after
+    """The ``TransformerConfig`` keyword arguments of a config.json dict (its family's ``fields_from_hf``, after
     the type checks and the refusals every family shares)."""
     fam = family_of(d)
     check_types(d)
@@ -131,8 +132,8 @@ def config_from_hf(path_or_dict, **overrides) -> TransformerConfig:
     Args:
         path_or_dict: a checkpoint directory (as ``save_pretrained`` writes it), its config.json,
             or the dict; ``model_type`` one of ``SUPPORTED_MODEL_TYPES``.
-        **overrides: ``TransformerConfig`` fields set on top (``attention``, ``max_seq_len``,
-            dtypes, ring sizes, ...), validated with the rest.
+        **overrides: ``TransformerConfig`` fields set on top (``context_parallel``, ``max_seq_len``,
+            dtypes, ...; a ``ModelFeatures`` field by its name, e.g. ``rope_scaling``), validated with the rest.
 
     ``max_seq_len`` defaults to ``max_position_embeddings``, or with a ``dynamic`` / ``yarn`` /
     ``llama3`` / ``longrope`` RoPE scaling to the scaled length (``scaled_max_len``: e.g. 131072 for
@@ -144,7 +145,7 @@ def config_from_hf(path_or_dict, **overrides) -> TransformerConfig:
     naming it; a value of the wrong JSON type (``"tie_word_embeddings": "false"``, ``"hidden_size":
     64.7``) a ``TypeError`` naming the key, the expected type and the value.
     """
-    return TransformerConfig(**{**hf_model_fields(read_config_json(path_or_dict)), **overrides})
+    return TransformerConfig(**nest_features({**hf_model_fields(read_config_json(path_or_dict)), **overrides}))
 
 
 __all__ = ["SCALED_ROPE_TYPES", "SUPPORTED_MODEL_TYPES", "check_types", "config_from_hf", "hf_model_fields",

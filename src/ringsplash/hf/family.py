@@ -15,14 +15,16 @@ from typing import Any
 from ringsplash.hf.features import Feature
 from ringsplash.hf.names import TensorName, name_map
 from ringsplash.model.config import TransformerConfig
+from ringsplash.model.hf_features import ModelFeatures, config_value, nest_features
 from ringsplash.model.rope_scaling import RopeScaling
 
-#: the ``TransformerConfig`` fields that tell families apart: a family converts each with one of
-#: its features, or fixes it (``Family.fixed``, else ``TransformerConfig``'s default) in both directions
+#: the ``TransformerConfig`` fields (by their flat names: ``ModelFeatures``' fields are under ``features``)
+#: that tell families apart: a family converts each with one of its features, or fixes it
+#: (``Family.fixed``, else the default) in both directions
 FEATURE_FIELDS = ("mask", "mlp_activation", "attention_bias", "qk_norm", "norm_offset", "post_norms",
                   "scale_embeddings", "attention_scale", "logit_soft_cap", "final_logit_soft_cap", "layer_types",
                   "sliding_window", "local_rope_theta")
-_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+_CONFIG_DEFAULTS = {f.name: f.default for cls in (TransformerConfig, ModelFeatures) for f in dataclasses.fields(cls)}
 #: rope types whose model runs past ``max_position_embeddings``: the scaled length is
 #: ``original_max_position_embeddings * factor`` (``dynamic``: ``max_position_embeddings * factor``)
 SCALED_ROPE_TYPES = ("dynamic", "yarn", "llama3", "longrope")
@@ -64,7 +66,8 @@ class Family:
     # ----------------------------------------------------------------------- config.json -> fields
 
     def fields_from_hf(self, d: dict) -> dict:
-        """The ``TransformerConfig`` fields of config.json ``d`` (already type-checked, ``config.py``)."""
+        """The ``TransformerConfig`` keyword arguments of config.json ``d`` (already type-checked,
+        ``config.py``), the family options in ``features``."""
         for feature in self.features:
             d = feature.normalise(d)
         get = lambda key: d.get(key, self.defaults.get(key))
@@ -84,7 +87,7 @@ class Family:
             pad_token_id=get("pad_token_id"), **self.fixed)
         for feature in self.features:
             fields.update(feature.read(d, get))
-        return fields
+        return nest_features(fields)
 
     # ----------------------------------------------------------------------- fields -> config.json
 
@@ -98,8 +101,8 @@ class Family:
         owned = {f for feature in self.features for f in feature.fields}
         for name in FEATURE_FIELDS:
             want = self.fixed.get(name, _CONFIG_DEFAULTS[name])
-            if name not in owned and not _same(getattr(c, name), want):
-                out.append(f"{name}={getattr(c, name)!r} (the family has {want!r})")
+            if name not in owned and not _same(config_value(c, name), want):
+                out.append(f"{name}={config_value(c, name)!r} (the family has {want!r})")
         for feature in self.features:
             out.extend(feature.mismatches(c))
         return out
@@ -110,14 +113,15 @@ class Family:
         problems = self.mismatches(c)
         if problems:
             raise ValueError(f"this model cannot be written as model_type={self.model_type!r}: {'; '.join(problems)}")
-        scaling = c.rope_scaling or RopeScaling()  # None: ringsplash's formula, within 1 float32 ulp of transformers'
+        f = c.features
+        scaling = f.rope_scaling or RopeScaling()  # None: ringsplash's formula, within 1 float32 ulp of transformers'
         max_pos = c.max_seq_len
         if scaling.type == "dynamic":
             max_pos = scaling.original_max_position_embeddings
         d = dict(architectures=[self.architecture], model_type=self.model_type, vocab_size=c.vocab_size,
                  hidden_size=c.d_model, intermediate_size=c.mlp_hidden, num_hidden_layers=c.num_layers,
                  num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                 max_position_embeddings=max_pos, rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+                 max_position_embeddings=max_pos, rms_norm_eps=f.norm_eps, tie_word_embeddings=f.tie_embeddings,
                  attention_dropout=0.0, rope_parameters=scaling.to_hf(rope_theta=c.rope_theta), **token_ids(c),
                  **self.constants)
         for feature in self.features:
@@ -146,7 +150,7 @@ def _required(d: dict, key: str):
 def token_ids(c: TransformerConfig) -> dict:
     """bos / eos / pad ids as config.json records them (null when unset, so a family default is not
     substituted when the file is read back); several eos ids as a list."""
-    return {name: list(v) if isinstance(v := getattr(c, name), tuple) else v for name in _TOKEN_IDS}
+    return {name: list(v) if isinstance(v := getattr(c.features, name), tuple) else v for name in _TOKEN_IDS}
 
 
 def _rope_from_hf(d: dict, get, max_pos: int) -> tuple[float, RopeScaling]:

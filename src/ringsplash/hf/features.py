@@ -1,6 +1,8 @@
 """The parts of a Hugging Face family that differ between families, each both directions.
 
-A ``Feature`` owns some ``TransformerConfig`` fields (``fields``) and converts them: ``read(d, get)``
+A ``Feature`` owns some ``TransformerConfig`` fields (``fields``, by their flat names: those of
+``ModelFeatures`` live in ``TransformerConfig.features``, ``model.hf_features.config_value``) and
+converts them: ``read(d, get)``
 gives their values from a config.json dict (``get(key)``: the value, or the family's default where
 the file leaves the key out); ``write(c, d)`` gives the config.json keys that record them (``d``:
 the dict written so far, which a feature may rewrite); ``mismatches(c)`` names what the family
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringsplash.model.config import TransformerConfig
+from ringsplash.model.hf_features import config_value
 
 #: ``get(key)``: config.json's value of ``key``, or the family's default where the file leaves it out
 Getter = Callable[[str], Any]
@@ -59,7 +62,7 @@ class Key(Feature):
         return {self.field: get(self.key)}
 
     def write(self, c: TransformerConfig, d: dict) -> dict:
-        return {self.key: getattr(c, self.field)}
+        return {self.key: config_value(c, self.field)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +87,8 @@ class Activation(Feature):
         return {self.keys[0]: self.accepted[0]}
 
     def mismatches(self, c: TransformerConfig) -> list[str]:
-        return [] if c.mlp_activation == self.ours else [f"mlp_activation={c.mlp_activation!r} (the family has "
-                                                         f"{self.ours!r})"]
+        act = c.features.mlp_activation
+        return [] if act == self.ours else [f"mlp_activation={act!r} (the family has {self.ours!r})"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +101,7 @@ class QueryScale(Feature):
         return {"attention_scale": float(get("query_pre_attn_scalar")) ** -0.5}
 
     def write(self, c: TransformerConfig, d: dict) -> dict:
-        scalar = (c.attention_scale or c.head_dim**-0.5) ** -2
+        scalar = (c.features.attention_scale or c.head_dim**-0.5) ** -2
         if abs(scalar - round(scalar)) < 1e-6 * scalar:
             scalar = round(scalar)  # transformers' field is an int
         return {"query_pre_attn_scalar": scalar}
@@ -150,8 +153,8 @@ class LayerTypes(Feature):
         return {"layer_types": types, "sliding_window": int(window)}
 
     def write(self, c: TransformerConfig, d: dict) -> dict:
-        types = list(c.layer_types) if c.layer_types else [FULL] * c.num_layers
-        return {"layer_types": types, "sliding_window": c.sliding_window}
+        types = list(c.features.layer_types) if c.features.layer_types else [FULL] * c.num_layers
+        return {"layer_types": types, "sliding_window": c.features.sliding_window}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +166,7 @@ class QwenLayerTypes(LayerTypes):
         return get("sliding_window") if get("use_sliding_window") else None
 
     def write(self, c: TransformerConfig, d: dict) -> dict:
-        types = c.layer_types
+        types = c.features.layer_types
         first = types.index(SLIDING) if types else c.num_layers
         return {**super().write(c, d), "use_sliding_window": bool(types), "max_window_layers": first}
 
@@ -215,11 +218,11 @@ class LocalRope(Feature):
         return {"local_rope_theta": float(get("rope_local_base_freq"))}
 
     def write(self, c: TransformerConfig, d: dict) -> dict:
-        return {"rope_parameters": {FULL: d["rope_parameters"],
-                                    SLIDING: {"rope_type": "default", "rope_theta": float(c.local_rope_theta)}}}
+        local = {"rope_type": "default", "rope_theta": float(c.features.local_rope_theta)}
+        return {"rope_parameters": {FULL: d["rope_parameters"], SLIDING: local}}
 
     def mismatches(self, c: TransformerConfig) -> list[str]:
-        return [] if c.local_rope_theta is not None else [
+        return [] if c.features.local_rope_theta is not None else [
             "local_rope_theta=None (the family's sliding layers have a RoPE base of their own)"]
 
 

@@ -13,7 +13,7 @@ from ringsplash.hf.config import config_from_hf, read_config_json
 from ringsplash.hf.families import family_of
 from ringsplash.hf.io import Checkpoint
 from ringsplash.hf.names import TensorName, named_leaves
-from ringsplash.model import Transformer, abstract_model
+from ringsplash.model import ContextParallel, Transformer, abstract_model
 from ringsplash.model.config import DTYPES
 
 #: tensors a checkpoint may hold that no parameter reads (old checkpoints saved RoPE buffers)
@@ -64,7 +64,7 @@ def check_tensors(ckpt: Checkpoint, names: dict[str, TensorName], abstract: dict
         if tag not in _FLOAT_TAGS:
             raise ValueError(f"tensor {name!r} has dtype {tag}, expected a float dtype {_FLOAT_TAGS}")
     extra = sorted(n for n in have - set(expected) if not n.endswith(_IGNORED_SUFFIXES)
-                   and not (n == "lm_head.weight" and config.tie_embeddings))
+                   and not (n == "lm_head.weight" and config.features.tie_embeddings))
     if extra:
         raise ValueError(f"{ckpt.path!r} has tensors this config does not use: {extra[:8]}"
                          f"{' ...' if len(extra) > 8 else ''} (config.json describes a different model than the "
@@ -101,7 +101,7 @@ def _reader(ckpt: Checkpoint, tn: TensorName, shape: tuple[int, ...], dtype):
 
 
 def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32", compute_dtype=None,
-            attention: str = "reference", fsdp: bool = True, **overrides) -> Transformer:
+            attention: str | None = None, fsdp: bool = True, **overrides) -> Transformer:
     """The ``Transformer`` of a Hugging Face checkpoint directory.
 
     Args:
@@ -112,8 +112,10 @@ def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32
             reads only the slices its devices hold; no host holds the whole model. None: arrays on
             the default device.
         param_dtype, compute_dtype: names or numpy dtypes (``compute_dtype=None``: ``param_dtype``).
-        attention: the strategy (``TransformerConfig.attention``); its other options (ring axis and
-            size, ``splash``, ...) and any other ``TransformerConfig`` field go in ``overrides``.
+        attention: a single-device strategy, short for ``context_parallel=ContextParallel(attention)``
+            (None: ``"reference"``, or the ``context_parallel`` override, e.g.
+            ``ContextParallel("ring", ring_size=4)``); any other ``TransformerConfig`` field (``splash``,
+            ``max_seq_len``, ...) goes in ``overrides``.
 
     The returned model's ``config`` says everything needed to run it (``config_from_hf``).
     """
@@ -122,8 +124,12 @@ def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32
     family = family_of(d)
     param_dtype = dtype_name("param_dtype", param_dtype)
     compute_dtype = param_dtype if compute_dtype is None else dtype_name("compute_dtype", compute_dtype)
-    config = config_from_hf(d, param_dtype=param_dtype, compute_dtype=compute_dtype, attention=attention,
-                            **overrides)
+    if attention is not None:
+        if "context_parallel" in overrides:
+            raise ValueError(f"pass attention={attention!r} or context_parallel={overrides['context_parallel']!r}, "
+                             f"not both")
+        overrides["context_parallel"] = ContextParallel(attention)
+    config = config_from_hf(d, param_dtype=param_dtype, compute_dtype=compute_dtype, **overrides)
     names = family.name_map(config)
     like = abstract_model(config)
     abstract = named_leaves(like, jax.ShapeDtypeStruct)

@@ -26,8 +26,9 @@ from ringsplash.model import TransformerConfig
 
 #: the config fields a cache depends on (shapes, masks, RoPE); the strategy fields do not matter
 MODEL_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "v_head_dim",
-                "compute_dtype", "mask", "local_window", "chunk_size", "layer_types", "sliding_window", "rope_theta",
-                "local_rope_theta", "rope_scaling")
+                "compute_dtype", "mask", "local_window", "chunk_size", "rope_theta")
+#: the ``features`` fields a cache depends on
+FEATURE_FIELDS = ("layer_types", "sliding_window", "local_rope_theta", "rope_scaling")
 #: the named masks decoding supports: causal ones, where later (padding) tokens never reach earlier ones
 DECODE_MASKS = ("causal", "local", "chunked")
 #: RoPE scalings whose frequencies depend on the current length: not supported by decoding
@@ -36,7 +37,8 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 def model_key(config: TransformerConfig) -> tuple:
     """What must agree between a cache and the model decoding with it."""
-    return tuple((name, getattr(config, name)) for name in MODEL_FIELDS)
+    return (tuple((name, getattr(config, name)) for name in MODEL_FIELDS)
+            + tuple((name, getattr(config.features, name)) for name in FEATURE_FIELDS))
 
 
 def check_decodable(config: TransformerConfig) -> None:
@@ -44,8 +46,9 @@ def check_decodable(config: TransformerConfig) -> None:
     if not isinstance(config.mask, str) or config.mask not in DECODE_MASKS:
         raise ValueError(f"decoding with a KV cache needs a causal mask, one of {DECODE_MASKS} (or layer_types), "
                          f"got mask={config.mask!r}")
-    if config.rope_scaling is not None and config.rope_scaling.type in LENGTH_DEPENDENT_ROPE:
-        raise ValueError(f"decoding does not support rope_scaling of type {config.rope_scaling.type!r} (its "
+    scaling = config.features.rope_scaling
+    if scaling is not None and scaling.type in LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"decoding does not support rope_scaling of type {scaling.type!r} (its "
                          f"frequencies change with the current length); supported: every other type")
 
 

@@ -122,7 +122,7 @@ def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, st
 
     steps = {kind: step_for(kind) for kind in c.attention_kinds}
     new_k, new_v = [], []
-    for seg in layer_segments(c.layer_types, c.num_layers):
+    for seg in layer_segments(c.features.layer_types, c.num_layers):
         x, (k_new, v_new) = run_segment(seg, steps, x, (dynamic, k_cache, v_cache), c.num_layers)
         new_k.append(k_new)
         new_v.append(v_new)
@@ -146,7 +146,7 @@ def _self_partial(c, q, k, v):
     kv_heads = k.shape[0]
     qg = q.reshape(kv_heads, -1, *q.shape[1:])  # [kv_heads, group, batch, d]
     s = jnp.einsum("hgbd,hbd->hgb", qg, k, preferred_element_type=_F32)
-    s = s * (q.shape[-1] ** -0.5 if c.attention_scale is None else c.attention_scale)
+    s = s * (q.shape[-1] ** -0.5 if c.features.attention_scale is None else c.features.attention_scale)
     if c.logit_soft_cap is not None:
         s = c.logit_soft_cap * jnp.tanh(s / c.logit_soft_cap)
     o = jnp.broadcast_to(v.astype(_F32)[:, None], (*qg.shape[:3], v.shape[-1]))
@@ -156,7 +156,7 @@ def _self_partial(c, q, k, v):
 def _attend_shards(c, q, k_local, v_local, visible, axis_name: str | None):
     """Float32 ``(o [heads, batch, dv], lse [heads, batch])`` of ``q`` over the visible slots of every
     device's cache shard: local partials, one all-gather, merged."""
-    o, lse = _local_partial(q, k_local, v_local, visible, c.attention_scale, c.logit_soft_cap)
+    o, lse = _local_partial(q, k_local, v_local, visible, c.features.attention_scale, c.logit_soft_cap)
     if axis_name is None:
         return o, lse
     packed = lax.all_gather(jnp.concatenate([o, lse[..., None]], axis=-1), axis_name)  # [shards, heads, batch, dv+1]

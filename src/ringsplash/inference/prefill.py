@@ -13,7 +13,7 @@ the large blocks there). RoPE always reads ``max_len`` as the current length, as
 
 Strategy: without a mesh, the model's own single-device strategy (``"reference"`` or
 ``"splash"``; a sequence-parallel model runs ``"splash"``). With a mesh, the model's strategy when it
-is ``"ring"`` / ``"allgather"`` over the mesh's context axis (its ``ring_layout`` is then the
+is ``"ring"`` / ``"allgather"`` over the mesh's context axis (its ``layout`` is then the
 cache's layout), otherwise ``"allgather"`` with the contiguous layout; the tokens are laid out
 so each device's local shard of the forward pass is its shard of the cache.
 """
@@ -84,22 +84,20 @@ def check_prompts(tokens, prompt_lengths, vocab_size: int, name: str = "tokens"
 
 def _own_strategy(config: TransformerConfig, shards: int, axis_name: str) -> bool:
     """Whether the model's own strategy shards the sequence over ``axis_name``'s ``shards`` devices."""
-    return (config.attention in ("ring", "allgather") and config.ring_axis_name == axis_name
-            and config.ring_size == shards)
+    cp = config.context_parallel
+    return cp.roles == ("ring",) and cp.ring_axis == axis_name and cp.ring_size == shards
 
 
 def prefill_config(config: TransformerConfig, max_len: int, mesh: Mesh | None, axis_name: str) -> TransformerConfig:
     """The config the prefill forward runs under (see the module docstring)."""
     shards = check_mesh(mesh, axis_name)
-    reset = dict(ring_axis_name=None, ring_size=1, ulysses_axis_name=None, ulysses_size=1, max_seq_len=max_len,
-                 attention_dropout=0.0, qk_clip_threshold=None, remat="none")
+    plain = dict(max_seq_len=max_len, attention_dropout=0.0, qk_clip_threshold=None, remat="none")
+    cp = config.context_parallel
     if mesh is None:
-        attention = config.attention if config.attention in ("reference", "splash") else "splash"
-        return config.replace(**{**reset, "attention": attention})
+        return config.replace(**plain, context_parallel=cp.single_device())
     if _own_strategy(config, shards, axis_name):
-        return config.replace(max_seq_len=max_len, attention_dropout=0.0, qk_clip_threshold=None, remat="none")
-    return config.replace(**{**reset, "attention": "allgather", "ring_axis_name": axis_name, "ring_size": shards,
-                             "ring_layout": "contiguous"})
+        return config.replace(**plain)
+    return config.replace(**plain, context_parallel=cp.on_axis(axis_name, shards, "allgather", layout="contiguous"))
 
 
 def forward_len(prompt_len: int, *, max_waste: float = 1 / 16) -> int:
@@ -119,7 +117,7 @@ def cache_multiple(config: TransformerConfig, mesh: Mesh | None, axis_name: str 
     shards = check_mesh(mesh, axis_name)
     if mesh is None:
         return 1
-    zigzag = _own_strategy(config, shards, axis_name) and config.ring_layout == "zigzag"
+    zigzag = _own_strategy(config, shards, axis_name) and config.context_parallel.layout == "zigzag"
     return shards * NUM_LANES * (2 if zigzag else 1)
 
 
@@ -161,7 +159,7 @@ def prefill(
                          f"{axis_name!r} x 128-token kernel lanes)")
     fwd_len = max_len if mesh is not None else forward_len(prompt_len)
     pconfig = prefill_config(c, max(max_len, fwd_len), mesh, axis_name)
-    layout = "contiguous" if mesh is None else pconfig.ring_layout
+    layout = "contiguous" if mesh is None else pconfig.context_parallel.layout
     shards = check_mesh(mesh, axis_name)
     logits, k, v = _prefill_jit(_with_config(model, pconfig), tokens, lengths, max_len=max_len, fwd_len=fwd_len,
                                 mesh=mesh, axis_name=axis_name, layout=layout, shards=shards, all_logits=all_logits)
@@ -246,7 +244,7 @@ def _forward(params, tokens, positions, *, static, rope_len):
 
         steps = {kind: step_for(kind) for kind in c.attention_kinds}
         ks, vs = [], []
-        for seg in layer_segments(c.layer_types, c.num_layers):
+        for seg in layer_segments(c.features.layer_types, c.num_layers):
             x, (k, v) = run_segment(seg, steps, x, dynamic, c.num_layers)
             ks.append(k)
             vs.append(v)

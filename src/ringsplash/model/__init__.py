@@ -3,8 +3,8 @@ ulysses / usp)."""
 
 from ringsplash.model.attention import PAD_SEGMENT, Attention, attend, rope
 from ringsplash.model.config import MASKS, REMAT_POLICIES, STRATEGIES, TransformerConfig
-from ringsplash.model.hf_features import LAYER_TYPES, MLP_ACTIVATIONS, layer_segments
-from ringsplash.model.parallelism import ContextParallel
+from ringsplash.model.hf_features import LAYER_TYPES, MLP_ACTIVATIONS, ModelFeatures, layer_segments
+from ringsplash.model.parallelism import CONTEXT, ULYSSES, ContextParallel
 from ringsplash.model.qk_clip import QKClipFactors, apply_qk_clip, qk_clip_factors
 from ringsplash.model.rope_scaling import (
     ROPE_TYPES,
@@ -16,6 +16,7 @@ from ringsplash.model.rope_scaling import (
 from ringsplash.model.transformer import GATHERED, Block, RMSNorm, SwiGLU, Transformer, abstract_model, remat_policy
 
 __all__ = [
+    "CONTEXT",
     "GATHERED",
     "LAYER_TYPES",
     "MASKS",
@@ -24,9 +25,11 @@ __all__ = [
     "REMAT_POLICIES",
     "ROPE_TYPES",
     "STRATEGIES",
+    "ULYSSES",
     "Attention",
     "Block",
     "ContextParallel",
+    "ModelFeatures",
     "QKClipFactors",
     "RMSNorm",
     "RopeScaling",

@@ -5,19 +5,25 @@ shard holds permuted tokens, and RoPE must still see each token's true position.
 the config's mask over original positions; packed documents add segment ids.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash import masks as masks_lib
+from ringsplash import parallel
 from ringsplash._types import Array, Float, Int
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.model.config import TransformerConfig, dtype_of
 from ringsplash.model.norm import RMSNorm
+from ringsplash.model.parallelism import STRATEGIES, ContextParallel
 from ringsplash.model.rope_scaling import RopeScaling, rope_attention_factor, rope_inv_freq
 from ringsplash.parallel.ring_plan import RingSchedule
 from ringsplash.reference import reference_attention
+from ringsplash.splash import splash_attention
 from ringsplash.splash.config import NUM_LANES
 
 #: checkpoint names of the attention output and its log-sum-exp (the ring names its residuals
@@ -77,7 +83,7 @@ def attend(
     with ``return_max_logits`` also the per-head max logits over the whole sequence (no gradient).
     ``schedule``: this device's slice of the ring's schedule (``model.schedule.model_ring_schedule``)
     for ``"ring"`` / ``"usp"`` (None: the whole schedule as a replicated constant); others ignore it.
-    ``layer_type``: the layer's entry of ``config.layer_types`` (its mask, ``config.make_mask``)."""
+    ``layer_type``: the layer's entry of ``config.features.layer_types`` (its mask, ``config.make_mask``)."""
     seq = q.shape[1]
     cp = config.context_parallel
     for role in cp.roles:
@@ -86,44 +92,70 @@ def attend(
             actual = jax.lax.axis_size(axis_name)
         except NameError:
             raise ValueError(
-                f"TransformerConfig(attention={config.attention!r}) runs attention inside jax.shard_map over "
-                f"the mesh axis {axis_name!r}, which is not bound here: call the model through "
-                f"ringsplash.train.make_logits_fn / make_train_step (they shard_map it over train.mesh_for(config)), "
-                f"or inside your own shard_map over such a mesh; attention='splash' runs on one device"
+                f"ContextParallel(strategy={cp.strategy!r}) runs attention inside jax.shard_map over the mesh axis "
+                f"{axis_name!r}, which is not bound here: call the model through ringsplash.train.make_logits_fn / "
+                f"make_train_step (they shard_map it over train.mesh_for(config)), or inside your own shard_map "
+                f"over such a mesh; context_parallel.single_device() runs on one device"
             ) from None
         if actual != size:
             raise ValueError(
-                f"mesh axis {axis_name!r} has {actual} devices but the config says {role}_size={size}"
+                f"mesh axis {axis_name!r} has {actual} devices but the config says context_parallel.{role}_size={size}"
             )
         seq = seq * actual
     mask = config.make_mask(seq, layer_type)
     seg = None if segment_ids is None else SegmentIds(q=segment_ids, kv=segment_ids)
     if cp.roles and segment_ids is not None:  # padding (train.layout_batch): its keys one id above its queries
         seg = SegmentIds(q=segment_ids, kv=jnp.where(segment_ids == PAD_SEGMENT, PAD_SEGMENT + 1, segment_ids))
-    common = dict(segment_ids=seg, scale=config.attention_scale, logit_soft_cap=config.logit_soft_cap, sinks=sinks,
-                  return_max_logits=return_max_logits)
-    if config.attention == "reference":
-        if config.attention_dropout > 0 and key is not None:
-            return reference_attention(q, k, v, mask, **common, dropout_rate=config.attention_dropout, dropout_key=key)
-        return reference_attention(q, k, v, mask, **common)
-    if config.attention == "splash":
-        from ringsplash.splash import splash_attention  # import at call: kernels are a lower layer
+    common = dict(segment_ids=seg, scale=config.features.attention_scale, logit_soft_cap=config.logit_soft_cap,
+                  sinks=sinks, return_max_logits=return_max_logits)
+    if cp.roles:
+        common.update(layout=cp.layout, config=config.splash)
+    call = LocalCall(config, segment_ids, layer_type, schedule, key)
+    return LOCAL_ATTENTION[cp.strategy](q, k, v, mask, cp, call, common)
 
-        pad = -seq % NUM_LANES
-        if not pad or isinstance(config.mask, masks_lib.Mask):  # a Mask serves its own length only
-            return splash_attention(q, k, v, mask, config=config.splash, **common)
-        return _padded_splash(config, q, k, v, segment_ids, pad, layer_type, common)
-    from ringsplash import parallel
 
-    common.update(layout=config.ring_layout, config=config.splash)
-    if config.attention == "usp":
-        return parallel.usp_attention(q, k, v, mask, ulysses_axis=config.ulysses_axis_name,
-                                      ring_axis=config.ring_axis_name, schedule=schedule, **common)
-    if config.attention == "ulysses":
-        return parallel.ulysses_attention(q, k, v, mask, axis_name=config.ulysses_axis_name, **common)
-    if config.attention == "ring":
-        return parallel.ring_attention(q, k, v, mask, axis_name=config.ring_axis_name, schedule=schedule, **common)
-    return parallel.allgather_attention(q, k, v, mask, axis_name=config.ring_axis_name, **common)
+class LocalCall(NamedTuple):
+    """What a strategy's local attention may need beyond q, k, v, the mask and ``common``."""
+
+    config: TransformerConfig
+    segment_ids: Int[Array, " seq"] | None  # the caller's, before the padding rule
+    layer_type: str | None
+    schedule: RingSchedule | None
+    key: jax.Array | None
+
+
+def _reference(q, k, v, mask, cp: ContextParallel, call: LocalCall, common: dict):
+    dropout = call.config.attention_dropout
+    if dropout > 0 and call.key is not None:
+        return reference_attention(q, k, v, mask, **common, dropout_rate=dropout, dropout_key=call.key)
+    return reference_attention(q, k, v, mask, **common)
+
+
+def _splash(q, k, v, mask, cp: ContextParallel, call: LocalCall, common: dict):
+    config = call.config
+    pad = -q.shape[1] % NUM_LANES
+    if not pad or isinstance(config.mask, masks_lib.Mask):  # a Mask serves its own length only
+        return splash_attention(q, k, v, mask, config=config.splash, **common)
+    return _padded_splash(config, q, k, v, call.segment_ids, pad, call.layer_type, common)
+
+
+#: each strategy's attention on one example (inside ``shard_map``: one local shard), the dispatch of
+#: ``attend``: ``LOCAL_ATTENTION[strategy](q, k, v, mask, context_parallel, call, common)``, ``common``
+#: holding the shared keywords (segment ids, scale, soft cap, sinks, max logits; plus ``layout`` and
+#: the Splash ``config`` for the context-parallel ones). The strategies' rules: ``model.parallelism.RULES``.
+LOCAL_ATTENTION: dict[str, Callable] = {
+    "reference": _reference,
+    "splash": _splash,
+    "ring": lambda q, k, v, mask, cp, call, common: parallel.ring_attention(
+        q, k, v, mask, axis_name=cp.ring_axis, schedule=call.schedule, **common),
+    "allgather": lambda q, k, v, mask, cp, call, common: parallel.allgather_attention(
+        q, k, v, mask, axis_name=cp.ring_axis, **common),
+    "ulysses": lambda q, k, v, mask, cp, call, common: parallel.ulysses_attention(
+        q, k, v, mask, axis_name=cp.ulysses_axis, **common),
+    "usp": lambda q, k, v, mask, cp, call, common: parallel.usp_attention(
+        q, k, v, mask, ulysses_axis=cp.ulysses_axis, ring_axis=cp.ring_axis, schedule=call.schedule, **common),
+}
+assert set(LOCAL_ATTENTION) == set(STRATEGIES), "every strategy has a local attention"
 
 
 def _padded_splash(config, q, k, v, segment_ids, pad: int, layer_type, common: dict):
@@ -131,8 +163,6 @@ def _padded_splash(config, q, k, v, segment_ids, pad: int, layer_type, common: d
     padded to the next multiple of 128 inside, never by the user. Padded queries and keys get two
     segment ids of their own (below any real one), so no real query sees a padded key and every
     padded query row is fully masked (0, no NaN; no max logit); the padding is sliced off after."""
-    from ringsplash.splash import splash_attention
-
     seq = q.shape[1]
     widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
     real = jnp.zeros((seq,), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
@@ -176,13 +206,14 @@ class Attention(eqx.Module):
         self.wo = init(ko, c.num_heads * c.v_head_dim, c.d_model, gain=(2 * c.num_layers) ** -0.5)
         self.sinks = jnp.zeros((c.num_heads,), jnp.float32) if c.sinks else None
         self.bq = self.bk = self.bv = self.q_norm = self.k_norm = None
-        if c.attention_bias:
+        f = c.features
+        if f.attention_bias:
             self.bq = jnp.zeros((c.num_heads * c.head_dim,), pdt)
             self.bk = jnp.zeros((c.num_kv_heads * c.head_dim,), pdt)
             self.bv = jnp.zeros((c.num_kv_heads * c.v_head_dim,), pdt)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, pdt, c.norm_eps, c.norm_offset)
-            self.k_norm = RMSNorm(c.head_dim, pdt, c.norm_eps, c.norm_offset)
+        if f.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, pdt, f.norm_eps, f.norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, pdt, f.norm_eps, f.norm_offset)
         self.config = config
 
     def __call__(
@@ -203,14 +234,14 @@ class Attention(eqx.Module):
         # the current length of dynamic / longrope RoPE: the whole sequence's (this call holds one of its
         # context_shards local shards), static (ringsplash.model.rope_scaling); capped at max_seq_len, since
         # only the padding a context-parallel strategy adds (train.layout_batch) runs past it
-        rope_len = min(seq * c.context_shards, c.max_seq_len)
+        rope_len = min(seq * c.context_parallel.shards, c.max_seq_len)
         q, k, v = self.project_qkv(x, positions, rope_len=rope_len, layer_type=layer_type)
         out = attend(c, q, k, v, segment_ids, self.sinks, key=key, return_max_logits=return_max_logits,
                      schedule=schedule, layer_type=layer_type)
         max_logits = None
         if return_max_logits:
             out, max_logits = out
-        if c.attention not in ("ring", "usp"):  # the ring names its own residual (naming it twice would save it twice)
+        if not c.context_parallel.rule.ring_schedule:  # the ring names its own residual (twice would save it twice)
             out = checkpoint_name(out, ATTENTION_OUT)
         out = self.project_out(out)
         return (out, max_logits) if return_max_logits else out

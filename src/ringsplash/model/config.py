@@ -5,33 +5,29 @@ A config that constructs is a config that runs: each rejected combination raises
 """
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Literal
 
 from ringsplash import _caches as caches
-from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._scalar_checks import (
     check_bool,
     check_choice,
     check_float,
     check_int,
-    check_name,
     check_positive_int,
     literal_choices,
 )
-from ringsplash.model.hf_features import SLIDING, LayerType, MlpActivation, check_hf_features
-from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel, Strategy
-from ringsplash.model.rope_scaling import RopeScaling, check_rope_dim
-from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
-from ringsplash.parallel.ring_plan import fit_ring_blocks
-from ringsplash.splash.blocks import Extent, fit_blocks
+from ringsplash.model import _legacy
+from ringsplash.model.hf_features import SLIDING, ModelFeatures, check_features
+from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel
+from ringsplash.model.rope_scaling import RopeScaling
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
 MaskKind = Literal["causal", "local", "chunked", "prefix_lm", "full"]
 DType = Literal["float32", "bfloat16", "float16"]
-STRATEGIES: tuple[str, ...] = literal_choices(Strategy)
 MASKS: tuple[str, ...] = literal_choices(MaskKind)
 DTYPES: tuple[str, ...] = literal_choices(DType)
 #: ``remat`` policies for the scanned layer step (see ``ringsplash.model.transformer.remat_policy``):
@@ -41,34 +37,18 @@ DTYPES: tuple[str, ...] = literal_choices(DType)
 #: matmul result without batch dimensions plus the attention outputs.
 RematPolicy = Literal["none", "full", "save_attention", "save_dots"]
 REMAT_POLICIES: tuple[str, ...] = literal_choices(RematPolicy)
-#: strategies whose attention returns per-head max logits (``return_max_logits``), so QK-clip can run
-MAX_LOGIT_STRATEGIES: tuple[str, ...] = STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Decoder-only transformer: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
-    Attention strategies (the same parameters give the same function under each):
-
-    * ``"reference"`` — dense float32 oracle (``ringsplash.reference_attention``); the only one
-      that supports ``attention_dropout``;
-    * ``"splash"`` — block-sparse Splash attention on one device (``splash_attention``);
-    * ``"ring"`` — ring attention over the mesh axis ``ring_axis_name`` of ``ring_size``
-      devices; the model must then be called inside ``shard_map`` on the local shard of tokens
-      laid out by ``ring_layout`` (the mask is evaluated on original positions);
-    * ``"allgather"`` — the Llama-3 method over ``ring_axis_name`` (``ring_size`` devices): K/V
-      all-gathered, local queries; same local shards and layout as the ring;
-    * ``"ulysses"`` — DeepSpeed-Ulysses over ``ulysses_axis_name`` (``ulysses_size`` devices,
-      which must split the heads: ``num_heads`` divisible by it, ``num_kv_heads`` dividing or
-      divisible by it); local shards laid out by ``ring_layout`` over ``ulysses_size``;
-    * ``"usp"`` — Ulysses over ``ulysses_axis_name`` (``ulysses_size``, inside) and the ring over
-      ``ring_axis_name`` (``ring_size``, across): local shard ``r * ulysses_size + u`` of the
-      sequence laid out by ``ring_layout`` over ``ring_size`` (not over the product).
-
-    Every sequence-parallel strategy is called inside ``shard_map`` on local shards
-    (``context_shards`` of them, ``layout_shards`` for the layout permutation); the axes, sizes
-    and layout are summarised by ``context_parallel`` (a ``ContextParallel``).
+    ``context_parallel`` (a ``ContextParallel``) is the attention strategy and its context
+    parallelism: ``"reference"`` (the dense float32 oracle, the only one that supports
+    ``attention_dropout``), ``"splash"`` (block-sparse Splash kernels on one device), or ``"ring"`` /
+    ``"allgather"`` / ``"ulysses"`` / ``"usp"``, which run inside ``shard_map`` on the local shard of
+    tokens laid out by its ``layout`` (the mask is evaluated on original positions). The same
+    parameters give the same function under each strategy.
 
     ``mask`` picks the attention mask over the sequence: ``"causal"``, ``"local"`` (causal
     sliding window: a query sees itself and the ``local_window`` previous tokens),
@@ -84,34 +64,19 @@ class TransformerConfig:
     step's forward pass exceeded τ are rescaled so that logit becomes τ
     (``ringsplash.model.qk_clip``).
 
-    ``rope_scaling`` (None or a ``RopeScaling``: linear, dynamic NTK, YaRN, Llama 3, LongRoPE) scales
-    RoPE with Hugging Face's numerics (``ringsplash.model.rope_scaling``); None keeps ringsplash's own RoPE.
-
     ``max_seq_len`` is the (global) training length, checked against the ring size and the
     Splash block sizes. ``head_dim=None`` means ``d_model // num_heads``; ``v_head_dim`` is
     the value (and attention output) head size, ``None`` = ``head_dim`` (MLA-style models use
     e.g. q/k 192, v 128); the SwiGLU hidden width is ``mlp_ratio * d_model`` rounded up to a
-    multiple of ``mlp_multiple``, or ``intermediate_size`` when given.
+    multiple of ``mlp_multiple``, or ``features.intermediate_size`` when given.
 
-    Hugging Face families (``ringsplash.model.hf_features``; defaults keep ringsplash's own model):
-    ``mlp_activation`` (``"silu"``, or ``"gelu_tanh"`` for Gemma's GeGLU); ``attention_bias`` (q/k/v
-    projection biases, Qwen2); ``qk_norm`` (RMSNorm over head_dim on q and k per head before RoPE,
-    Qwen3 / Gemma 3); ``norm_eps`` of every RMSNorm; ``norm_offset`` (RMSNorm scales by
-    ``norm_offset + weight`` in float32: Gemma's 1.0; fresh weights are ``1 - norm_offset``);
-    ``post_norms`` (Gemma's RMSNorm on the attention and MLP outputs before the residual adds);
-    ``scale_embeddings`` (embeddings times sqrt(d_model), the factor rounded to the compute dtype first);
-    ``attention_scale`` (softmax scale, None = head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5);
-    ``final_logit_soft_cap`` (logits = cap * tanh(logits / cap), in float32; ``logit_soft_cap`` caps the
-    attention logits); ``layer_types`` (None, or per layer ``"full_attention"`` (uses ``mask``) /
-    ``"sliding_attention"``: a causal window of ``sliding_window`` tokens, the query included, as in
-    Hugging Face: ``LocalMask(window=(sliding_window - 1, 0))``); ``local_rope_theta`` (the RoPE base of
-    sliding layers, unscaled: Gemma 3; None = theirs is the full layers' RoPE). ``tie_embeddings``: the
-    unembedding is ``embedding.T`` itself (a fresh tied model draws the embedding with std
-    d_model ** -0.5, so its logits start well scaled).
+    ``features`` (a ``ModelFeatures``) holds the options of the Hugging Face families (GeGLU,
+    biases, q/k norms, norm offsets, soft caps, tied embeddings, RoPE scaling, per-layer sliding
+    windows, the tokenizer's special ids); its defaults keep ringsplash's own model.
 
-    ``bos_token_id`` / ``eos_token_id`` (an int or several) / ``pad_token_id``: the tokenizer's special
-    ids as a Hugging Face config.json records them (``ringsplash.hf`` reads and writes them); the model
-    itself never reads them.
+    The previous release's flat fields (``attention``, ``ring_size``, ..., ``mlp_activation``, ...)
+    still work for one release, as keywords, in ``replace`` and as attributes, with a
+    ``DeprecationWarning`` naming the nested spelling (``model/_legacy.py``).
     """
 
     vocab_size: int
@@ -120,52 +85,28 @@ class TransformerConfig:
     num_heads: int = 4
     num_kv_heads: int | None = None  # None = num_heads (MHA); 1 = MQA
     head_dim: int | None = None
+    v_head_dim: int | None = None  # None = head_dim
     mlp_ratio: float = 8 / 3
     mlp_multiple: int = 8
     rope_theta: float = 10_000.0
     max_seq_len: int = 2048
-    attention: Strategy = "reference"
+    context_parallel: ContextParallel = ContextParallel()
     mask: "MaskKind | masks_lib.Mask | Callable" = "causal"
     local_window: int | None = None
     chunk_size: int | None = None
     prefix_len: int | None = None
-    ring_axis_name: str | None = None
-    ring_layout: layouts.Layout = "zigzag"
-    ring_size: int = 1
-    ulysses_axis_name: str | None = None
-    ulysses_size: int = 1
     logit_soft_cap: float | None = None
     sinks: bool = False
     attention_dropout: float = 0.0
+    qk_clip_threshold: float | None = None
     remat: RematPolicy = "none"
-    tie_embeddings: bool = False
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
     splash: SplashConfig = SplashConfig()
-    v_head_dim: int | None = None  # None = head_dim
-    qk_clip_threshold: float | None = None
-    rope_scaling: RopeScaling | None = None
-    intermediate_size: int | None = None  # None = the mlp_ratio / mlp_multiple rule
-    mlp_activation: MlpActivation = "silu"
-    attention_bias: bool = False
-    qk_norm: bool = False
-    norm_eps: float = 1e-6
-    norm_offset: float = 0.0
-    post_norms: bool = False
-    scale_embeddings: bool = False
-    attention_scale: float | None = None  # None = head_dim ** -0.5
-    final_logit_soft_cap: float | None = None
-    layer_types: tuple[LayerType, ...] | None = None  # None = every layer uses mask
-    sliding_window: int | None = None
-    local_rope_theta: float | None = None  # None = sliding layers use the full layers' RoPE
-    # the tokenizer's special ids, as Hugging Face's config.json records them (the model ignores them)
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
+    features: ModelFeatures = ModelFeatures()
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "ring_size", "mlp_multiple",
-                     "ulysses_size"):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "mlp_multiple"):
             check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
@@ -190,20 +131,12 @@ class TransformerConfig:
         check_positive_int("v_head_dim", self.v_head_dim)
         check_float("mlp_ratio", self.mlp_ratio, positive=True)
         check_float("rope_theta", self.rope_theta, positive=True)
-        if self.rope_scaling is not None:
-            if not isinstance(self.rope_scaling, RopeScaling):
-                raise TypeError(f"rope_scaling must be a ringsplash.model.RopeScaling or None, got "
-                                f"{type(self.rope_scaling).__name__} (a Hugging Face dict: RopeScaling.from_hf(d))")
-            check_rope_dim(self.rope_scaling, self.head_dim)
-
-        check_choice("attention", self.attention, STRATEGIES)
+        cp = self.context_parallel
+        if not isinstance(cp, ContextParallel):
+            raise TypeError(f"context_parallel must be a ringsplash.model.ContextParallel, got {type(cp).__name__} "
+                            f"{cp!r} (e.g. ContextParallel('ring', ring_size=4))")
         check_choice("remat", self.remat, REMAT_POLICIES)
-        check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
-        for name in ("ring_axis_name", "ulysses_axis_name"):
-            if getattr(self, name) not in (None, ""):  # none: no such axis (checked against the strategy below)
-                check_name(name, getattr(self, name))
-        for name in ("sinks", "tie_embeddings", "attention_bias", "qk_norm", "post_norms", "scale_embeddings"):
-            check_bool(name, getattr(self, name))
+        check_bool("sinks", self.sinks)
         self._check_mask()
         for name in ("param_dtype", "compute_dtype"):
             check_choice(name, getattr(self, name), DTYPES)
@@ -214,39 +147,27 @@ class TransformerConfig:
             raise ValueError(f"attention_dropout must be in [0, 1), got attention_dropout={self.attention_dropout!r}")
         if self.qk_clip_threshold is not None:
             check_float("qk_clip_threshold", self.qk_clip_threshold, positive=True)
-            if self.attention not in MAX_LOGIT_STRATEGIES:
-                raise ValueError(
-                    f"qk_clip_threshold needs the attention strategy to report max logits; attention="
-                    f"{self.attention!r} cannot: use one of {MAX_LOGIT_STRATEGIES} or qk_clip_threshold=None"
-                )
-        check_hf_features(self)
-        self._check_token_ids()
+        check_features(self)
         if not isinstance(self.splash, SplashConfig):
             raise TypeError(f"splash must be a ringsplash.SplashConfig, got {type(self.splash).__name__}")
 
-        kernels = self.attention != "reference"
+        kernels = cp.strategy != "reference"
         if kernels and self.attention_dropout > 0:
             raise ValueError(
                 f"attention_dropout={self.attention_dropout} is not supported by the splash/ring kernels: "
-                f"use attention='reference' or attention_dropout=0"
+                f"use context_parallel=ContextParallel('reference') or attention_dropout=0"
             )
-        self._check_parallel()
+        cp.check_heads(self.num_heads, self.num_kv_heads)
         # Any head size runs on the TPU kernels (64, 96, 128, 192, 256 and v != q/k compile for v5e in
         # tests/test_head_dims_tpu_compile.py); a block x head size x dtype that overflows the chip's VMEM
         # is rejected when lowered for that chip (ringsplash.splash.vmem), the chip being unknown here.
         if kernels:
             self._check_lengths()
 
-    def _check_token_ids(self) -> None:
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if name == "eos_token_id" and isinstance(value, (list, tuple)):
-                value = tuple(check_int(f"eos_token_id[{i}]", t) for i, t in enumerate(value))
-            else:
-                value = check_int(name, value)
-            object.__setattr__(self, name, value)
+    def __getattr__(self, name: str):  # only for names that are not attributes: the old flat fields
+        if name in _legacy.OLD_NAMES:
+            return _legacy.read_old(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _check_mask(self) -> None:
         if not isinstance(self.mask, str):
@@ -288,52 +209,6 @@ class TransformerConfig:
                 raise ValueError(f"{option}={getattr(self, option)!r} only applies to a named mask kind, "
                                  f"not mask={m!r}: set {option}=None (or build the window into the mask)")
 
-    def _check_parallel(self) -> None:
-        """The mesh axes and sizes each strategy needs (``ring_*``: ring / all-gather / USP's ring,
-        ``ulysses_*``: Ulysses / USP's all-to-all); unused ones must stay at their defaults."""
-        a = self.attention
-        if a in RING_AXIS_STRATEGIES:
-            if not self.ring_axis_name:
-                what = "the ring axis across" if a == "usp" else "the mesh axis the sequence is sharded over"
-                raise ValueError(
-                    f"attention={a!r} needs ring_axis_name ({what}, e.g. ring_axis_name='context')"
-                )
-        elif self.ring_size != 1:
-            raise ValueError(
-                f"ring_size={self.ring_size} needs attention='ring' (or 'allgather' / 'usp', which also shard the "
-                f"sequence over ring_axis_name; attention={a!r} does not): set one of them or ring_size=1"
-            )
-        if a in ULYSSES_AXIS_STRATEGIES:
-            if not self.ulysses_axis_name:
-                raise ValueError(
-                    f"attention={a!r} needs ulysses_axis_name (the mesh axis of the all-to-all, e.g. "
-                    f"ulysses_axis_name={'ulysses' if a == 'usp' else 'context'!r})"
-                )
-            h, kv, u = self.num_heads, self.num_kv_heads, self.ulysses_size
-            ok = valid_ulysses_degrees(h, kv)
-            if u not in ok:
-                why = (f"num_heads={h} is not divisible by ulysses_size={u}" if h % u else
-                       f"num_kv_heads={kv} neither divides nor is divisible by ulysses_size={u}")
-                alt = ""
-                if a == "usp":
-                    n = u * self.ring_size
-                    alt = (f"; (ulysses_size, ring_size) factorisations of the {n} devices that work: "
-                           f"{usp_factorisations(n, h, kv)}")
-                raise ValueError(f"attention={a!r}: {why} (Ulysses gives each device num_heads / ulysses_size q "
-                                 f"heads): use ulysses_size in {ok}{alt}")
-        elif self.ulysses_size != 1:
-            raise ValueError(
-                f"ulysses_size={self.ulysses_size} needs attention='ulysses' or 'usp' (attention={a!r}): "
-                f"set one of them or ulysses_size=1"
-            )
-        if a == "usp" and self.ring_axis_name == self.ulysses_axis_name:
-            raise ValueError(
-                f"attention='usp' needs two different mesh axes: ring_axis_name and ulysses_axis_name are both "
-                f"{self.ring_axis_name!r} (e.g. ring_axis_name='context', ulysses_axis_name='ulysses')"
-            )
-        if a in RING_AXIS_STRATEGIES + ULYSSES_AXIS_STRATEGIES:
-            check_choice("ring_layout", self.ring_layout, layouts.LAYOUTS)
-
     def _check_lengths(self) -> None:
         if self.context_parallel.roles and not isinstance(self.mask, masks_lib.Mask):
             self.padded_seq_len(self.max_seq_len)  # a length the strategy does not tile is padded (train.layout_batch)
@@ -341,37 +216,14 @@ class TransformerConfig:
             self.check_seq_len(self.max_seq_len, name="max_seq_len")
 
     def check_seq_len(self, seq_len: int, *, name: str = "seq_len") -> None:
-        """Raise unless the strategy runs at a global length of ``seq_len`` tokens as it is: the
-        ``ring_layout`` splits it over the devices and the Splash blocks tile what each kernel sees
-        (``splash/blocks.py``; the ring and USP shrink blocks to their shards). ``"splash"`` pads
-        a length its 128-token lanes do not tile itself (``model.attention``); ``name``: the
+        """Raise unless the strategy runs at a global length of ``seq_len`` tokens as it is
+        (``ContextParallel.check_seq_len`` with this config's Splash blocks); ``name``: the
         length's name in errors."""
-        if self.attention in ("ring", "usp"):  # the ring shrinks blocks to its shards, or says which config fits
-            if seq_len % self.context_shards:
-                raise ValueError(
-                    f"{name}={seq_len} must be divisible by ring_size x ulysses_size = "
-                    f"{self.ring_size} x {self.ulysses_size} = {self.context_shards} (one shard per device)"
-                )
-            fit_ring_blocks(seq_len, self.ring_size, self.ring_layout, self.splash)
-            return
-        a, seq = self.attention, seq_len
-        if a in ("allgather", "ulysses"):
-            layouts.check_layout(self.ring_layout, seq, self.layout_shards)
-        if a not in ("splash", "allgather", "ulysses"):
-            return
-        # the rule of every Splash path (splash/blocks.py), on the lengths this strategy's kernels see
-        if a == "splash":  # the model pads a length the kernels' 128-token lanes do not tile (model.attention)
-            seq = -(-seq // NUM_LANES) * NUM_LANES
-        q_len = seq // self.ring_size if a == "allgather" else seq
-        multiple = {"splash": NUM_LANES, "allgather": self.ring_size * NUM_LANES,
-                    "ulysses": math.lcm(self.ulysses_size, NUM_LANES)}[a]
-        fit_blocks(self.splash, q=Extent(q_len, q_len, name if q_len == seq else "per-device q_len"),
-                   kv=Extent(seq, seq, name), what=f"attention={a!r} at {name}={seq}",
-                   length_hint=f"a {name} divisible by {multiple}")
+        self.context_parallel.check_seq_len(seq_len, self.splash, name=name)
 
     def padded_seq_len(self, seq_len: int) -> int:
         """The global length a sequence of ``seq_len`` tokens runs at under the context-parallel
-        strategy: the smallest length >= ``seq_len`` that the ``ring_layout`` splits over the
+        strategy: the smallest length >= ``seq_len`` that the ``context_parallel.layout`` splits over the
         devices and the Splash blocks tile (``check_seq_len``). The trainer pads every batch to it
         (``ringsplash.train.layout_batch``); ``seq_len`` itself when it tiles, and without context
         parallelism. A fixed-shape ``Mask`` serves its own length only, so it is never padded."""
@@ -384,15 +236,15 @@ class TransformerConfig:
 
     @property
     def mlp_hidden(self) -> int:
-        if self.intermediate_size is not None:
-            return self.intermediate_size
+        if self.features.intermediate_size is not None:
+            return self.features.intermediate_size
         hidden = math.ceil(self.mlp_ratio * self.d_model)
         return self.mlp_multiple * math.ceil(hidden / self.mlp_multiple)
 
     @property
-    def context_parallel(self) -> ContextParallel:
-        """The strategy's mesh axes, their sizes and the sequence layout."""
-        return ContextParallel.from_config(self)
+    def strategy(self) -> str:
+        """The attention strategy (``context_parallel.strategy``)."""
+        return self.context_parallel.strategy
 
     @property
     def context_shards(self) -> int:
@@ -401,7 +253,7 @@ class TransformerConfig:
 
     @property
     def layout_shards(self) -> int:
-        """Shards of the ``ring_layout`` permutation (``ContextParallel.layout_shards``)."""
+        """Shards of the ``context_parallel.layout`` permutation (``ContextParallel.layout_shards``)."""
         return self.context_parallel.layout_shards
 
     @property
@@ -411,21 +263,23 @@ class TransformerConfig:
     @property
     def attention_kinds(self) -> tuple[str | None, ...]:
         """The distinct masks of the layers: ``(None,)`` (every layer uses ``mask``) or the layer types used."""
-        return (None,) if self.layer_types is None else tuple(sorted(set(self.layer_types)))
+        layer_types = self.features.layer_types
+        return (None,) if layer_types is None else tuple(sorted(set(layer_types)))
 
     def rope_for(self, layer_type: str | None = None) -> tuple[float, RopeScaling | None]:
         """``(theta, scaling)`` of the RoPE of a layer of ``layer_type`` (``local_rope_theta``: sliding
         layers' own base, unscaled, with Hugging Face's numerics when the model's RoPE has them)."""
-        if layer_type == SLIDING and self.local_rope_theta is not None:
-            return self.local_rope_theta, None if self.rope_scaling is None else RopeScaling()
-        return self.rope_theta, self.rope_scaling
+        f = self.features
+        if layer_type == SLIDING and f.local_rope_theta is not None:
+            return f.local_rope_theta, None if f.rope_scaling is None else RopeScaling()
+        return self.rope_theta, f.rope_scaling
 
     def make_mask(self, seq_len: int, layer_type: str | None = None) -> masks_lib.Mask:
         """The ``(seq_len, seq_len)`` attention mask over original positions (lazy, hashable) of a layer
         of ``layer_type`` (None or ``"full_attention"``: ``mask``)."""
         shape = (seq_len, seq_len)
         if layer_type == SLIDING:
-            return masks_lib.LocalMask(shape, window=(self.sliding_window - 1, 0))
+            return masks_lib.LocalMask(shape, window=(self.features.sliding_window - 1, 0))
         if isinstance(self.mask, masks_lib.Mask):
             if self.mask.shape != shape:
                 raise ValueError(f"mask={self.mask!r} has shape {self.mask.shape}, but the model is called on "
@@ -446,7 +300,8 @@ class TransformerConfig:
 
     def replace(self, **changes) -> "TransformerConfig":
         """A copy with ``changes`` applied (and validated)."""
-        return dataclasses.replace(self, **changes)
+        current = {"context_parallel": self.context_parallel, "features": self.features}
+        return dataclasses.replace(self, **_legacy.nest({**current, **changes}, stacklevel=4))
 
     def to_dict(self) -> dict:
         plain = self if isinstance(self.mask, str) else dataclasses.replace(self, mask="causal")  # asdict copies
@@ -457,18 +312,42 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TransformerConfig":
+        """The config of ``to_dict``'s dict (also the flat form of the previous release, which
+        checkpoints and run directories written before hold)."""
         d = dict(d)
         if isinstance(d.get("mask"), str) and d["mask"] not in MASKS:
             raise ValueError(f"the config records a custom mask ({d['mask']}), which a dict cannot rebuild: "
                              f"pass the mask itself, from_dict({{**d, 'mask': my_mask_or_function}})")
         if isinstance(d.get("splash"), dict):
             d["splash"] = SplashConfig(**d["splash"])
-        if isinstance(d.get("rope_scaling"), dict):
-            d["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
-        for name in ("layer_types", "eos_token_id"):
-            if isinstance(d.get(name), list):  # JSON has no tuples
-                d[name] = tuple(d[name])
-        return cls(**d)
+        if isinstance(d.get("context_parallel"), dict):
+            d["context_parallel"] = ContextParallel(**d["context_parallel"])
+        if isinstance(d.get("features"), dict):
+            d["features"] = ModelFeatures(**_features_from_json(d["features"]))
+        return cls(**_legacy.nest(_features_from_json(d), warn=False))
+
+
+def _features_from_json(d: dict) -> dict:
+    """``d`` with the ``ModelFeatures`` values JSON changes back in their types (the dict of
+    ``features``, or a flat config dict of the previous release)."""
+    d = dict(d)
+    if isinstance(d.get("rope_scaling"), dict):
+        d["rope_scaling"] = RopeScaling.from_dict(d["rope_scaling"])
+    for name in ("layer_types", "eos_token_id"):
+        if isinstance(d.get(name), list):  # JSON has no tuples
+            d[name] = tuple(d[name])
+    return d
+
+
+_dataclass_init = TransformerConfig.__init__
+
+
+def _init(self, *args, **kwargs):  # the old flat names still work for one release (model/_legacy.py)
+    _dataclass_init(self, *args, **_legacy.nest(kwargs))
+
+
+_init.__doc__, _init.__signature__ = _dataclass_init.__doc__, inspect.signature(_dataclass_init)
+TransformerConfig.__init__ = _init
 
 
 @caches.lru_cache(maxsize=256)
@@ -479,8 +358,7 @@ def _padded_seq_len(config: TransformerConfig, seq_len: int) -> int:
     if isinstance(config.mask, masks_lib.Mask):
         config.check_seq_len(seq_len)
         return seq_len
-    cp = config.context_parallel
-    step = math.lcm(cp.shards, cp.layout_shards * (2 if cp.layout == "zigzag" else 1))
+    step = config.context_parallel.pad_step()
     last = -(-seq_len // (step * NUM_LANES)) * step * NUM_LANES
     for length in range(-(-seq_len // step) * step, last, step):
         try:

@@ -1,4 +1,4 @@
-"""Named model sizes: ``preset("llama3-8b", max_seq_len=262144, attention="ring", ...)``.
+"""Named model sizes: ``preset("llama3-8b", max_seq_len=262144, context_parallel=ContextParallel("ring", ...))``.
 
 A preset fixes the shape of the model (vocabulary, width, depth, heads, MLP width, RoPE base);
 everything else (attention strategy, mask, sequence length, dtypes, remat) comes from the

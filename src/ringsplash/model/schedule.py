@@ -1,6 +1,6 @@
 """The ring schedule a model's attention runs with: one per (config, sequence length, mesh).
 
-Under ``attention="ring"`` (and ``"usp"``, whose inner ring runs over the ring axis on
+Under the ``"ring"`` strategy (and ``"usp"``, whose inner ring runs over the ring axis on
 ``heads / ulysses`` heads) every layer's ring reads the same work lists (one mask per model).
 Left to itself, ``ring_attention`` bakes the whole ``[lists, N, N, steps]`` schedule into the
 program as a constant replicated on every device; the trainer instead builds it here once on
@@ -25,25 +25,25 @@ __all__ = ["model_ring_schedule", "schedule_bytes_per_device", "schedule_specs",
 
 def uses_ring_schedule(config: TransformerConfig) -> bool:
     """Whether ``config``'s attention strategy runs a ring that takes a ``RingSchedule``."""
-    return config.attention in ("ring", "usp")
+    return config.context_parallel.rule.ring_schedule
 
 
 def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.sharding.Mesh, *,
                         shapes_only: bool = False) -> RingSchedule | dict[str, RingSchedule] | None:
     """The (cached) ring schedule of ``config``'s attention at ``seq_len`` tokens on ``mesh``:
     global arrays sharded ``P(None, ring axis)`` (``shapes_only``: ``ShapeDtypeStruct`` s for AOT
-    lowering); a dict ``{layer type: RingSchedule}`` when ``config.layer_types`` is set; None for
+    lowering); a dict ``{layer type: RingSchedule}`` when ``config.features.layer_types`` is set; None for
     strategies without a ring (``uses_ring_schedule``).
 
     Args:
         config: the model's config (strategy, mask, heads, ring size / layout, ``SplashConfig``).
         seq_len: the global sequence length S of the batch.
-        mesh: the trainer's mesh; its ring axis is ``config.ring_axis_name``.
+        mesh: the trainer's mesh; its ring axis is ``config.context_parallel.ring_axis``.
         shapes_only: shapes and shardings only, no arrays.
     """
     if not uses_ring_schedule(config):
         return None
-    if config.layer_types is None:
+    if config.features.layer_types is None:
         return _cached(config, int(seq_len), mesh, bool(shapes_only), None)
     return {kind: _cached(config, int(seq_len), mesh, bool(shapes_only), kind) for kind in config.attention_kinds}
 
@@ -65,8 +65,9 @@ def schedule_bytes_per_device(schedule: RingSchedule | dict[str, RingSchedule] |
 def _cached(config: TransformerConfig, seq_len: int, mesh, shapes_only: bool, layer_type) -> RingSchedule:
     mask = config.make_mask(seq_len, layer_type)
     heads, kv_heads = config.num_heads, config.num_kv_heads
-    if config.attention == "usp":  # the inner ring sees the Ulysses rank's heads (usp_attention)
-        split = ulysses_heads(heads, kv_heads, config.ulysses_size, config.ulysses_axis_name)
+    cp = config.context_parallel
+    if "ulysses" in cp.roles:  # USP: the inner ring sees the Ulysses rank's heads (usp_attention)
+        split = ulysses_heads(heads, kv_heads, cp.ulysses_size, cp.ulysses_axis)
         heads, kv_heads, mask = split.q_local, split.kv_local, local_head_mask(mask, split)
-    return ring_schedule(mask, config.ring_size, config.ring_layout, config.splash, heads=heads, kv_heads=kv_heads,
-                         mesh=mesh, axis_name=config.ring_axis_name, shapes_only=shapes_only)
+    return ring_schedule(mask, cp.ring_size, cp.layout, config.splash, heads=heads, kv_heads=kv_heads,
+                         mesh=mesh, axis_name=cp.ring_axis, shapes_only=shapes_only)

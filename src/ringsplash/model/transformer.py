@@ -4,7 +4,7 @@ scaled embeddings, a final logit soft cap, per-layer sliding / full attention).
 
 Per example: ``model(tokens, positions, segment_ids=None) -> logits``; batch with ``jax.vmap``.
 The loss path calls ``model.hidden(...)`` (final-normed hidden states) and projects chunks of
-tokens with ``model.unembedding_matrix()`` itself (applying ``config.final_logit_soft_cap`` as
+tokens with ``model.unembedding_matrix()`` itself (applying ``config.features.final_logit_soft_cap`` as
 ``model.logits`` does), so full ``[seq, vocab]`` logits never exist.
 Layers are one stacked ``Block`` (built with ``eqx.filter_vmap``) run by ``lax.scan`` (with
 ``layer_types``: by scans over periods of the pattern, ``hf_features.layer_segments``), so the
@@ -71,7 +71,7 @@ class SwiGLU(eqx.Module):
         self.w_gate = (jax.random.normal(k1, (c.d_model, h)) / c.d_model**0.5).astype(pdt)
         self.w_up = (jax.random.normal(k2, (c.d_model, h)) / c.d_model**0.5).astype(pdt)
         self.w_down = (jax.random.normal(k3, (h, c.d_model)) / (h * 2 * c.num_layers) ** 0.5).astype(pdt)
-        self.activation = c.mlp_activation
+        self.activation = c.features.mlp_activation
 
     def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
         dt = x.dtype
@@ -82,7 +82,7 @@ class SwiGLU(eqx.Module):
 
 def _norm(config: TransformerConfig, d: int | None = None) -> RMSNorm:
     c = config
-    return RMSNorm(d or c.d_model, dtype_of(c.param_dtype), c.norm_eps, c.norm_offset)
+    return RMSNorm(d or c.d_model, dtype_of(c.param_dtype), c.features.norm_eps, c.features.norm_offset)
 
 
 class Block(eqx.Module):
@@ -102,7 +102,7 @@ class Block(eqx.Module):
         self.mlp_norm = _norm(config)
         self.mlp = SwiGLU(config, key=km)
         self.post_attention_norm = self.post_mlp_norm = None
-        if config.post_norms:
+        if config.features.post_norms:
             self.post_attention_norm, self.post_mlp_norm = _norm(config), _norm(config)
 
     def __call__(
@@ -195,12 +195,12 @@ class Transformer(eqx.Module):
         ke, kl, ku = jax.random.split(key, 3)
         pdt = dtype_of(config.param_dtype)
         embedding = jax.random.normal(ke, (config.vocab_size, config.d_model))
-        if config.tie_embeddings:
+        if config.features.tie_embeddings:
             embedding = embedding / config.d_model**0.5
         self.embedding = embedding.astype(pdt)
         self.layers = eqx.filter_vmap(lambda k: Block(config, key=k))(jax.random.split(kl, config.num_layers))
         self.final_norm = _norm(config)
-        if config.tie_embeddings:
+        if config.features.tie_embeddings:
             self.unembedding = None
         else:
             self.unembedding = (
@@ -224,7 +224,8 @@ class Transformer(eqx.Module):
 
     def logits(self, hidden: Float[Array, "*tokens d_model"]) -> Float[Array, "*tokens vocab"]:
         """Float32 logits of final hidden states (``final_logit_soft_cap`` applied)."""
-        return soft_cap((hidden @ self.unembedding_matrix()).astype(jnp.float32), self.config.final_logit_soft_cap)
+        cap = self.config.features.final_logit_soft_cap
+        return soft_cap((hidden @ self.unembedding_matrix()).astype(jnp.float32), cap)
 
     def hidden(
         self,
@@ -257,7 +258,7 @@ class Transformer(eqx.Module):
         ``layer_types`` one over groups of a period of the pattern, so the program does not grow with depth.
         """
         c = self.config
-        _check_example(tokens, positions, segment_ids, c.vocab_size, c.max_seq_len, c.context_shards, c.attention,
+        _check_example(tokens, positions, segment_ids, c.vocab_size, c.max_seq_len, c.context_shards, c.strategy,
                        c.padded_seq_len(c.max_seq_len))
         x = self.embed(tokens)
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
@@ -280,7 +281,7 @@ class Transformer(eqx.Module):
         steps = {kind: layer_step(kind) for kind in c.attention_kinds}
         keys = None if key is None else jax.random.split(key, c.num_layers)
         max_logits = []
-        for seg in layer_segments(c.layer_types, c.num_layers):
+        for seg in layer_segments(c.features.layer_types, c.num_layers):
             x, mx = run_segment(seg, steps, x, (dynamic, keys), c.num_layers)
             max_logits.append(mx)
         if not return_max_logits:
@@ -292,7 +293,7 @@ class Transformer(eqx.Module):
         c = self.config
         cdt = dtype_of(c.compute_dtype)
         x = self.embedding[tokens].astype(cdt)
-        if c.scale_embeddings:  # the factor rounded to the hidden dtype first, as transformers does
+        if c.features.scale_embeddings:  # the factor rounded to the hidden dtype first, as transformers does
             x = x * jnp.asarray(c.d_model**0.5, cdt)
         return x
 

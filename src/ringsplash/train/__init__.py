@@ -34,6 +34,7 @@ from ringsplash.train.state import (
     sharded_init_fn,
     start_from,
     state_digest,
+    upgrade_run_config,
 )
 from ringsplash.train.step import (
     batch_ring_schedule,
@@ -101,4 +102,5 @@ __all__ = [
     "stream_batch",
     "train_steps",
     "unlayout",
+    "upgrade_run_config",
 ]

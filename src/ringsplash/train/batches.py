@@ -46,7 +46,7 @@ def pad_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
 
 def layout_batch(batch: Batch, model_config: TransformerConfig) -> Batch:
     """Pad (``pad_batch``) and permute every field along the sequence into the strategy's layout
-    (``ring_layout`` over ``layout_shards``: the ring degree for ring / all-gather / USP, the
+    (``context_parallel.layout`` over ``layout_shards``: the ring degree for ring / all-gather / USP, the
     Ulysses degree for Ulysses); identity without context parallelism. ``unlayout`` undoes it on
     outputs."""
     cp = model_config.context_parallel

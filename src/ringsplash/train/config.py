@@ -1,7 +1,10 @@
-"""``TrainConfig`` (optimiser, schedule, parallelism and bookkeeping of one run) and the
-AdamW optimiser on a linear-warmup + cosine-decay learning-rate schedule."""
+"""``TrainConfig`` (optimiser, schedule, data parallelism and bookkeeping of one run) and the
+AdamW optimiser on a linear-warmup + cosine-decay learning-rate schedule. The context parallelism
+is the model's (``TransformerConfig.context_parallel``): the trainer's mesh is built from both."""
 
 import dataclasses
+import inspect
+import warnings
 
 import optax
 
@@ -10,7 +13,8 @@ from ringsplash._scalar_checks import check_bool, check_divides, check_float, ch
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Optimiser, schedule, parallelism and bookkeeping of one training run."""
+    """Optimiser, schedule, data parallelism and bookkeeping of one training run (the mesh is
+    ``data_parallel`` rows x the model's ``context_parallel`` axes: ``train.mesh_for``)."""
 
     steps: int = 1000
     batch_size: int = 8  # global rows per step
@@ -22,18 +26,16 @@ class TrainConfig:
     b2: float = 0.98
     grad_clip: float | None = 1.0  # clip the global gradient norm to this (> 0); None: no clipping
     data_parallel: int = 1
-    context_parallel: int = 1
     seed: int = 0
     log_every: int = 10
     checkpoint_every: int = 0  # 0: only at the end
     progress: bool = True
     fsdp: bool = True  # shard params + optimiser state over data x context (a no-op on one device)
     loss_chunk: int = 0  # tokens per chunk of the cross-entropy (0: all local tokens at once)
-    ulysses_parallel: int = 1  # USP: devices on the mesh's "ulysses" axis (inside each of the context ring's members)
     log_max_logits: bool = False  # collect + log per-layer max logits (always on with qk_clip_threshold)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "data_parallel", "context_parallel", "log_every", "ulysses_parallel"):
+        for name in ("steps", "batch_size", "data_parallel", "log_every"):
             check_positive_int(name, getattr(self, name))
         check_divides("data_parallel", self.data_parallel, "batch_size", self.batch_size)
         if not 0 <= check_int("warmup_steps", self.warmup_steps) <= self.steps:
@@ -52,6 +54,31 @@ class TrainConfig:
         for name in ("progress", "fsdp", "log_max_logits"):
             check_bool(name, getattr(self, name))
 
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """The config of ``dataclasses.asdict(tc)`` (a run directory's ``train`` entry; one of the
+        previous release, with its context-parallel degrees, too)."""
+        return cls(**{k: v for k, v in d.items() if k not in OLD_TRAIN_FIELDS})
+
+
+#: ``TrainConfig`` fields of the previous release: the model's ``context_parallel`` holds them now
+OLD_TRAIN_FIELDS = ("context_parallel", "ulysses_parallel")
+_dataclass_init = TrainConfig.__init__
+
+
+def _init(self, *args, **kwargs):  # the old fields are accepted (and ignored) for one release
+    old = {k: kwargs.pop(k) for k in OLD_TRAIN_FIELDS if k in kwargs}
+    if old:
+        warnings.warn(f"TrainConfig{tuple(old)} is deprecated and ignored (removed in the next release): the "
+                      f"trainer's mesh takes its context axes from the model, TransformerConfig.context_parallel "
+                      f"(e.g. ContextParallel('ring', ring_size=4)); TrainConfig keeps data_parallel only",
+                      DeprecationWarning, stacklevel=2)
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init.__doc__, _init.__signature__ = _dataclass_init.__doc__, inspect.signature(_dataclass_init)
+TrainConfig.__init__ = _init
 
 #: fields of ``TrainConfig`` that never enter a compiled program (nor the check of a resumed run's config)
 BOOKKEEPING_FIELDS = ("log_every", "checkpoint_every", "progress")

@@ -24,7 +24,7 @@ from ringsplash.train.config import (
 )
 from ringsplash.train.feed import Feed, check_source
 from ringsplash.train.hooks import Checkpoints, Hook, LogMetrics, ProgressBar, StopIfNonfinite, as_hook
-from ringsplash.train.mesh import make_mesh
+from ringsplash.train.mesh import mesh_for
 from ringsplash.train.metrics import MetricsLog
 from ringsplash.train.state import TrainState, check_run_config, init_sharded_state, resume_state, start_from
 from ringsplash.train.step import make_train_step, sharding_plan
@@ -154,8 +154,7 @@ def fit(
     ``tc`` (bookkeeping fields aside) and mesh: a second ``fit`` of the same run reuses them, compiled.
     """
     check_source(stream, model_config, tc)  # before any work
-    usp = model_config.attention == "usp" or tc.ulysses_parallel > 1
-    mesh = mesh or make_mesh(tc.data_parallel, tc.context_parallel, ulysses=tc.ulysses_parallel if usp else None)
+    mesh = mesh or mesh_for(model_config, tc.data_parallel)
     plan = sharding_plan(model_config, mesh, tc.fsdp)
     step_fn = _train_step(model_config, program_config(tc), mesh, plan)
     ckpt = os.path.join(run_dir, "checkpoints")

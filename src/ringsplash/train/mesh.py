@@ -1,21 +1,22 @@
-"""The trainer's mesh: axes ``("data", "context")``, plus ``"ulysses"`` for USP. A model's
-context-parallel axes (``TransformerConfig.context_parallel``) map onto it ring-major: the
-first onto ``"context"``, USP's all-to-all onto ``"ulysses"``."""
+"""The trainer's mesh, built from the model's context parallelism (``mesh_for``): axes
+``("data", "context")``, plus ``"ulysses"`` for USP. ``"context"`` / ``"ulysses"`` are
+``ContextParallel``'s default axis names (a strategy's first axis, USP's all-to-all)."""
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from ringsplash._scalar_checks import check_positive_int
-from ringsplash.model import ContextParallel, TransformerConfig
+from ringsplash.model import TransformerConfig
+from ringsplash.model.parallelism import CONTEXT, ULYSSES
 
-DATA, CONTEXT = "data", "context"
-ULYSSES = "ulysses"  # USP's inner (all-to-all) axis, present only when make_mesh(..., ulysses=a) asks for it
+DATA = "data"
 
 
 def make_mesh(data: int = 1, context: int = 1, devices=None, *, ulysses: int | None = None) -> jax.sharding.Mesh:
     """A ``(data, context)`` mesh over the first ``data * context`` devices; with ``ulysses``, a
-    ``(data, context, ulysses)`` mesh over ``data * context * ulysses`` (for ``attention="usp"``:
-    the ring over ``context``, the all-to-all over the innermost ``ulysses``)."""
+    ``(data, context, ulysses)`` mesh over ``data * context * ulysses`` (for the ``"usp"`` strategy:
+    the ring over ``context``, the all-to-all over the innermost ``ulysses``). ``mesh_for`` builds
+    the one a model config needs."""
     devices = jax.devices() if devices is None else devices
     if ulysses is not None:
         check_positive_int("ulysses", ulysses)
@@ -45,41 +46,37 @@ def make_mesh(data: int = 1, context: int = 1, devices=None, *, ulysses: int | N
     )
 
 
-def _on_trainer_axes(model_config: TransformerConfig) -> ContextParallel:
-    """The model's context parallelism on the trainer's axes (ring-major: ``context``, ``ulysses``)."""
-    return model_config.context_parallel.with_axes(CONTEXT, ULYSSES)
-
-
 def mesh_for(model_config: TransformerConfig, data: int = 1, devices=None) -> jax.sharding.Mesh:
-    """The trainer's mesh for ``model_config``'s strategy: ``(data, context)`` with ``context`` the
-    ring / all-gather / Ulysses degree (1 for reference and splash), or ``(data, context, ulysses)``
+    """The trainer's mesh for ``model_config.context_parallel``: ``(data, context)`` with ``context``
+    the ring / all-gather / Ulysses degree (1 for reference and splash), or ``(data, context, ulysses)``
     for USP (``ring_size`` x ``ulysses_size``)."""
-    axes = _on_trainer_axes(model_config).axes()
+    check_mesh(model_config, None)
+    axes = model_config.context_parallel.axes()
     return make_mesh(data, axes.get(CONTEXT, 1), devices, ulysses=axes.get(ULYSSES))
 
 
-def check_mesh(model_config: TransformerConfig, mesh: jax.sharding.Mesh) -> None:
-    """The model's context-parallel axes must be the trainer mesh's axes, with the same sizes."""
-    cp, shape = model_config.context_parallel, dict(mesh.shape)
-    trainer = _on_trainer_axes(model_config)
-    for role in cp.roles:
-        axis, size = trainer.axis(role), cp.size(role)
-        if cp.axis(role) != axis:
-            raise ValueError(f"the trainer runs attention={cp.strategy!r} over {axis!r}: set {role}_axis_name={axis!r}")
+def check_mesh(model_config: TransformerConfig, mesh: jax.sharding.Mesh | None) -> None:
+    """The model's context-parallel axes must be the trainer's (``ContextParallel``'s default names)
+    and, given a ``mesh``, be its axes with the same sizes; its other axes have one device."""
+    cp = model_config.context_parallel
+    trainer = cp.with_axes(CONTEXT, ULYSSES)
+    if cp != trainer:
+        raise ValueError(f"the trainer runs context_parallel over the mesh axes {tuple(trainer.axes())}, but "
+                         f"{cp!r} names {tuple(cp.axes())}: leave ring_axis / ulysses_axis at their defaults (None)")
+    if mesh is None:
+        return
+    shape = dict(mesh.shape)
+    for axis, size in cp.axes().items():
         if axis not in shape:
-            raise ValueError(
-                f"attention={cp.strategy!r} needs a {axis!r} mesh axis of {role}_size={size} "
-                f"devices; the mesh has {shape}: build it with train.make_mesh(data, context, ulysses=...)"
-            )
-    for role in cp.roles:
-        axis, size = trainer.axis(role), cp.size(role)
+            raise ValueError(f"strategy={cp.strategy!r} needs a {axis!r} mesh axis of {size} devices; the mesh has "
+                             f"{shape}: build it with train.mesh_for(model_config, data)")
         if size != shape[axis]:
-            raise ValueError(f"{role}_size={size} must equal the mesh's {axis} axis ({shape[axis]})")
-    used = trainer.axes()
-    for axis, flag in ((CONTEXT, "context_parallel"), (ULYSSES, "ulysses_parallel")):
-        if shape.get(axis, 1) != 1 and axis not in used:
-            needs = "attention='usp'" if axis == ULYSSES else "attention='ring', 'allgather', 'ulysses' or 'usp'"
-            raise ValueError(f"{flag}={shape[axis]} needs {needs} (or {flag}=1)")
+            raise ValueError(f"context_parallel's {axis!r} axis has {size} devices but the mesh's has {shape[axis]}: "
+                             f"build the mesh with train.mesh_for(model_config, data)")
+    for axis in (CONTEXT, ULYSSES):
+        if shape.get(axis, 1) != 1 and axis not in cp.axes():
+            raise ValueError(f"the mesh's {axis!r} axis has {shape[axis]} devices, but strategy={cp.strategy!r} does "
+                             f"not shard over it: build the mesh with train.mesh_for(model_config, data)")
 
 
 def mesh_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
@@ -90,4 +87,4 @@ def mesh_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
 def batch_spec(model_config: TransformerConfig) -> P:
     """``PartitionSpec`` of a batch field on the trainer's mesh: rows over ``"data"``, the sequence
     over the strategy's axes (USP: ring-major ``("context", "ulysses")``)."""
-    return _on_trainer_axes(model_config).batch_spec(DATA)
+    return model_config.context_parallel.batch_spec(DATA)

@@ -16,8 +16,9 @@ import optax
 from ringsplash import checkpoints, partitioning
 from ringsplash.distributed import is_main_process
 from ringsplash.model import Transformer, TransformerConfig, abstract_model
+from ringsplash.model._legacy import nest_dict
 from ringsplash.train.batches import _global_array
-from ringsplash.train.config import TrainConfig, make_optimizer
+from ringsplash.train.config import OLD_TRAIN_FIELDS, TrainConfig, make_optimizer
 
 
 class TrainState(NamedTuple):
@@ -219,7 +220,7 @@ def check_run_config(path: str, config: dict, ignore: tuple[str, ...] = ()) -> N
     current = json.loads(json.dumps(config))  # tuples -> lists, as stored
     if os.path.exists(path):
         with open(path) as f:
-            stored = json.load(f)
+            stored = upgrade_run_config(json.load(f))
         diff = sorted(_config_diff(stored, current, ignore))
         if diff:
             raise ValueError(
@@ -231,6 +232,18 @@ def check_run_config(path: str, config: dict, ignore: tuple[str, ...] = ()) -> N
         with open(tmp, "w") as f:
             json.dump(current, f, indent=1)
         os.replace(tmp, path)
+
+
+def upgrade_run_config(stored: dict) -> dict:
+    """A run's config.json written by the previous release in today's form: the model config's flat
+    context-parallel and family fields nested, the trainer's context-parallel degrees dropped (the
+    mesh comes from the model config)."""
+    stored = dict(stored)
+    if isinstance(stored.get("model"), dict):
+        stored["model"] = nest_dict(stored["model"])
+    if isinstance(stored.get("train"), dict):
+        stored["train"] = {k: v for k, v in stored["train"].items() if k not in OLD_TRAIN_FIELDS}
+    return stored
 
 
 def _config_diff(stored, current, ignore, prefix=""):

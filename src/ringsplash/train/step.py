@@ -89,8 +89,9 @@ def _local_sums(model: Transformer, batch: Batch, key, *, loss_chunk: int = 0, g
         hidden, rows_mx = hidden
         mx = (jnp.max(rows_mx, axis=0),)
     w = batch.loss_mask.astype(jnp.float32)
+    cap = model.config.features.final_logit_soft_cap
     s, c = chunked_loss_sums(hidden.reshape(-1, hidden.shape[-1]), model.unembedding_matrix(),
-                             batch.labels.reshape(-1), w.reshape(-1), loss_chunk, model.config.final_logit_soft_cap)
+                             batch.labels.reshape(-1), w.reshape(-1), loss_chunk, cap)
     return s, jnp.sum(w), c, *mx
 
 
@@ -105,7 +106,7 @@ def batch_ring_schedule(model_config: TransformerConfig, mesh, batch: Batch):
 
 def _schedule_spec(model_config: TransformerConfig, schedule):
     """``shard_map`` spec of the schedule operand: each device takes its q shard's rows."""
-    return schedule_specs(schedule, model_config.ring_axis_name)
+    return schedule_specs(schedule, model_config.context_parallel.ring_axis)
 
 
 def _batch_specs(model_config: TransformerConfig) -> Batch:
