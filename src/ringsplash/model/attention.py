@@ -101,7 +101,13 @@ def attend(
     if cp.roles and segment_ids is not None:  # padding (train.layout_batch): its keys one id above its queries
         seg = SegmentIds(q=segment_ids, kv=jnp.where(segment_ids == PAD_SEGMENT, PAD_SEGMENT + 1, segment_ids))
     common = dict(segment_ids=seg, scale=config.attention_scale, logit_soft_cap=config.logit_soft_cap, sinks=sinks,
-                  return_max_logits=return_max_logits)
+                  with_max_logits=return_max_logits)
+    result = _strategy(config, q, k, v, mask, seq, segment_ids, key, schedule, layer_type, common)
+    return (result.out, result.max_logits) if return_max_logits else result
+
+
+def _strategy(config, q, k, v, mask, seq, segment_ids, key, schedule, layer_type, common: dict):
+    """The configured strategy's call: ``out``, or an ``AttentionOutput`` with ``with_max_logits``."""
     if config.attention == "reference":
         if config.attention_dropout > 0 and key is not None:
             return reference_attention(q, k, v, mask, **common, dropout_rate=config.attention_dropout, dropout_key=key)
@@ -140,9 +146,8 @@ def _padded_splash(config, q, k, v, segment_ids, pad: int, layer_type, common: d
                      kv=jnp.concatenate([real, jnp.full((pad,), PAD_SEGMENT + 1, jnp.int32)]))
     out = splash_attention(widen(q), widen(k), widen(v), config.make_mask(seq + pad, layer_type),
                            config=config.splash, **{**common, "segment_ids": seg})
-    if common["return_max_logits"]:
-        out, max_logits = out
-        return out[:, :seq], max_logits
+    if common["with_max_logits"]:
+        return out._replace(out=out.out[:, :seq])
     return out[:, :seq]
 
 
