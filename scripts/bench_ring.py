@@ -37,8 +37,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other processes may 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 
+import ringsplash as rs
 from _bench import child_main, peak_rss_mib, run_child
-from ringsplash import aot, build_mask_info, layouts, masks
+from ringsplash import aot, layouts, masks
 from ringsplash.parallel import ring_plan as ring_plan_lib
 from ringsplash.splash.config import SplashConfig
 
@@ -93,16 +94,14 @@ def _metadata_child(s: int, n: int, runs: int) -> dict:
     base = int(peak_rss_mib() * 2**20)
     times = []
     for _ in range(runs):
-        build_mask_info.cache_clear()
-        ring_plan.cache_clear()
+        rs.clear_caches()
         t0 = time.perf_counter()
         plan = ring_plan(mask, n, "zigzag", config)
         # the per-device schedule in SMEM-sized pieces (v5e budget), as the ring runs it
         sched = ring_schedule(mask, n, "zigzag", config, heads=8, kv_heads=8, device_kind="TPU v5 lite")
         times.append(time.perf_counter() - t0)
     peak = int(peak_rss_mib() * 2**20)
-    build_mask_info.cache_clear()
-    ring_plan.cache_clear()
+    rs.clear_caches()
     del plan
     tracemalloc.start()
     plan = ring_plan(mask, n, "zigzag", config)  # numpy allocations are traced
@@ -155,8 +154,7 @@ def _rows_child(s: int, n: int, runs: int) -> dict:
     for name, fn in cases.items():
         times = []
         for _ in range(runs):
-            build_mask_info.cache_clear()
-            ring.ring_plan.cache_clear()
+            rs.clear_caches()
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times.append((time.perf_counter() - t0, time.process_time() - c0))

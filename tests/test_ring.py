@@ -447,8 +447,8 @@ def test_ring_attention_outside_shard_map_says_what_to_do():
 
 def test_ring_work_and_critical_path_measure_the_layouts_balance():
     """Causal zigzag gives every ring step the same work (critical path = total / N);
-    contiguous makes the last q shard's device the bottleneck; ``ring_plan.cache_clear()``
-    drops the cached plans."""
+    contiguous makes the last q shard's device the bottleneck; ``rs.clear_caches()`` drops
+    the cached plans."""
     s, n = 4096, 4
     mask = masks.CausalMask((s, s))
     work = {lay: ring_work(ring_plan(mask, n, lay, XLA)) for lay in ("zigzag", "contiguous")}

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import aot, masks
 from ringsplash.parallel.ring import ring_attention_sharded
-from ringsplash.splash.attention import splash_attention
 from ringsplash.splash.config import SplashConfig
+from ringsplash.splash.factory import splash_attention
 from support.hlo import count_permute_starts, overlap_violations
 
 pytestmark = pytest.mark.tpu_compile

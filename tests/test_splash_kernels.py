@@ -431,8 +431,9 @@ def test_tuned_blocks_follow_the_chip_length_head_size_and_dtype():
 def test_splash_attention_tunes_sparse_calls_to_smaller_blocks(monkeypatch):
     """splash_attention asks the table for ``sparse`` blocks when it has segment ids or a mask
     other than causal / full (per head of a MultiHeadMask)."""
-    from ringsplash.splash import attention as attention_mod
+    from ringsplash.splash import factory as attention_mod
 
+    rs.clear_caches()  # a cached SplashAttention would skip the fitting
     seen = []
     real = attention_mod.fit_blocks
     monkeypatch.setattr(attention_mod, "fit_blocks", lambda *a, **kw: seen.append(kw["sparse"]) or real(*a, **kw))

@@ -302,8 +302,7 @@ def test_ring_schedule_of_a_process_builds_only_its_rows(monkeypatch):
     monkeypatch.setattr(plan_lib, "process_rows", lambda mesh, axis: (1, 2))
     monkeypatch.setattr(plan_lib, "schedule_arrays",
                         lambda build_rows, shapes, mesh, axis: captured.update(build_rows=build_rows, shapes=shapes) or shapes)
-    mask_info.build_mask_info.cache_clear()
-    plan_lib.ring_plan.cache_clear()
+    rs.clear_caches()
     mesh = _mesh(n)
     rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx")
     shapes = rs.ring_schedule(mask, n, "zigzag", config, heads=heads, kv_heads=1, mesh=mesh, axis_name="ctx",

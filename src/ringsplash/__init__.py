@@ -6,6 +6,7 @@ Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash k
 
 from ringsplash import layouts, masks
 from ringsplash._caches import clear_caches
+from ringsplash._result import AttentionOutput
 from ringsplash._softmax import MASKED_LSE
 from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
@@ -13,6 +14,7 @@ from ringsplash.reference import reference_attention
 
 __all__ = [
     "MASKED_LSE",
+    "AttentionOutput",
     "BlockSchedule",
     "MaskInfo",
     "SegmentIds",
@@ -31,11 +33,27 @@ from ringsplash.parallel import (
     usp_attention,
     usp_attention_sharded,
 )
-from ringsplash.parallel.ring import RingSchedule, ring_attention, ring_attention_sharded, ring_schedule
-from ringsplash.splash import SplashConfig, splash_attention, splash_backward, splash_forward
+from ringsplash.parallel.ring import (
+    RingAttention,
+    RingSchedule,
+    make_ring_attention,
+    ring_attention,
+    ring_attention_sharded,
+    ring_schedule,
+)
+from ringsplash.splash import (
+    SplashAttention,
+    SplashConfig,
+    make_splash_attention,
+    splash_attention,
+    splash_backward,
+    splash_forward,
+)
 
 __all__ += [
+    "SplashAttention",
     "SplashConfig",
+    "make_splash_attention",
     "ring_attention",
     "ring_attention_sharded",
     "splash_attention",
@@ -52,7 +70,7 @@ __all__ += [
     "usp_attention_sharded",
 ]
 
-__all__ += ["RingSchedule", "ring_schedule"]
+__all__ += ["RingAttention", "RingSchedule", "make_ring_attention", "ring_schedule"]
 
 
 def __getattr__(name: str):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call
+from ringsplash._result import AttentionOutput, outputs
 from ringsplash._scalar_checks import check_float
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, Float
@@ -25,7 +26,9 @@ def reference_attention(
     dropout_rate: float = 0.0,
     dropout_key=None,
     return_max_logits: bool = False,
-):
+    with_lse: bool = False,
+    with_max_logits: bool = False,
+) -> Float[Array, "heads q_len dv"] | AttentionOutput | tuple:
     """softmax(scale * q k^T [soft-capped], masked [, sinks]) v, computed densely in float32.
 
     Args:
@@ -44,18 +47,21 @@ def reference_attention(
         logit_soft_cap: None, or a positive cap ``c``: logits become ``c * tanh(logits / c)``.
         sinks: floating ``[heads]`` per-head sink logits that join each row's softmax
             denominator only (attention to "nothing"), or None.
-        return_residuals: also return ``lse`` (float32 ``[heads, q_len]``, natural log, sinks
-            included; ``MASKED_LSE`` for a row with nothing to attend).
+        return_residuals: deprecated (``DeprecationWarning``): ``with_lse`` as a tuple.
         dropout_rate: probability in ``[0, 1)`` of dropping each attention probability (the
             kept ones are rescaled by ``1 / (1 - rate)``); only this dense path supports it.
         dropout_key: a ``jax.random`` key, needed when ``dropout_rate > 0``.
-        return_max_logits: also return float32 ``max_logits [heads]``: per head the largest
+        return_max_logits: deprecated (``DeprecationWarning``): ``with_max_logits`` as a tuple
+            ``(out, [lse], max_logits)``.
+        with_lse: also return ``lse`` (float32 ``[heads, q_len]``, natural log, sinks
+            included; ``MASKED_LSE`` for a row with nothing to attend).
+        with_max_logits: also return float32 ``max_logits [heads]``: per head the largest
             ``scale · q·k`` over attended pairs, before the soft-cap, sinks excluded; ``-inf``
             for a head that attends nothing; no gradient (``stop_gradient``).
 
     Returns:
-        ``out`` (``q.dtype``, ``[heads, q_len, dv]``) or ``(out, lse)``, with ``max_logits``
-        appended when ``return_max_logits``.
+        ``out`` (``q.dtype``, ``[heads, q_len, dv]``), or with ``with_lse`` / ``with_max_logits``
+        an :class:`~ringsplash.AttentionOutput` ``(out, lse, max_logits)`` (None where not asked).
 
     Masked values (the contract every strategy follows): K and V at a kv position that no
     query row attends (of any q head sharing its kv head: masked out everywhere, or a
@@ -64,9 +70,10 @@ def reference_attention(
     row attends is an input of that row and may make other rows NaN as well (in Splash the
     rows of the same q block; here every row of the head group).
     """
+    want = outputs("reference_attention", with_lse=with_lse, with_max_logits=with_max_logits,
+                   return_residuals=return_residuals, return_max_logits=return_max_logits)
     call = check_attention_call(
         q, k, v, mask=mask, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
-        return_max_logits=return_max_logits,
     )
     heads, kv_heads, q_len, kv_len, d = call[:5]
     scale, logit_soft_cap, segment_ids = call.scale, call.logit_soft_cap, call.segment_ids
@@ -110,11 +117,10 @@ def reference_attention(
     pv = jnp.einsum("hgqk,hkd->hgqd", p.reshape(kv_heads, group, q_len, kv_len), v)
     out = pv.reshape(heads, q_len, v.shape[-1]) / safe_l[..., None]
     out = out.astype(q.dtype)
-    extra = ()
-    if return_max_logits:
-        extra = (jax.lax.stop_gradient(jnp.max(jnp.where(allowed, raw, -jnp.inf), axis=(1, 2))),)
-    if not return_residuals:
-        return (out, *extra) if extra else out
-    lse = jnp.where(l == 0, MASKED_LSE, m + jnp.log(safe_l))
-    return out, lse, *extra
+    max_logits = lse = None
+    if want.max_logits:
+        max_logits = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, raw, -jnp.inf), axis=(1, 2)))
+    if want.lse:
+        lse = jnp.where(l == 0, MASKED_LSE, m + jnp.log(safe_l))
+    return want.package(out, lse, max_logits)
 

@@ -107,11 +107,12 @@ def attend(
     if cp.roles and segment_ids is not None:  # padding (train.layout_batch): its keys one id above its queries
         seg = SegmentIds(q=segment_ids, kv=jnp.where(segment_ids == PAD_SEGMENT, PAD_SEGMENT + 1, segment_ids))
     common = dict(segment_ids=seg, scale=config.features.attention_scale, logit_soft_cap=config.logit_soft_cap,
-                  sinks=sinks, return_max_logits=return_max_logits)
+                  sinks=sinks, with_max_logits=return_max_logits)
     if cp.roles:
         common.update(layout=cp.layout, config=config.splash)
     call = LocalCall(config, segment_ids, layer_type, schedule, key)
-    return LOCAL_ATTENTION[cp.strategy](q, k, v, mask, cp, call, common)
+    result = LOCAL_ATTENTION[cp.strategy](q, k, v, mask, cp, call, common)
+    return (result.out, result.max_logits) if return_max_logits else result
 
 
 class LocalCall(NamedTuple):
@@ -170,9 +171,8 @@ def _padded_splash(config, q, k, v, segment_ids, pad: int, layer_type, common: d
                      kv=jnp.concatenate([real, jnp.full((pad,), PAD_SEGMENT + 1, jnp.int32)]))
     out = splash_attention(widen(q), widen(k), widen(v), config.make_mask(seq + pad, layer_type),
                            config=config.splash, **{**common, "segment_ids": seg})
-    if common["return_max_logits"]:
-        out, max_logits = out
-        return out[:, :seq], max_logits
+    if common["with_max_logits"]:
+        return out._replace(out=out.out[:, :seq])
     return out[:, :seq]
 
 

@@ -9,15 +9,17 @@ from ringsplash.parallel.allgather import (
     allgather_attention,
     allgather_attention_sharded,
 )
-from ringsplash.parallel.ring import ring_attention, ring_attention_sharded
+from ringsplash.parallel.ring import RingAttention, make_ring_attention, ring_attention, ring_attention_sharded
 from ringsplash.parallel.ring_plan import RingSchedule, ring_schedule
 from ringsplash.parallel.ulysses import ulysses_attention, ulysses_attention_sharded
 from ringsplash.parallel.usp import usp_attention, usp_attention_sharded, usp_mesh
 
 __all__ = [
+    "RingAttention",
     "RingSchedule",
     "allgather_attention",
     "allgather_attention_sharded",
+    "make_ring_attention",
     "ring_attention",
     "ring_attention_sharded",
     "ring_schedule",

@@ -27,6 +27,7 @@ from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
+from ringsplash._result import AttentionOutput, outputs
 from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.blocksparse.mask_info import build_mask_info
@@ -73,7 +74,8 @@ def allgather_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     return_max_logits: bool = False,
-) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
+    with_max_logits: bool = False,
+) -> Float[Array, "heads q_shard dv"] | AttentionOutput | tuple:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -86,14 +88,17 @@ def allgather_attention(
         logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
         sinks: float ``[heads]`` per-head sink logits (replicated), or None.
         config: Splash block sizes and backend; blocks are fitted to ``q_shard`` and ``S`` (``splash/blocks.py``).
-        return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
+        with_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
             largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
             excluded, ``-inf`` if nothing is attended; from the local kernel and one ``pmax``.
+        return_max_logits: deprecated (``DeprecationWarning``): the tuple ``(out, max_logits)``.
     """
+    want = outputs("allgather_attention", with_max_logits=with_max_logits,
+                   return_max_logits=return_max_logits, lse_supported=False)
     n = axis_size(axis_name, "allgather_attention")
     _, _, q_len, _, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
-        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
+        logit_soft_cap=logit_soft_cap)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     blocks = fit_gathered_blocks(config, q_len=q_len, kv_len=seq_len, seq_multiple=n * NUM_LANES,
@@ -107,12 +112,12 @@ def allgather_attention(
         segment_ids = SegmentIds(q=segment_ids.q, kv=lax.all_gather(segment_ids.kv, axis_name, axis=0, tiled=True))
     result = splash_info_attention(q, k, v, info, info_dkv, q_shard=lax.axis_index(axis_name),
                                    segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
-                                   config=config, partial_dtype=jnp.float32, return_max_logits=return_max_logits,
+                                   config=config, partial_dtype=jnp.float32, return_max_logits=want.max_logits,
                                    kv_exchange=_GatherSequence(axis_name))
-    if return_max_logits:  # each device saw its own q rows against every key: one pmax
+    if want.max_logits:  # each device saw its own q rows against every key: one pmax
         out, mx = result
-        return out, lax.pmax(mx, axis_name)
-    return result
+        return want.package(out, max_logits=lax.pmax(mx, axis_name))
+    return want.package(result)
 
 
 def allgather_attention_sharded(
@@ -130,23 +135,28 @@ def allgather_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     return_max_logits: bool = False,
-) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
+    with_max_logits: bool = False,
+) -> Float[Array, "heads seq dv"] | AttentionOutput | tuple:
     """:func:`allgather_attention` on global arrays already in ``layout`` order over
     ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
     sharded along the sequence over ``axis_name``. The mask is on original positions; the
     output is in ``layout`` order. Other arguments as in :func:`allgather_attention`."""
+    want = outputs("allgather_attention_sharded", with_max_logits=with_max_logits,
+                   return_max_logits=return_max_logits, lse_supported=False)
     n = check_mesh_axis(mesh, "axis_name", axis_name)
     _, _, seq_len, _, segment_ids = check_global_inputs(
         q, k, v, mask, segment_ids, sinks, "allgather_attention", config=config, scale=scale,
-        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits,
+        logit_soft_cap=logit_soft_cap,
     )
     layouts.check_layout(layout, seq_len, n)
     fit_gathered_blocks(config, q_len=seq_len // n, kv_len=seq_len, seq_multiple=n * NUM_LANES,
                         what="allgather_attention")
 
     def local(q, k, v, segment_ids, sinks):
-        return allgather_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
-                                   scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                                   return_max_logits=return_max_logits)
+        r = allgather_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
+                                scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
+                                with_max_logits=want.max_logits)
+        return (r.out, r.max_logits) if want.max_logits else r
 
-    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, max_logits=return_max_logits)
+    result = run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, max_logits=want.max_logits)
+    return want.package(result[0], max_logits=result[1]) if want.max_logits else result

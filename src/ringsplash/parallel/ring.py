@@ -1,63 +1,33 @@
-"""Ring attention: a ``lax.scan`` over a mesh axis around the Splash kernels (the device side;
-the host plan and per-device schedules are in :mod:`ringsplash.parallel.ring_plan`).
+"""Ring attention: the entry points and the factory that holds a ring's host plan.
 
 Queries stay put, sharded along the sequence on ``axis_name`` (N devices, token ``layout``
-from :mod:`ringsplash.layouts`); K, V and the kv segment ids travel one hop per step.
+from :mod:`ringsplash.layouts`); K, V and the kv segment ids travel one hop per step (the loop,
+its online-softmax merge and its backward: :mod:`ringsplash.parallel.ring_loop`).
 
-Bookkeeping. K/V hop ``i -> i + 1`` (mod N) once per step, so at step ``t`` device ``i`` holds
-kv shard ``(i - t) mod N``: its own at ``t = 0``, all N after N - 1 hops. Each step runs the
-Splash forward on that (q shard ``i``, kv shard ``(i - t) mod N``) slice of one MaskInfo built
-on the host for every shard pair, and merges the sink-free block result ``(o_t, lse_t)`` into
-float32 state by online softmax in natural log:
-
-    lse' = logaddexp(lse, lse_t),   o' = o * exp(lse - lse') + o_t * exp(lse_t - lse').
-
-(``_softmax.merge`` computes the two weights as ``sigmoid(-/+ (lse_t - lse))``, which sum to 1
-to float32 precision: with the rounded ``lse'`` every merge rescaled ``o`` by up to half an ulp
-of the lse, and the float32 error grew with N at large logits; issue 39.)
-Empty rows carry ``lse = MASKED_LSE`` (finite), whose weight ``exp(MASKED_LSE - lse')`` is 0,
-so no step can produce NaN. A step whose shard pair has no non-empty block skips the kernel
-and the merge (``lax.cond`` on ``num_active``), except on the ``interpret`` backend (see
-``_RingStatic.skip_inactive``: the interpreter needs every device in every kernel). With segment ids (and
-``SplashConfig.segment_skipping``), a pair is also skipped when no entry of its work list
-survives the segment refinement, decided per step from the kv segment ids that travel with
-K/V (``shares_segment``). Sinks join once, after the last step:
-``lse_tot = logaddexp(lse, sink)``, ``out = o * exp(lse - lse_tot)``.
-
-Backward (``custom_vjp``; residuals q, k, v, out, lse_tot). A second ring pass: K/V rotate as
-in the forward, and float32 dK/dV accumulators rotate one step behind them. At step ``t``
-device ``i`` receives the accumulator of kv shard ``(i - t)`` from ``i - 1`` (who added its
-contribution at ``t - 1``) while it computes its own contribution for that shard; after the
-last step one more hop brings each accumulator home (N hops in all). dq accumulates locally.
-Around the last step (its incoming hop and the final one) dK and dV travel as one transfer
-(``send_together``): two separate ones outside the scan were not always both hidden.
-Every hop is issued before the step's kernel so the transfer overlaps it; the final
-accumulator hop depends only on the last dK/dV kernel, so with the Mosaic backend (separate dq
-and dK/dV kernels) XLA hides it behind the last dq kernel (checked on compiled TPU HLO in
-tests/test_ring_tpu_compile.py). On TPU, ``lax.cond`` disappears where every shard pair is
-active (e.g. causal + zigzag): XLA folds the constant predicate.
+:func:`make_ring_attention` builds the plan (a ``MaskInfo`` for every shard pair, both views:
+:mod:`ringsplash.parallel.ring_plan`) once; the :class:`RingAttention` it returns is called
+inside ``shard_map`` with arrays. :func:`ring_attention` is a thin wrapper: it validates the
+call, takes the object for its arguments from the one bounded cache
+(``ringsplash._caches.factories``, emptied by ``rs.clear_caches()``) and calls it.
 """
 
 import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import _softmax, layouts
+from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call
-from ringsplash._scalar_checks import check_unroll
-from ringsplash._shard_map import axis_size, varying, vma
-from ringsplash._softmax import MASKED_LSE
+from ringsplash._caches import factories
+from ringsplash._checks import AttentionCall, check_attention_call
+from ringsplash._result import AttentionOutput, Outputs, outputs
+from ringsplash._scalar_checks import check_positive_int, check_unroll
+from ringsplash._shard_map import axis_size, vma
 from ringsplash._types import Array, Float
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import interpreter_for_mesh
-from ringsplash.parallel.ring_blocks import block_backward, block_forward, shares_segment
+from ringsplash.parallel.ring_loop import RingStatic, run_ring
 from ringsplash.parallel.ring_plan import (
     RingBlocks,
     RingPlan,
@@ -72,212 +42,104 @@ from ringsplash.splash.attention import KvExchange
 from ringsplash.splash.config import SplashConfig
 
 # the host plan's public names, importable from here too
-__all__ = ["RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "fit_ring_blocks", "ring_attention",
-           "ring_attention_sharded", "ring_plan", "ring_schedule"]
+__all__ = ["RingAttention", "RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "fit_ring_blocks",
+           "make_ring_attention", "ring_attention", "ring_attention_sharded", "ring_plan", "ring_schedule"]
 
 
-# ----------------------------------------------------------------------------------------
-# the ring
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingAttention:
+    """Ring attention for one global mask over ``num_shards`` devices, its host plan built
+    (:func:`make_ring_attention`). Call it inside ``shard_map`` as
+    ``attn(q, k, v, axis_name=..., segment_ids=None, ...)``: the arguments and results of
+    :func:`ring_attention` without ``mask``, ``layout`` and ``config``. Not a pytree: close
+    over it (hashed by identity)."""
 
+    mask: masks_lib.AnyMask  # the global (S, S) mask on original positions
+    num_shards: int
+    layout: str
+    config: SplashConfig  # the user's config (the kernels run blocks.config)
+    blocks: RingBlocks  # the fitted blocks
+    plan: RingPlan  # a MaskInfo for every shard pair (forward and dK/dV views)
 
-@dataclasses.dataclass(frozen=True)
-class _RingStatic:
-    """Non-differentiable settings of one ring call (hashable; the plan by identity, as
-    ``ring_plan`` caches it): the plan, N devices on ``axis``, the kernels' scale / soft-cap /
-    config, the scan's ``unroll``, the sinks' varying axes, and whether the call also returns
-    ``max_logits [heads]`` (the running max over the steps' kernels, then one ``pmax`` over the
-    axis; no gradient)."""
+    def __call__(
+        self,
+        q: Float[Array, "heads q_shard d"],
+        k: Float[Array, "kv_heads kv_shard d"],
+        v: Float[Array, "kv_heads kv_shard dv"],
+        *,
+        axis_name,
+        segment_ids: SegmentIds | None = None,
+        scale: float | None = None,
+        logit_soft_cap: float | None = None,
+        sinks: Float[Array, " heads"] | None = None,
+        unroll: int | bool = 1,
+        with_max_logits: bool = False,
+        schedule: RingSchedule | None = None,
+    ) -> Float[Array, "heads q_shard dv"] | AttentionOutput:
+        """``out``, or an :class:`~ringsplash.AttentionOutput` with ``with_max_logits`` (see
+        :func:`ring_attention`). No host work but the whole schedule when none is given."""
+        want = outputs("RingAttention", with_max_logits=with_max_logits, lse_supported=False)
+        unroll = check_unroll("unroll", unroll)
+        n = axis_size(axis_name, "RingAttention")
+        if n != self.num_shards:
+            raise ValueError(f"RingAttention was built for num_shards={self.num_shards}, axis_name={axis_name!r} "
+                             f"has {n} devices")
+        call = _check_ring_call(q, k, v, self.mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
+                                segment_ids, scale, logit_soft_cap, sinks, self.config, local=True,
+                                axis_name=axis_name)
+        return self.run(call, q, k, v, sinks, want, axis_name=axis_name, unroll=unroll, schedule=schedule)
 
-    plan: RingPlan
-    n: int
-    axis: object
-    scale: float
-    logit_soft_cap: float | None
-    config: SplashConfig
-    unroll: int | bool
-    sinks_vma: frozenset = frozenset()
-    max_logits: bool = False
-    kv_exchange: KvExchange | None = None  # maps the caller's k / v to the ring's (USP: Ulysses' all-to-all)
-
-    def send(self, x):
-        """``x`` one hop along the ring: device i sends to i + 1."""
-        hop = [(i, (i + 1) % self.n) for i in range(self.n)]
-        return lax.ppermute(x, axis_name=self.axis, perm=hop)
-
-    @property
-    def kw(self) -> dict:
-        return {"scale": self.scale, "cap": self.logit_soft_cap, "config": self.config}
-
-    @property
-    def split_last(self) -> bool:
-        # Kernel backends compute dq and dK/dV in separate kernels: two conds on the last step
-        # cost nothing once XLA drops each branch's unused kernel (the fused xla backend would
-        # run twice).
-        return self.config.backend != "xla"
-
-    @property
-    def skip_inactive(self) -> bool:
-        # Skipping inactive shard pairs with lax.cond saves whole kernels on TPU (and with the xla
-        # backend). The Pallas TPU interpreter cannot skip: every interpreted pallas_call waits on a
-        # process-wide threading.Barrier of all devices before its first grid step (it models
-        # remote DMAs, and a kernel without collective_id gets a global barrier) and on a second
-        # one when it frees the shared memory at its end; no InterpretParams removes them. A device
-        # that skips a kernel its peers run leaves them blocked there (N = 2: forever; N >= 4: until
-        # XLA's collective-permute rendezvous times out and aborts), and mismatched kernel counts
-        # would pair different kernels across devices. So there every device runs every step's
-        # kernels; an inactive pair's work list is empty, giving o = 0, lse = MASKED_LSE (merge is
-        # exact: weight 0) and zero dq / dK / dV.
-        return self.config.backend != "interpret"
-
-    @property
-    def all_active(self) -> bool:
-        """Every shard pair active: then, without segment ids, XLA folds every cond away."""
-        return bool(np.all(self.plan.active))
-
-    def when_active(self, pred, compute, skip, *args):
-        return lax.cond(pred, compute, skip, *args) if self.skip_inactive else compute(*args)
-
-    def visiting(self, me, t):
-        """The kv shard held by device ``me`` at step ``t``."""
-        return (me - t) % self.n
-
-
-def _ring_forward(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
-    """``(out, residuals)``; ``out`` is ``(out, max_logits)`` with ``st.max_logits``."""
-    plan, n, axis_name, max_logits = st.plan, st.n, st.axis, st.max_logits
-    if st.kv_exchange is not None:  # the exchanged K / V are the residuals (no re-exchange backward)
-        k, v = st.kv_exchange.gather(k), st.kv_exchange.gather(v)
-    me = lax.axis_index(axis_name)
-    active = jnp.asarray(plan.active)
-
-    def step(carry, t, *, last):
-        k_t, v_t, seg_t, o, lse, mx = carry
-        nxt = (k_t, v_t, seg_t) if last else st.send((k_t, v_t, seg_t))  # issued before compute
-        src = st.visiting(me, t)
-
-        def compute(o, lse, mx):
-            o_t, lse_t, *mx_t = block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **st.kw,
-                                               max_logits=max_logits, sched=sched)
-            o, lse = _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
-            return o, lse, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
-
-        pred = active[me, src] & shares_segment(plan, me, src, q_seg, seg_t, st.config, sched)
-        o, lse, mx = st.when_active(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
-        return (*nxt, o, lse, mx), None
-
-    o = varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
-    lse = varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
-    mx = varying(jnp.full(q.shape[:1], -jnp.inf, jnp.float32), axis_name)  # max logits (max_logits)
-    carry = (k, v, kv_seg, o, lse, mx)
-    if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
-        carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(n - 1), unroll=st.unroll)
-    (_, _, _, o, lse, mx), _ = step(carry, n - 1, last=True)
-    lse = jnp.maximum(lse, MASKED_LSE)  # logaddexp of empty states stays MASKED_LSE
-    o, lse = _softmax.fold_sinks(o, lse, sinks)  # the sink joins each row's denominator once
-    # named for remat policies (model.attention.ATTENTION_OUT / ATTENTION_LSE): saving them
-    # lets the backward pass skip re-running this forward ring
-    out = checkpoint_name(o.astype(q.dtype), "attention_out")
-    res = (q, k, v, out, checkpoint_name(lse, "attention_lse"))
-    if max_logits:  # every device's running max: one pmax per call
-        return (out, lax.stop_gradient(lax.pmax(mx, axis_name))), res
-    return out, res
-
-
-def _ring_backward(st: _RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
-    """``(dq, dk, dv, d_sinks)``: a second ring pass (see the module docstring)."""
-    plan, n, axis_name, config = st.plan, st.n, st.axis, st.config
-    q, k, v, out, lse = res
-    me = lax.axis_index(axis_name)
-    active = jnp.asarray(plan.active)
-    d_out = d_out.astype(q.dtype)
-    delta = _softmax.delta(d_out, out)
-    zeros = lambda x: varying(jnp.zeros(x.shape, jnp.float32), axis_name)
-
-    def send_together(dk, dv):
-        """dK and dV as one transfer, for the two hops around the last step: outside the
-        scan, XLA's scheduler hides one transfer behind the last dq kernel but (as measured
-        on the compiled USP program) not always two; inside the scan it hides both."""
-        both = st.send(jnp.concatenate([dk, dv], axis=-1))
-        return both[..., : dk.shape[-1]], both[..., dk.shape[-1]:]
-
-    def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
-        """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
-        empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
-        the sums that are needed (only their kernel runs). Where no pair is skipped the
-        kernels' pieces are added into the accumulators as they are produced (no
-        whole-shard gradient temporaries); under a cond the received accumulators are added
-        outside it instead, so their transfer only has to land after the kernel."""
-        keep = lambda new, old: tuple(n if p in parts else o for n, o, p in zip(new, old, ("dq", "dkv", "dkv")))
-
-        def compute(dq, dk, dv):
-            new = block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
-                                  sched=sched, accumulate=(dq, dk, dv), parts=parts)
-            return keep(new, (dq, dk, dv))
-
-        shares = shares_segment(plan, me, src, q_seg, seg_t, config, sched)
-        if not st.skip_inactive or (st.all_active and shares is True):  # no cond left: accumulate in place
-            return compute(dq, dk, dv)
-        zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
-        dq, dk_t, dv_t = lax.cond(active[me, src] & shares, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
-        return (dq, dk + dk_t, dv + dv_t) if "dkv" in parts else (dq, dk, dv)
-
-    def step(carry, t, *, last):
-        k_t, v_t, seg_t, dq, dk, dv = carry
-        nxt = (k_t, v_t, seg_t) if last else st.send((k_t, v_t, seg_t))
-        # now the accumulators of kv shard (me - t), from me - 1 (the last step's as one transfer)
-        dk, dv = send_together(dk, dv) if last else st.send((dk, dv))
-        src = st.visiting(me, t)
-        if last and st.split_last:
-            # the final hop needs only dK/dV: a separate cond lets the dq kernel hide it
-            _, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dkv",))
-            dq, _, _ = contribution(k_t, v_t, seg_t, src, dq, dk, dv, parts=("dq",))
+    def run(self, call: AttentionCall, q, k, v, sinks, want: Outputs, *, axis_name, unroll, schedule,
+            kv_exchange: KvExchange | None = None):
+        """The call on inputs :func:`_check_ring_call` validated, inside ``shard_map`` (``k`` / ``v``
+        the caller's, before ``kv_exchange``: see :func:`ring_attention`)."""
+        n, mask, layout, config = self.num_shards, self.mask, self.layout, self.config
+        static = RingStatic(
+            self.plan, n, axis_name, call.scale, call.logit_soft_cap,
+            interpreter_for_mesh(self.blocks.config, "ring_attention"), unroll,
+            sinks_vma=frozenset() if sinks is None else vma(sinks), max_logits=want.max_logits,
+            kv_exchange=kv_exchange,
+        )
+        given_k, given_v = k, v
+        if kv_exchange is not None:  # scheduled on the exchanged shapes
+            k, v = jax.eval_shape(kv_exchange.gather, k), jax.eval_shape(kv_exchange.gather, v)
+        seg = call.segment_ids
+        q_seg, kv_seg = (None, None) if seg is None else (seg.q, seg.kv)
+        if schedule is None:  # the whole schedule as a constant (device `me` reads row `me`)
+            schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0])
         else:
-            dq, dk, dv = contribution(k_t, v_t, seg_t, src, dq, dk, dv)
-        return (*nxt, dq, dk, dv), None
-
-    # step 0: own kv shard; its accumulators start here
-    nxt = st.send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
-    dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q), zeros(k), zeros(v))
-    if n > 1:
-        carry = (*nxt, dq, dk, dv)
-        if n > 2:
-            carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(1, n - 1), unroll=st.unroll)
-        (_, _, _, dq, dk, dv), _ = step(carry, n - 1, last=True)
-        dk, dv = send_together(dk, dv)  # N-th hop: every accumulator is home
-    d_sinks = None
-    if sinks is not None:  # d sink_h = -sum_i exp(sink_h - lse_i) delta_i, over all shards
-        local = _softmax.sinks_grad(sinks, lse, delta)
-        # Replicated sinks: with vma checking their cotangent must be replicated too, so sum
-        # it here; without it (vma empty everywhere) shard_map's transpose sums it for us.
-        if axis_name in vma(local) - st.sinks_vma:
-            local = lax.psum(local, axis_name)
-        d_sinks = local.astype(sinks.dtype)
-    if st.kv_exchange is not None:  # back to the caller's k / v, summed in float32, one cast
-        return dq.astype(q.dtype), st.kv_exchange.reduce(dk, k.dtype), st.kv_exchange.reduce(dv, v.dtype), d_sinks
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
+            check_schedule(schedule, self.plan, n, ScheduleKey.of(mask, n, layout, config, q.shape[0], k.shape[0]))
+        result = run_ring(static, q, given_k, given_v, q_seg, kv_seg, sinks, schedule)
+        return want.package(result[0], max_logits=result[1]) if want.max_logits else result
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
-    """The ring of (q, k, v, q_seg, kv_seg, sinks) for the statics ``st`` (``(out, max_logits)``
-    with ``st.max_logits``)."""
-    return _ring_forward(st, q, k, v, q_seg, kv_seg, sinks, sched)[0]
+def make_ring_attention(mask: masks_lib.AnyMask, *, num_shards: int, layout: layouts.Layout = "contiguous",
+                        config: SplashConfig = SplashConfig(),
+                        q_shard_rows: tuple[int, ...] | None = None) -> RingAttention:
+    """Build the host plan of ring attention under ``mask`` over ``num_shards`` devices once.
 
+    Args:
+        mask: the global ``(S, S)`` mask on original token positions.
+        num_shards: devices N on the ring axis the calls run over.
+        layout: token order of the shards: ``"contiguous"``, ``"zigzag"`` or ``"striped"``.
+        config: ``SplashConfig``; blocks shrink to fit the shards (:func:`fit_ring_blocks`).
+        q_shard_rows: None, or the q shards whose work lists the plan expands (``()``: none, for
+            calls that always pass a per-device ``schedule`` on a multi-host slice).
 
-def _ring_fwd(st: _RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
-    out, res = _ring_forward(st, q, k, v, q_seg, kv_seg, sinks, sched)
-    return out, (res, q_seg, kv_seg, sinks, sched)
-
-
-def _ring_bwd(st: _RingStatic, saved, d_out):
-    res, q_seg, kv_seg, sinks, sched = saved
-    if st.max_logits:  # the max logits carry no gradient: their cotangent is dropped
-        d_out = d_out[0]
-    dq, dk, dv, d_sinks = _ring_backward(st, res, q_seg, kv_seg, sinks, sched, d_out)
-    return dq, dk, dv, None, None, d_sinks, None
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
+    Raises:
+        TypeError / ValueError: naming the argument, when one is not what is expected or no
+            block tiles the shards.
+    """
+    if not isinstance(mask, masks_lib.Mask | masks_lib.MultiHeadMask):
+        raise TypeError(f"make_ring_attention: mask must be a ringsplash.masks.Mask or MultiHeadMask, got "
+                        f"{type(mask).__name__} {mask!r}")
+    if not isinstance(config, SplashConfig):
+        raise TypeError(f"make_ring_attention: config must be a SplashConfig, got {type(config).__name__} {config!r}")
+    num_shards = check_positive_int("num_shards", num_shards)
+    seq_len = masks_lib.head_masks(mask)[0].shape[0]
+    blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
+    plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=q_shard_rows)
+    return RingAttention(mask, num_shards, layout, config, blocks, plan)
 
 
 def ring_attention(
@@ -295,9 +157,10 @@ def ring_attention(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
+    with_max_logits: bool = False,
     schedule: RingSchedule | None = None,
     kv_exchange: KvExchange | None = None,
-) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
+) -> Float[Array, "heads q_shard dv"] | AttentionOutput | tuple:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -318,10 +181,11 @@ def ring_attention(
         config: ``SplashConfig``; blocks that do not tile a shard (zigzag: a half-shard)
             shrink to fit (:func:`fit_ring_blocks`).
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
-        return_max_logits: also return float32 ``max_logits [heads]`` (replicated over the
+        with_max_logits: also return float32 ``max_logits [heads]`` (replicated over the
             axis): per head the largest ``scale · q·k`` over every attended pair of the whole
             sequence, before the soft-cap, sinks excluded, ``-inf`` if nothing is attended;
             the max over every step's kernel and one ``pmax``; no gradient.
+        return_max_logits: deprecated (``DeprecationWarning``): the tuple ``(out, max_logits)``.
         schedule: this device's slice of :func:`ring_schedule` for these arguments (a
             ``shard_map`` operand with ``schedule.specs(axis_name)``), so the device holds only
             its own rows; None = the whole schedule, a constant replicated on every device.
@@ -331,44 +195,33 @@ def ring_attention(
             the ring's float32 sums (one cast; USP's Ulysses all-to-all and kv-head repeat).
 
     Returns:
-        this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order (and
-        ``max_logits`` with ``return_max_logits``).
+        this device's output ``[heads, q_shard, dv]`` in ``q.dtype``, ``layout`` order; with
+        ``with_max_logits`` an :class:`~ringsplash.AttentionOutput` ``(out, None, max_logits)``.
     """
+    want = outputs("ring_attention", with_max_logits=with_max_logits, return_max_logits=return_max_logits,
+                   lse_supported=False)
     unroll = check_unroll("unroll", unroll)
-    given_k, given_v = k, v
-    if kv_exchange is not None:  # checked and planned on the exchanged shapes
-        k, v = jax.eval_shape(kv_exchange.gather, k), jax.eval_shape(kv_exchange.gather, v)
     n = axis_size(axis_name, "ring_attention")
-    call = _check_ring_call(q, k, v, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
-                            segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name,
-                            return_max_logits=return_max_logits)
-    seq_len = call.q_len * n
-    config = interpreter_for_mesh(config, "ring_attention")
-    blocks = fit_ring_blocks(seq_len, n, layout, config)
+    k_ring, v_ring = (k, v) if kv_exchange is None else (jax.eval_shape(kv_exchange.gather, k),
+                                                          jax.eval_shape(kv_exchange.gather, v))
+    call = _check_ring_call(q, k_ring, v_ring, mask, n * q.shape[1] if getattr(q, "ndim", 0) == 3 else None,
+                            segment_ids, scale, logit_soft_cap, sinks, config, local=True, axis_name=axis_name)
     # With a per-device schedule on a multi-host slice the ring needs no list of the plan (only
     # its shapes, partial blocks and `active`): a plan without rows keeps each host's work to its own.
     rows = () if schedule is not None and jax.process_count() > 1 else None
-    plan = ring_plan(mask, n, layout, config, q_shard_rows=rows)
-    static = _RingStatic(
-        plan, n, axis_name, call.scale, call.logit_soft_cap, blocks.config, unroll,
-        sinks_vma=frozenset() if sinks is None else vma(sinks), max_logits=bool(return_max_logits),
-        kv_exchange=kv_exchange,
-    )
-    seg = call.segment_ids
-    q_seg, kv_seg = (None, None) if seg is None else (seg.q, seg.kv)
-    if schedule is None:  # the whole schedule as a constant (device `me` reads row `me`)
-        schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0])
-    else:
-        check_schedule(schedule, plan, n, ScheduleKey.of(mask, n, layout, config, q.shape[0], k.shape[0]))
-    return _ring(static, q, given_k, given_v, q_seg, kv_seg, sinks, schedule)
+    attn = factories.get(("ring", mask, n, layout, config, rows),
+                         lambda: make_ring_attention(mask, num_shards=n, layout=layout, config=config,
+                                                     q_shard_rows=rows))
+    return attn.run(call, q, k, v, sinks, want, axis_name=axis_name, unroll=unroll, schedule=schedule,
+                    kv_exchange=kv_exchange)
 
 
 def _kind(mesh) -> str:
     return mesh.devices.flat[0].device_kind
 
 
-def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap, sinks, config, *, local, axis_name,
-                     return_max_logits=False):
+def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap, sinks, config, *, local,
+                     axis_name):
     """The shared entry check, with the ring's global-mask and equal-length rules."""
     hint = ""
     if local and seq_len:
@@ -378,7 +231,7 @@ def _check_ring_call(q, k, v, mask, seq_len, segment_ids, scale, logit_soft_cap,
         mask_hint=hint, segment_ids=segment_ids,
         segment_hint=f"segment ids are per shard: local length S/N = {q.shape[1]}" if local and seq_len else "",
         scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, config_type=SplashConfig,
-        equal_lengths=True, return_max_logits=return_max_logits,
+        equal_lengths=True,
     )
 
 
@@ -398,8 +251,9 @@ def ring_attention_sharded(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
+    with_max_logits: bool = False,
     schedule: RingSchedule | None = None,
-) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
+) -> Float[Array, "heads seq dv"] | AttentionOutput | tuple:
     """:func:`ring_attention` on global arrays already in ``layout`` order, sharded along the
     sequence over ``mesh.shape[axis_name]`` devices.
 
@@ -419,17 +273,21 @@ def ring_attention_sharded(
         sinks: floating ``[heads]`` per-head sink logits, or None.
         config: ``SplashConfig``; blocks shrink to fit the shards (:func:`fit_ring_blocks`).
         unroll: ``lax.scan`` unroll of the ring loop (int, or True for a full unroll).
-        return_max_logits: also return float32 ``max_logits [heads]`` (see :func:`ring_attention`).
+        with_max_logits: also return float32 ``max_logits [heads]`` (see :func:`ring_attention`).
+        return_max_logits: deprecated (``DeprecationWarning``): the tuple ``(out, max_logits)``.
         schedule: :func:`ring_schedule` for these arguments (``mesh=mesh`` gives arrays sharded
             over the ring axis; pass it as a ``jit`` argument so each device holds only its own
             rows); None = built here (its numpy arrays become constants of an enclosing ``jit``,
             replicated on every device).
 
     Returns:
-        ``[heads, S, dv]`` in ``q.dtype`` and ``layout`` order (and ``max_logits``).
+        ``[heads, S, dv]`` in ``q.dtype`` and ``layout`` order; with ``with_max_logits`` an
+        :class:`~ringsplash.AttentionOutput` ``(out, None, max_logits)``.
     """
+    want = outputs("ring_attention_sharded", with_max_logits=with_max_logits,
+                   return_max_logits=return_max_logits, lse_supported=False)
     call = _check_ring_call(q, k, v, mask, None, segment_ids, scale, logit_soft_cap, sinks, config,
-                            local=False, axis_name=axis_name, return_max_logits=return_max_logits)
+                            local=False, axis_name=axis_name)
     unroll = check_unroll("unroll", unroll)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -442,11 +300,12 @@ def ring_attention_sharded(
     seg_spec = None if segment_ids is None else SegmentIds(P(axis_name), P(axis_name))
     fn = functools.partial(
         ring_attention, mask=mask, axis_name=axis_name, layout=layout, scale=scale,
-        logit_soft_cap=logit_soft_cap, config=config, unroll=unroll, return_max_logits=return_max_logits,
+        logit_soft_cap=logit_soft_cap, config=config, unroll=unroll, with_max_logits=want.max_logits,
     )
 
     def local(q, k, v, segment_ids, sinks, schedule):
-        return fn(q, k, v, segment_ids=segment_ids, sinks=sinks, schedule=schedule)
+        r = fn(q, k, v, segment_ids=segment_ids, sinks=sinks, schedule=schedule)
+        return (r.out, r.max_logits) if want.max_logits else r
 
     if schedule is None:
         schedule = ring_schedule(mask, n, layout, config, heads=q.shape[0], kv_heads=k.shape[0],
@@ -458,5 +317,6 @@ def ring_attention_sharded(
         args = jax.tree.map(lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)), args, in_specs)
     # check_vma=False: inside the custom_vjp backward the residuals' varying-axis types are not
     # visible (jax 0.10.2), so the replicated sinks' cotangent cannot be typed as replicated.
-    out_specs = (seq, P()) if return_max_logits else seq  # max logits: replicated after the pmax
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    out_specs = (seq, P()) if want.max_logits else seq  # max logits: replicated after the pmax
+    result = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    return want.package(result[0], max_logits=result[1]) if want.max_logits else result

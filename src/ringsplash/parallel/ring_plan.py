@@ -29,9 +29,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import _caches as caches
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
+from ringsplash._caches import factories
 from ringsplash._scalar_checks import check_divides, check_positive_int
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
@@ -100,25 +100,18 @@ def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, 
             (``build_mask_info(q_shard_rows=)``; ``()`` = none: the plan's shapes, ``active``,
             partial blocks and pieces, as every process needs them, without any list).
 
-    ``ring_plan.cache_clear()`` drops every cached plan (``build_mask_info`` keeps its own cache).
+    Plans live in the one bounded cache of host work (``ringsplash._caches.factories``, emptied by
+    ``rs.clear_caches()``, which also empties ``build_mask_info``'s).
     """
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
     blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
     dkv = None if config.backend == "xla" else blocks.block_shape_dkv
     rows = None if q_shard_rows is None else tuple(int(r) for r in q_shard_rows)
     key = (mask, int(num_shards), layout, blocks.block_shape, dkv)
-    if rows == () and key in _LISTLESS:
-        return _LISTLESS[key]
-    plan = _ring_plan(*key, rows)
+    plan = factories.get(("ring_plan", *key, rows), lambda: _ring_plan(*key, rows))
     if rows:  # a rows plan holds all a list-less one does (ring_attention's): keep it, no second build
-        _LISTLESS[key] = _listless(plan)
-        while len(_LISTLESS) > 16:
-            _LISTLESS.pop(next(iter(_LISTLESS)))
+        factories.get(("ring_plan", *key, ()), lambda: _listless(plan))
     return plan
-
-
-#: list-less plans derived from rows plans, by ``_ring_plan``'s arguments without the rows
-_LISTLESS: dict = {}
 
 
 def _listless(plan: RingPlan) -> RingPlan:
@@ -132,7 +125,6 @@ def _listless(plan: RingPlan) -> RingPlan:
     return dataclasses.replace(plan, info=cut(plan.info), info_dkv=cut(plan.info_dkv))
 
 
-@caches.lru_cache(maxsize=16)
 def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv, rows=None) -> RingPlan:
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
     perm = layouts.permutation(layout, seq_len, num_shards)
@@ -148,15 +140,6 @@ def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv,
     if info_dkv is not None:
         active = active | (np.asarray(info_dkv.num_active).sum(0) > 0)
     return RingPlan(info=info, info_dkv=info_dkv, positions=np.asarray(perm).reshape(num_shards, -1), active=active)
-
-
-@caches.register
-def _clear_plans() -> None:
-    _ring_plan.cache_clear()
-    _LISTLESS.clear()
-
-
-ring_plan.cache_clear = _clear_plans
 
 
 def ring_work(plan: RingPlan) -> np.ndarray:

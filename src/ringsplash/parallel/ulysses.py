@@ -31,6 +31,7 @@ from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
+from ringsplash._result import AttentionOutput, outputs
 from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
 from ringsplash.blocksparse.mask_info import build_mask_info
@@ -115,7 +116,8 @@ def ulysses_attention(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     return_max_logits: bool = False,
-) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
+    with_max_logits: bool = False,
+) -> Float[Array, "heads q_shard dv"] | AttentionOutput | tuple:
     """Exact attention over a sequence sharded on ``axis_name``; call inside ``jax.shard_map``.
 
     Args:
@@ -131,15 +133,18 @@ def ulysses_attention(
         logit_soft_cap: ``cap * tanh(s / cap)`` on the logits, or None.
         sinks: float ``[heads]`` per-head sink logits (replicated), or None.
         config: Splash block sizes and backend; blocks are fitted to ``S`` (``splash/blocks.py``).
-        return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
+        with_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
             largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
             excluded, ``-inf`` if nothing is attended. Each device computes its own heads'
             maxima over the whole sequence; one all-gather assembles ``[heads]``.
+        return_max_logits: deprecated (``DeprecationWarning``): the tuple ``(out, max_logits)``.
     """
+    want = outputs("ulysses_attention", with_max_logits=with_max_logits,
+                   return_max_logits=return_max_logits, lse_supported=False)
     n = axis_size(axis_name, "ulysses_attention")
     heads, kv_heads, q_len, _, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=n, what=f"axis {axis_name!r}", scale=scale,
-        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
+        logit_soft_cap=logit_soft_cap)
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
@@ -155,10 +160,10 @@ def ulysses_attention(
                                                                    transpose=True, **common)
     out = splash_info_attention(q, k, v, info, info_dkv, segment_ids=segment_ids, scale=scale,
                                 logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, partial_dtype=jnp.float32,
-                                return_max_logits=return_max_logits, kv_exchange=KvToHeads(axis_name, split.kv_repeat))
-    if return_max_logits:
+                                return_max_logits=want.max_logits, kv_exchange=KvToHeads(axis_name, split.kv_repeat))
+    if want.max_logits:
         out, mx = out
-        return heads_to_sequence(out, axis_name), gather_head_maxima(mx, axis_name)
+        return want.package(heads_to_sequence(out, axis_name), max_logits=gather_head_maxima(mx, axis_name))
     return heads_to_sequence(out, axis_name)
 
 
@@ -177,15 +182,18 @@ def ulysses_attention_sharded(
     sinks: Float[Array, " heads"] | None = None,
     config: SplashConfig = SplashConfig(),
     return_max_logits: bool = False,
-) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
+    with_max_logits: bool = False,
+) -> Float[Array, "heads seq dv"] | AttentionOutput | tuple:
     """:func:`ulysses_attention` on global arrays already in ``layout`` order over
     ``N = mesh.shape[axis_name]`` shards (``ringsplash.layouts.permute(x, layout, N)``),
     sharded along the sequence over ``axis_name``. The mask is on original positions; the
     output is in ``layout`` order. Other arguments as in :func:`ulysses_attention`."""
+    want = outputs("ulysses_attention_sharded", with_max_logits=with_max_logits,
+                   return_max_logits=return_max_logits, lse_supported=False)
     n = check_mesh_axis(mesh, "axis_name", axis_name)
     heads, kv_heads, seq_len, _, segment_ids = check_global_inputs(
         q, k, v, mask, segment_ids, sinks, "ulysses_attention", config=config, scale=scale,
-        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits,
+        logit_soft_cap=logit_soft_cap,
     )
     split = ulysses_heads(heads, kv_heads, n, axis_name)
     local_head_mask(mask, split)
@@ -194,8 +202,10 @@ def ulysses_attention_sharded(
                         what="ulysses_attention")
 
     def local(q, k, v, segment_ids, sinks):
-        return ulysses_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
-                                 scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                                 return_max_logits=return_max_logits)
+        r = ulysses_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
+                              scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
+                              with_max_logits=want.max_logits)
+        return (r.out, r.max_logits) if want.max_logits else r
 
-    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, max_logits=return_max_logits)
+    result = run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, max_logits=want.max_logits)
+    return want.package(result[0], max_logits=result[1]) if want.max_logits else result

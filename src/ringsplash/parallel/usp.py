@@ -15,6 +15,7 @@ import jax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
+from ringsplash._result import AttentionOutput, outputs
 from ringsplash._scalar_checks import check_positive_int, check_unroll
 from ringsplash._shard_map import axis_size
 from ringsplash._types import Array, Float
@@ -66,8 +67,9 @@ def usp_attention(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
+    with_max_logits: bool = False,
     schedule: RingSchedule | None = None,
-) -> Float[Array, "heads q_shard dv"] | tuple[Float[Array, "heads q_shard dv"], Float[Array, " heads"]]:
+) -> Float[Array, "heads q_shard dv"] | AttentionOutput | tuple:
     """Exact attention over a sequence sharded on two mesh axes; call inside ``jax.shard_map``.
 
     Args:
@@ -85,22 +87,24 @@ def usp_attention(
         config: Splash block sizes and backend; blocks must tile each ring shard (``S / b``;
             half of it for zigzag).
         unroll: the ring's ``lax.scan`` unroll.
-        return_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
+        with_max_logits: also return float32 ``max_logits [heads]`` (replicated): per head the
             largest ``scale · q·k`` over every attended pair, before the soft-cap, sinks
             excluded, ``-inf`` if nothing is attended: the inner ring's (one pmax over the ring
             axis) for this rank's heads, assembled by one all-gather over the Ulysses axis.
+        return_max_logits: deprecated (``DeprecationWarning``): the tuple ``(out, max_logits)``.
         schedule: this device's slice of the inner ring's ``ring_schedule`` (``b`` shards, the
             local head mask, ``heads / a`` q heads and the local kv heads; a ``shard_map``
             operand with ``schedule.specs(ring_axis)``); None = the whole schedule as a constant
             replicated on every device.
     """
+    want = outputs("usp_attention", with_max_logits=with_max_logits,
+                   return_max_logits=return_max_logits, lse_supported=False)
     _check_axes(ulysses_axis, ring_axis)
     unroll = check_unroll("unroll", unroll)
     a, b = axis_size(ulysses_axis, "usp_attention"), axis_size(ring_axis, "usp_attention")
     heads, kv_heads, q_len, _, segment_ids = check_local_inputs(
         q, k, v, mask, segment_ids, sinks, config, shards=a * b, what=f"axes {ulysses_axis!r} x {ring_axis!r}",
-        scale=scale,
-        logit_soft_cap=logit_soft_cap, return_max_logits=return_max_logits)
+        scale=scale, logit_soft_cap=logit_soft_cap)
     split = _split(heads, kv_heads, a, b, ulysses_axis)
     fit_ring_blocks(q_len * a * b, b, layout, config)
     config = interpreter_for_mesh(config, "usp_attention")  # the whole a x b mesh runs kernels
@@ -110,11 +114,11 @@ def usp_attention(
     q, _, _, segment_ids, sinks = sequence_to_heads(q, None, None, segment_ids, sinks, split, ulysses_axis)
     out = ring_attention(q, k, v, local_mask, axis_name=ring_axis, segment_ids=segment_ids, layout=layout,
                          scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, unroll=unroll,
-                         return_max_logits=return_max_logits, schedule=schedule,
+                         with_max_logits=want.max_logits, schedule=schedule,
                          kv_exchange=KvToHeads(ulysses_axis, split.kv_repeat))
-    if return_max_logits:
-        out, mx = out
-        return heads_to_sequence(out, ulysses_axis), gather_head_maxima(mx, ulysses_axis)
+    if want.max_logits:
+        return want.package(heads_to_sequence(out.out, ulysses_axis),
+                            max_logits=gather_head_maxima(out.max_logits, ulysses_axis))
     return heads_to_sequence(out, ulysses_axis)
 
 
@@ -135,18 +139,20 @@ def usp_attention_sharded(
     config: SplashConfig = SplashConfig(),
     unroll: int | bool = 1,
     return_max_logits: bool = False,
-) -> Float[Array, "heads seq dv"] | tuple[Float[Array, "heads seq dv"], Float[Array, " heads"]]:
+    with_max_logits: bool = False,
+) -> Float[Array, "heads seq dv"] | AttentionOutput | tuple:
     """:func:`usp_attention` on global arrays already in ``layout`` order over the ring degree
     ``b = mesh.shape[ring_axis]`` (``ringsplash.layouts.permute(x, layout, b)``), sharded
     along the sequence over ``(ring_axis, ulysses_axis)`` (ring-major). The mask is on
-    original positions; the output is in the input's order (with ``return_max_logits``:
-    ``(out, max_logits [heads])``)."""
+    original positions; the output is in the input's order (with ``with_max_logits``:
+    an ``AttentionOutput`` with ``max_logits [heads]``)."""
+    want = outputs("usp_attention_sharded", with_max_logits=with_max_logits,
+                   return_max_logits=return_max_logits, lse_supported=False)
     _check_axes(ulysses_axis, ring_axis)
     a = check_mesh_axis(mesh, "ulysses_axis", ulysses_axis)
     b = check_mesh_axis(mesh, "ring_axis", ring_axis)
     heads, kv_heads, seq_len, _, segment_ids = check_global_inputs(
         q, k, v, mask, segment_ids, sinks, "usp_attention", config=config, scale=scale, logit_soft_cap=logit_soft_cap,
-        return_max_logits=return_max_logits,
     )
     local_head_mask(mask, _split(heads, kv_heads, a, b, ulysses_axis))
     fit_ring_blocks(seq_len, b, layout, config)
@@ -156,10 +162,16 @@ def usp_attention_sharded(
     def local(q, k, v, segment_ids, sinks):
         return usp_attention(q, k, v, mask, ulysses_axis=ulysses_axis, ring_axis=ring_axis, segment_ids=segment_ids,
                              layout=layout, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                             unroll=unroll, return_max_logits=return_max_logits)
+                             unroll=unroll, with_max_logits=want.max_logits)
 
-    return run_sharded(local, mesh, (ring_axis, ulysses_axis), q, k, v, segment_ids, sinks,
-                       max_logits=return_max_logits)
+    result = run_sharded(lambda *a: _pair(local(*a), want), mesh, (ring_axis, ulysses_axis), q, k, v, segment_ids,
+                         sinks, max_logits=want.max_logits)
+    return want.package(result[0], max_logits=result[1]) if want.max_logits else result
+
+
+def _pair(result, want):
+    """``(out, max_logits)`` of an :class:`AttentionOutput` for ``shard_map``'s out specs, or ``out``."""
+    return (result.out, result.max_logits) if want.max_logits else result
 
 
 def usp_mesh(ulysses: int, ring: int, *, devices=None, axis_names=("ulysses", "ring"), heads: int | None = None,

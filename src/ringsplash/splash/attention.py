@@ -1,5 +1,6 @@
-"""Splash attention: the custom VJP and the public entry points (one shard pair through a
-backend: ``splash/dispatch.py``)."""
+"""Splash attention: the shard-pair entry points and the custom VJP (one shard pair through a
+backend: ``splash/dispatch.py``); the public ``splash_attention`` and its factory are in
+``splash/factory.py``."""
 
 import dataclasses
 import functools
@@ -9,24 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from ringsplash import _softmax
-from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call, default_scale
 from ringsplash._shard_map import vma
 from ringsplash._types import Array, Float
-from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
+from ringsplash.blocksparse.mask_info import MaskInfo
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash import work_pieces
 from ringsplash.splash.backend_interface import BackendStatic
-from ringsplash.splash.blocks import Extent, fit_blocks
-from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.config import SplashConfig
 from ringsplash.splash.dispatch import pair_backward, pair_forward, segments_of
-
-
-def _dense(mask) -> bool:
-    """Whether ``mask`` (or every head of a ``MultiHeadMask``) is causal or full: few partial tiles."""
-    heads = mask.masks if isinstance(mask, masks_lib.MultiHeadMask) else (mask,)
-    return all(type(m) in (masks_lib.CausalMask, masks_lib.FullMask) for m in heads)
-
 
 # ----------------------------------------------------------------------------------------
 # shard-pair entry points (used by the ring)
@@ -71,7 +63,7 @@ def splash_forward(
         out_dtype: dtype of ``out`` (None = q's dtype; ``jnp.float32`` gives a ring unrounded
             partial outputs; both backends write it directly from their float32 accumulators).
         return_max_logits: also return the per-head max logit of this shard pair (see
-            :func:`splash_attention`; ``-inf`` where the pair attends nothing for a head), from
+            ``splash_attention``; ``-inf`` where the pair attends nothing for a head), from
             the same forward pass. Not differentiable (``stop_gradient``).
         pieces: this pair's work lists in pieces (``work_pieces.PieceSchedules``, e.g. from a
             ring's per-device schedule); None = ``info``'s, split under ``config``'s budget.
@@ -289,70 +281,3 @@ def splash_info_attention(
                         frozenset() if sinks is None else vma(sinks), bool(return_residuals), bool(return_max_logits),
                         kv_exchange)
     return _attention(static, q, k, v, sinks, *segments_of(segment_ids), traced)
-
-
-def splash_attention(
-    q: Float[Array, "heads q_len d"],
-    k: Float[Array, "kv_heads kv_len d"],
-    v: Float[Array, "kv_heads kv_len dv"],
-    mask: masks_lib.AnyMask | None = None,
-    *,
-    segment_ids: SegmentIds | None = None,
-    scale: float | None = None,
-    logit_soft_cap: float | None = None,
-    sinks: Float[Array, " heads"] | None = None,
-    config: SplashConfig = SplashConfig(),
-    return_residuals: bool = False,
-    return_max_logits: bool = False,
-):
-    """Block-sparse attention with the shapes and semantics of ``reference_attention``.
-
-    Differentiable in q, k, v and sinks (custom VJP). MaskInfos are built on the host at
-    trace time (cached). Blocks are fitted to the lengths as on every path (``splash/blocks.py``):
-    a block longer than a sequence shrinks to it, one that does not divide it to a multiple of 128
-    that does, or the call is refused with a config that works.
-
-    Args:
-        q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
-        k: keys ``[kv_heads, kv_len, d]``, the dtype of ``q``; ``kv_heads`` divides ``heads``.
-        v: values ``[kv_heads, kv_len, dv]``, the dtype of ``k``; ``dv`` (the output's head size)
-            may differ from ``d`` (e.g. MLA: q/k 192, v 128).
-        mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one
-            per head), or None to attend everything.
-        segment_ids: ``SegmentIds(q=[q_len], kv=[kv_len])`` integer ids; a query attends only
-            keys with an equal id. Concrete ids of any integer dtype are compared exactly;
-            traced ids must fit int32.
-        scale: positive multiplier of ``q k^T``; None means ``1 / sqrt(d)``.
-        logit_soft_cap: None, or a positive cap ``c``: logits become ``c * tanh(logits / c)``.
-        sinks: floating ``[heads]`` per-head sink logits that join each row's softmax
-            denominator only, or None.
-        config: ``SplashConfig`` (block sizes, backend).
-        return_residuals: also return ``lse`` (float32 ``[heads, q_len]``, natural log, sinks
-            included); ``lse`` is differentiable too.
-        return_max_logits: also return float32 ``max_logits [heads]``: per q head, the largest
-            ``scale · q·k`` over the (query, key) pairs it attends (mask and segment ids
-            applied), *before* the soft-cap, without the sinks (they are not q·k logits);
-            ``-inf`` for a head that attends nothing. Computed by the forward pass itself (no
-            extra pass over K/V); carries no gradient (``stop_gradient``, its cotangent is
-            dropped). For QK-clip (``TransformerConfig.qk_clip_threshold``).
-
-    Returns:
-        ``out`` (``q.dtype``, ``[heads, q_len, dv]``), ``(out, lse)``, ``(out, max_logits)`` or
-        ``(out, lse, max_logits)``.
-    """
-    call = check_attention_call(q, k, v, mask=mask, segment_ids=segment_ids, scale=scale,
-                                logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                                config_type=SplashConfig, return_max_logits=return_max_logits)
-    q_len, kv_len = call.q_len, call.kv_len
-    if mask is None:
-        mask = masks_lib.FullMask((q_len, kv_len))
-    blocks = fit_blocks(config, q=Extent(q_len, q_len, "q_len"), kv=Extent(kv_len, kv_len, "kv_len"),
-                        what="splash_attention", length_hint=f"lengths divisible by {NUM_LANES}",
-                        head_dim=q.shape[-1], dtype=q.dtype,
-                        sparse=call.segment_ids is not None or not _dense(mask))
-    config = blocks.config
-    info = build_mask_info(mask, blocks.block_shape)
-    info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True)
-    return splash_info_attention(q, k, v, info, info_dkv, segment_ids=call.segment_ids, scale=call.scale,
-                                 logit_soft_cap=call.logit_soft_cap, sinks=sinks, config=config,
-                                 return_residuals=return_residuals, return_max_logits=return_max_logits)
