@@ -11,7 +11,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 #: layer of each top-level unit (a module, or a subpackage as a whole); imports go to the same
 #: layer's unit itself or to a lower layer
 LAYERS = {
-    "_types": 0, "_caches": 0, "_result": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0,
+    "_types": 0, "_caches": 0, "_scalar_checks": 0, "_softmax": 0, "_shard_map": 0, "aot": 0, "cli": 0,
     "layouts": 1,
     "masks": 2,
     "_checks": 3,
@@ -140,3 +140,12 @@ def test_design_must_not_imports():
             if _unit(target) in MUST_NOT.get(unit, ()):
                 bad.append(f"{module} imports {target} ({unit} must not depend on {_unit(target)})")
     assert not bad, "\n".join(bad)
+
+
+def test_the_package_root_holds_at_most_12_modules_and_no_source_file_exceeds_450_lines():
+    """The house rules of the structure review: concepts live in packages, files stay small."""
+    root = [p.name for p in (SRC / "ringsplash").glob("*.py") if p.name != "__init__.py"]
+    assert len(root) <= 12, sorted(root)
+    long = {str(p.relative_to(SRC)): n for p in (SRC / "ringsplash").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long

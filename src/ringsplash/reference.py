@@ -5,10 +5,9 @@ import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call
-from ringsplash._result import AttentionOutput, outputs
 from ringsplash._scalar_checks import check_float
 from ringsplash._softmax import MASKED_LSE
-from ringsplash._types import Array, Float
+from ringsplash._types import Array, AttentionOutput, Float, outputs
 from ringsplash.masks.segment_ids import SegmentIds
 
 

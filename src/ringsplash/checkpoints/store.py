@@ -19,25 +19,18 @@ Contract:
   or ``jax.ShapeDtypeStruct``s with ``sharding=``), each device reading only its slice, so a
   checkpoint saved on a data 2 × context 4 mesh restores onto 1 × 8, replicated, or sharded.
 - **Data iterator** (optional): ``save_state(..., data_iterator=it)`` also stores a Grain
-  iterator's state (``it.get_state()``) under ``<step>/data/process_<i>-of-<n>.json``, one file per
-  process, through Grain's orbax handler, inside the same atomic save; ``restore_data_iterator``
-  sets it back (``it.set_state``). The metadata records a checksum of each process's file, so a
-  damaged one is a damaged checkpoint like a damaged array (below).
-- Only array leaves are stored; every other leaf (equinox static fields, activation functions,
-  python scalars) is taken from ``like``. Typed PRNG keys are stored as their key data
-  (``ringsplash.checkpoints.leaves``: leaf records, restore targets, the structure check).
-- **Verified**: the metadata records a checksum of every array (``ringsplash.checkpoints.checksums``:
-  independent of the sharding, so it holds on any restore mesh); ``restore_state`` recomputes
-  it on the restored arrays and refuses a mismatch with a ``CheckpointCorruptError`` naming the
-  checkpoint and the array. Files that cannot be read (truncated data or metadata, a missing
-  process directory) raise the same error instead of orbax's / tensorstore's, and so does a
-  data-iterator state file that is missing, unreadable or not the state saved.
+  iterator's state under ``<step>/data/process_<i>-of-<n>.json`` in the same atomic save, its
+  checksum in the metadata; ``restore_data_iterator`` sets it back (``it.set_state``).
+- Only array leaves are stored; every other leaf (static fields, functions, python scalars) is taken
+  from ``like``; typed PRNG keys are stored as their key data (``checkpoints.leaves``).
+- **Verified**: the metadata records a checksum of every array (``checkpoints.checksums``: the same
+  on any mesh); ``restore_state`` recomputes it and refuses a mismatch with a
+  ``CheckpointCorruptError`` naming the checkpoint and the array; unreadable files (truncated,
+  a missing process directory) and a damaged data-iterator file raise the same error.
   ``restore_newest_valid`` walks back to the newest checkpoint that verifies, saying which it
-  skipped and why; ``python -m ringsplash.checkpoints verify RUN_DIR`` checks every checkpoint of
-  a run (or checkpoint) directory without resuming anything.
-- **A full disk** fails a save with one ``OSError`` (``errno.ENOSPC``) naming the step, the
-  directory and the newest checkpoint left, instead of orbax's logged tracebacks of each writer
-  thread; the partial save is removed (one process) and the previous checkpoints are untouched.
+  skipped and why; ``python -m ringsplash.checkpoints verify RUN_DIR`` checks a run's checkpoints.
+- **A full disk** fails a save with one ``OSError`` (``ENOSPC``) naming the step, the directory and
+  the newest checkpoint left; the partial save is removed and earlier checkpoints are untouched.
 """
 
 import dataclasses

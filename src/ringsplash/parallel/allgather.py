@@ -27,9 +27,8 @@ from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._result import AttentionOutput, outputs
 from ringsplash._shard_map import axis_size
-from ringsplash._types import Array, Float
+from ringsplash._types import Array, AttentionOutput, Float, outputs
 from ringsplash.blocksparse.mask_info import build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import (

@@ -21,10 +21,9 @@ from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._caches import factories
 from ringsplash._checks import AttentionCall, check_attention_call
-from ringsplash._result import AttentionOutput, Outputs, outputs
 from ringsplash._scalar_checks import check_positive_int, check_unroll
 from ringsplash._shard_map import axis_size, vma
-from ringsplash._types import Array, Float
+from ringsplash._types import Array, AttentionOutput, Float, Outputs, outputs
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import interpreter_for_mesh
 from ringsplash.parallel.ring_loop import RingStatic, run_ring

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from ringsplash import masks as masks_lib
 from ringsplash._caches import factories
 from ringsplash._checks import AttentionCall, check_attention_call
-from ringsplash._result import AttentionOutput, Outputs, outputs
 from ringsplash._scalar_checks import check_bool, check_positive_int
-from ringsplash._types import Array, Float
+from ringsplash._types import Array, AttentionOutput, Float, Outputs, outputs
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_info_attention
