@@ -71,7 +71,7 @@ def test_extend_context_writes_every_artefact_with_finite_numbers(runs):
         # the finetune ran on the ring and checkpointed its one step
         ft = os.path.join(run_dir, method, "finetune")
         with open(os.path.join(ft, "config.json")) as f:
-            assert json.load(f)["model"]["attention"] == "ring"
+            assert json.load(f)["model"]["context_parallel"]["strategy"] == "ring"
         assert os.path.isdir(os.path.join(ft, "checkpoints", "2"))
     # two finetune steps move every method's model (the first step's learning rate is warmup's 0)
     ppl = {(r["method"], r["phase"], r["length"]): r["perplexity"] for r in records}

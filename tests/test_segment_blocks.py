@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import ringsplash as rs
 from ringsplash import layouts, masks
-from ringsplash.parallel import ring as ring_lib
+from ringsplash.parallel import ring_loop as ring_lib
 from ringsplash.splash import dispatch as dispatch_lib
 from ringsplash.splash import pallas as pallas_backend
 from ringsplash.splash import segment_blocks
@@ -301,7 +301,7 @@ def test_ring_skips_shard_pairs_without_a_shared_segment(monkeypatch, key, n, la
     perm = layouts.permutation(layout, s, n).reshape(n, -1)
     dense = masks.dense(mask)[0] & (ids[:, None] == ids[None, :])
     exact = sum(bool(dense[np.ix_(perm[a], perm[b])].any()) for a in range(n) for b in range(n))
-    plan = ring_lib.ring_plan(mask, n, layout, cfg)
+    plan = rs.parallel.ring.ring_plan(mask, n, layout, cfg)
     static = int(plan.active.sum())
     if layout == "striped":  # blocks are strided runs: refinement is a safe over-approximation
         assert exact <= calls["fwd"] <= static
