@@ -10,6 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from ringsplash._checks import check_attention_call
+from ringsplash._types import Outputs
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
@@ -116,10 +117,14 @@ def check_global_inputs(q, k, v, mask, segment_ids, sinks, what: str, *, config=
     return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
 
-def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks, *, max_logits=False):
+def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks, *, want: Outputs):
     """``shard_map(local)(q, k, v, segment_ids, sinks)``, the sequence sharded over ``seq_axes``
-    (one mesh axis, or a tuple: major to minor), sinks replicated; output like ``q`` (with
-    ``max_logits``: ``(out, max_logits)``, the latter replicated)."""
+    (one mesh axis, or a tuple: major to minor), sinks replicated; ``local`` returns ``out``, or an
+    ``AttentionOutput`` with ``want.max_logits``; the result is packaged by ``want`` (``out`` like
+    ``q``, max logits replicated)."""
+    max_logits = want.max_logits
+    if max_logits:  # shard_map's out specs take (out, max_logits)
+        local = lambda *a, local=local: (lambda r: (r.out, r.max_logits))(local(*a))
     seq = P(None, seq_axes)
     seg_spec = None if segment_ids is None else SegmentIds(P(seq_axes), P(seq_axes))
     in_specs = (seq, seq, seq, seg_spec, None if sinks is None else P())
@@ -130,7 +135,8 @@ def run_sharded(local, mesh, seq_axes, q, k, v, segment_ids, sinks, *, max_logit
     # check_vma=False as in the ring: inside a custom_vjp backward the residuals' varying-axis
     # types are not visible (jax 0.10.2), so replicated sinks' cotangents cannot be typed.
     out_specs = (seq, P()) if max_logits else seq
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    result = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+    return want.package(result[0], max_logits=result[1]) if max_logits else result
 
 
 __all__ = [

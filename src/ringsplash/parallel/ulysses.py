@@ -201,10 +201,8 @@ def ulysses_attention_sharded(
                         what="ulysses_attention")
 
     def local(q, k, v, segment_ids, sinks):
-        r = ulysses_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
-                              scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                              with_max_logits=want.max_logits)
-        return (r.out, r.max_logits) if want.max_logits else r
+        return ulysses_attention(q, k, v, mask, axis_name=axis_name, segment_ids=segment_ids, layout=layout,
+                                 scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
+                                 with_max_logits=want.max_logits)
 
-    result = run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, max_logits=want.max_logits)
-    return want.package(result[0], max_logits=result[1]) if want.max_logits else result
+    return run_sharded(local, mesh, axis_name, q, k, v, segment_ids, sinks, want=want)

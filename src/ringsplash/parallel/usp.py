@@ -163,14 +163,7 @@ def usp_attention_sharded(
                              layout=layout, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
                              unroll=unroll, with_max_logits=want.max_logits)
 
-    result = run_sharded(lambda *a: _pair(local(*a), want), mesh, (ring_axis, ulysses_axis), q, k, v, segment_ids,
-                         sinks, max_logits=want.max_logits)
-    return want.package(result[0], max_logits=result[1]) if want.max_logits else result
-
-
-def _pair(result, want):
-    """``(out, max_logits)`` of an :class:`AttentionOutput` for ``shard_map``'s out specs, or ``out``."""
-    return (result.out, result.max_logits) if want.max_logits else result
+    return run_sharded(local, mesh, (ring_axis, ulysses_axis), q, k, v, segment_ids, sinks, want=want)
 
 
 def usp_mesh(ulysses: int, ring: int, *, devices=None, axis_names=("ulysses", "ring"), heads: int | None = None,
