@@ -64,6 +64,24 @@ def test_splash_compiles_for_tpu_within_memory_budget(target, case):
     assert fwd.temp <= q_f32_bytes
 
 
+@pytest.mark.parametrize("heads_mask", ["banded", "mixed"])
+def test_multi_head_in_kernel_masks_compile_for_tpu(heads_mask):
+    """Heads with different in-kernel masks pick their list's tile mask per step. Regression: the
+    pick was a select over bool tiles, which Mosaic cannot legalise (seen on the chip once banded
+    masks stopped storing their partial blocks); "mixed" also picks between a stored block (a
+    NumpyMask head) and an evaluated one."""
+    import numpy as np
+
+    other = masks.LocalMask((S, S), window=(100, 0))
+    if heads_mask == "mixed":
+        other = masks.NumpyMask(np.tril(np.ones((S, S), bool)) & ~np.tri(S, S, -7, bool))
+        mask = masks.MultiHeadMask([masks.ChunkedCausalMask((S, S), chunk_size=1000), other] * (HEADS // 2))
+    else:
+        mask = masks.MultiHeadMask([masks.CausalMask((S, S)), other] * (HEADS // 2))
+    fwd, bwd = compile_fwd_bwd("v5e:2x2", mask, 2, rs.SplashConfig(backend="mosaic_tpu"))
+    assert "tpu_custom_call" in fwd.hlo_text and "tpu_custom_call" in bwd.hlo_text
+
+
 def test_splash_auto_backend_picks_mosaic_when_lowered_for_tpu():
     mask = masks.ChunkedCausalMask((S, S), chunk_size=1000)  # in-kernel // and %
     config = rs.SplashConfig(backend="auto")

@@ -75,6 +75,9 @@ class Mask:
       determine a partial block's content (default None: each partial block is hashed);
     * ``classification_exact`` — ``"any"`` (exact for any position sets), ``"consecutive"``
       (exact for blocks of consecutive positions; the default) or ``"never"``;
+    * ``band() -> (lo, hi) | None`` — bounds with ``mask(q, kv) == (lo <= q - kv <= hi)``
+      exactly (a side None is unbounded; default None): kernels then build a partial tile with
+      one compare per score instead of evaluating ``evaluate(jnp, ...)``;
     * ``has_mask_function`` — False if ``evaluate(jnp, ...)`` cannot run inside a kernel
       (partial blocks are then always stored);
     * ``bound_to(blocking) -> Mask`` — the mask with its analytics specialised to one blocking
@@ -83,6 +86,10 @@ class Mask:
     """
 
     shape: tuple[int, int]
+
+    def band(self):
+        return None
+
     #: When classify_blocks is exact: "any" position sets, only blocks of "consecutive"
     #: positions, or "never" (PARTIAL may then over-approximate; build_mask_info verifies).
     classification_exact: str = "consecutive"
@@ -253,6 +260,13 @@ class LogicalAnd(_Binary):
     def attending_q_range(self, kv_lo, kv_hi):
         (a, b), (c, d) = self.left.attending_q_range(kv_lo, kv_hi), self.right.attending_q_range(kv_lo, kv_hi)
         return np.maximum(a, c), np.minimum(b, d)
+
+    def band(self):  # the intersection of two bands
+        a, b = self.left.band(), self.right.band()
+        if a is None or b is None:
+            return None
+        pick = lambda x, y, f: x if y is None else y if x is None else f(x, y)
+        return pick(a[0], b[0], max), pick(a[1], b[1], min)
 
 
 class LogicalOr(_Binary):

@@ -71,6 +71,9 @@ class CausalMask(Mask):
     def evaluate(self, xp, q_pos, kv_pos):
         return q_pos + self.offset >= kv_pos
 
+    def band(self):
+        return (-self.offset, None)
+
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
         return _where3(q_lo + self.offset >= kv_hi, q_hi + self.offset < kv_lo)
 
@@ -110,6 +113,10 @@ class LocalMask(Mask):
         if right is not None:
             ok = ok & (diff >= -right)
         return ok
+
+    def band(self):
+        left, right = self.window
+        return (None if right is None else -right - self.offset, None if left is None else left - self.offset)
 
     def classify_blocks(self, q_lo, q_hi, kv_lo, kv_hi):
         left, right = self.window

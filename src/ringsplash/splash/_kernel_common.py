@@ -11,19 +11,17 @@ so a 128K causal list at blocks 512 (32,896 entries) takes 257 KiB. Kernel bodie
 maps decode with ``q_block_of`` / ``kv_block_of`` / ``kind_of`` / ``partial_of`` (shifts and
 masks only; the masks after arithmetic shifts make them exact for all 32 bits).
 
-Also here: score / mask / masked-value helpers of a tile, the host-side GQA group check, the
-index maps of the ``(heads, steps)`` grids of the forward and dq kernels, and the bookkeeping
-of optional operands.
+Also here: the host-side GQA group check, the index maps of the ``(heads, steps)`` grids of the
+forward and dq kernels, and the bookkeeping of optional operands (a tile's scores, mask and
+masked values: ``splash/tile_masks.py``).
 """
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ringsplash._softmax import MASK_VALUE
 from ringsplash.splash.config import NUM_LANES
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -85,127 +83,6 @@ def pack_schedule(q_block, kv_block, kind, partial_index, *, q_blocks, kv_blocks
     kinds = u32(kind) | (u32(jnp.asarray(partial_index).astype(jnp.int32) + 1) << KIND_BITS)
     as_i32 = lambda x: lax.bitcast_convert_type(x, jnp.int32)
     return as_i32(blocks), as_i32(kinds)
-
-
-# ----------------------------------------------------------------------------------------
-# one tile: scores, mask, masked values
-
-
-def scores_and_tanh(a, b, *, scale, logit_soft_cap, precision=None):
-    """Scaled (and soft-capped) float32 scores ``a @ b.T``, and the tanh the soft-cap
-    derivative needs (None without a cap)."""
-    s = lax.dot_general(a, b, NT_DIMS, precision=precision, preferred_element_type=jnp.float32) * scale
-    if logit_soft_cap is None:
-        return s, None
-    t = jnp.tanh(s / logit_soft_cap)
-    return logit_soft_cap * t, t
-
-
-def lane_tile(x, width):
-    """A lane-replicated ``(rows, 128)`` value widened to ``(rows, width)``: whole vregs
-    repeated when ``width`` is a multiple of 128 (no lane shuffles), else its first column
-    broadcast."""
-    if width % NUM_LANES == 0:
-        return x if width == NUM_LANES else jnp.tile(x, (1, width // NUM_LANES))
-    return jnp.broadcast_to(x[:, :1], (x.shape[0], width))
-
-
-def _eval_without_int_sign(closed, *args):
-    """Evaluate a closed jaxpr inline, replacing integer ``sign`` (emitted by ``//`` and
-    ``%``) with compares: Mosaic's ``sign`` lowering asks for the *default* device's TPU
-    generation, which fails when compiling for a TPU topology from a CPU host."""
-    env = dict(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, args))
-    read = lambda var: var.val if isinstance(var, jex_core.Literal) else env[var]
-    for eqn in closed.jaxpr.eqns:
-        invals = [read(var) for var in eqn.invars]
-        sub = eqn.params.get("jaxpr")
-        if eqn.primitive is lax.sign_p and jnp.issubdtype(invals[0].dtype, jnp.integer):
-            x = invals[0]
-            outs = [(x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)]
-        elif isinstance(sub, jex_core.ClosedJaxpr) and eqn.primitive.name in ("pjit", "jit", "closed_call"):
-            outs = _eval_without_int_sign(sub, *invals)
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(var) for var in closed.jaxpr.outvars]
-
-
-def mask_function_value(mask, q_pos, kv_pos):
-    """``mask.mask_function(q_pos, kv_pos)`` broadcast to a tile, Mosaic-safe."""
-    shape = jnp.broadcast_shapes(q_pos.shape, kv_pos.shape)
-    closed = jax.make_jaxpr(lambda a, b: jnp.broadcast_to(mask.mask_function(a, b), shape))(q_pos, kv_pos)
-    return _eval_without_int_sign(closed, q_pos, kv_pos)[0]
-
-
-def block_mask(kind, partial, lst, q_pos, kv_pos, q_seg, kv_seg, stored, *, masks):
-    """The bool mask of one tile, or None when every entry may attend.
-
-    ``kind`` / ``partial`` / ``lst`` are scalars of the current entry. ``stored`` is the
-    loaded partial block (or None), positions / segment ids are broadcastable tiles.
-    ``masks`` holds, per list, the 2-D mask whose ``mask_function`` to evaluate in kernel
-    (None for lists that never need it). Everything broadcasts, so a (kv, q) tile is made
-    by passing q rows ``[1, bq]`` and kv columns ``[bkv, 1]``.
-    """
-    mask = None
-    if kind == "partial":
-        fn_mask = None
-        if any(m is not None for m in masks):
-            for index, m in enumerate(masks):
-                if m is None:
-                    continue
-                value = mask_function_value(m, q_pos, kv_pos)
-                fn_mask = value if fn_mask is None else jnp.where(lst == index, value, fn_mask)
-        if stored is not None and fn_mask is not None:
-            mask = jnp.where(partial >= 0, stored, fn_mask)
-        else:
-            mask = stored if stored is not None else fn_mask
-    if q_seg is not None and kind != "full_same":  # full_same: one shared segment (segment_blocks)
-        same = q_seg == kv_seg
-        mask = same if mask is None else mask & same
-    return mask
-
-
-def drop_unattended(s, k, v, *, transposed):
-    """``k, v`` with the rows of kv positions that no row of the tile attends set to 0.
-
-    This is the masked-values contract (``reference_attention``): a kv position that no
-    query attends never reaches an output or gradient, even when its K / V are NaN or Inf.
-    The score ``where`` alone removes a masked K from the scores, but ``P @ V`` multiplies
-    a masked V by P = 0 (0 * NaN = NaN) and ``dS @ K`` a masked K by dS = 0, so both are
-    zeroed before those matmuls. ``s`` is the tile's scores after the mask's ``where``
-    (``MASK_VALUE`` where masked: a kv position is attended iff some score of it is above),
-    ``(q, kv)`` or, ``transposed``, ``(kv, q)``; ``k, v`` are ``[bkv, d]`` (either may be None).
-    Reading the attended positions off the scores keeps the bool mask to one use (its
-    ``where``), so Mosaic need not keep it live across the matmuls.
-    """
-    if transposed:
-        col = jnp.max(s, axis=1, keepdims=True)  # (bkv, 1)
-    else:  # (1, bkv) row -> (bkv, 1) column through a lane-aligned transpose
-        row = jnp.max(s, axis=0, keepdims=True)
-        col = jnp.transpose(jnp.broadcast_to(row, (NUM_LANES, row.shape[1])))[:, :1]
-    keep = col > MASK_VALUE
-    zero = lambda x: None if x is None else jnp.where(keep, x, jnp.zeros_like(x))
-    return zero(k), zero(v)
-
-
-def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None, transposed=False):
-    """``block_mask`` of the current tile from its refs: ``pos_seg_refs`` is the ``(q_pos,
-    kv_pos, q_seg, kv_seg)`` refs (None where absent); ``kv_cols`` slices the kv side (the
-    forward's compute slices, kv along lanes); ``transposed``: a (kv, q) tile."""
-    q_pos, kv_pos, q_seg, kv_seg = pos_seg_refs
-    load = lambda ref: None if ref is None else ref[...]
-    load_kv = load if kv_cols is None else (lambda ref: None if ref is None else ref[:, kv_cols])
-    qp, kp, qs, ks = load(q_pos), load_kv(kv_pos), load(q_seg), load_kv(kv_seg)
-    # the column side (q of a (q, kv) tile, kv of a transposed (kv, q) one) arrives
-    # lane-replicated, (rows, 128): widen it to the row side's width by repeating whole vregs
-    widen = lambda col, row: None if col is None else lane_tile(col, row.shape[1])
-    if transposed:
-        kp, ks = widen(kp, qp), widen(ks, qs)
-    else:
-        qp, qs = widen(qp, kp), widen(qs, ks)
-    return block_mask(which, partial, lst, qp, kp, qs, ks, stored, masks=masks)
 
 
 # ----------------------------------------------------------------------------------------

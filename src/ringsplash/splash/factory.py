@@ -21,6 +21,7 @@ from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_info_attention
 from ringsplash.splash.blocks import Extent, fit_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.partial_tiles import partial_mode
 
 __all__ = ["SplashAttention", "make_splash_attention", "splash_attention"]
 
@@ -130,8 +131,10 @@ def make_splash_attention(
                         what="splash_attention", length_hint=f"lengths divisible by {NUM_LANES}",
                         head_dim=head_dim, dtype=dtype, sparse=sparse)
     config = blocks.config
-    info = build_mask_info(mask, blocks.block_shape)
-    info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True)
+    mode = partial_mode(mask, config.backend)
+    info = build_mask_info(mask, blocks.block_shape, partial_mode=mode)
+    info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True,
+                                                                    partial_mode=mode)
     return SplashAttention(mask, config, info, info_dkv)
 
 

@@ -45,7 +45,6 @@ from ringsplash.splash._kernel_common import (
     TN_DIMS,
     count_map,
     dispatch_kinds,
-    drop_unattended,
     kind_of,
     kv_block_of,
     kv_map,
@@ -58,11 +57,9 @@ from ringsplash.splash._kernel_common import (
     q_map,
     row_map,
     run_edges,
-    scores_and_tanh,
     sds,
     semantics,
     tally_step,
-    tile_mask,
     uniform_group_lists,
     unpack_refs,
 )
@@ -79,6 +76,7 @@ from ringsplash.splash.dkv_grid import (
     next_dkv_entry,
 )
 from ringsplash.splash.dq_accumulator import DqAccumulator
+from ringsplash.splash.tile_masks import attended_only, drop_unattended, scores_and_tanh, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 # ----------------------------------------------------------------------------------------
@@ -107,7 +105,7 @@ def _dq_kernel(
     # scratch
     dq_scr, lse_scr, delta_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps, probs_dtype, precision,
+    scale, logit_soft_cap, masks, num_steps, probs_dtype, precision, column_check,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
@@ -134,7 +132,11 @@ def _dq_kernel(
         if mask is not None:  # masked scores MASK_VALUE: their p = exp(s - lse) is exactly 0
             s = jnp.where(mask, s, MASK_VALUE)
             t = None if t is None else jnp.where(mask, t, 0.0)  # a masked NaN K's tanh
-            k, v = drop_unattended(s, k, v, transposed=False)
+            if which == "partial" and q_seg_ref is None:
+                k, v = attended_only(s, k, v, transposed=False, check=column_check, q_pos_ref=q_pos_ref,
+                                     kv_pos_ref=kv_pos_ref)
+            else:
+                k, v = drop_unattended(s, k, v, transposed=False)
         p = jnp.exp(s - lse_scr[:, :1])
         dp = lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_scr[:, :1], t)
@@ -159,7 +161,7 @@ def _dkv_kernel(
     # scratch
     dk_scr, dv_scr, dq_slots, dq_sems, dq_state,
     *,
-    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype, precision,
+    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype, precision, column_check,
 ):
     del dq_init_ref  # aliased to dq_hbm
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -204,7 +206,11 @@ def _dkv_kernel(
         if mask is not None:  # masked scores MASK_VALUE: their p = exp2(s - lse) is exactly 0
             s = jnp.where(mask, s, MASK_VALUE)
             t = None if t is None else jnp.where(mask, t, 0.0)  # a masked NaN K's tanh
-            k, v = drop_unattended(s, k, v, transposed=True)
+            if which == "partial" and q_seg_ref is None:
+                k, v = attended_only(s, k, v, transposed=True, check=column_check, q_pos_ref=q_pos_ref,
+                                     kv_pos_ref=kv_pos_ref)
+            else:
+                k, v = drop_unattended(s, k, v, transposed=True)
         p = jnp.exp2(s - lse_ref[...])
         dv_scr[...] += lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS,
                                        precision=precision, preferred_element_type=jnp.float32)
@@ -236,6 +242,7 @@ def splash_dq_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
+    column_check="scores",
 ):
     """dq over the forward work list. ``lse, delta: [heads, q_len]`` float32; the other
     arguments as in ``splash_forward_kernel`` (``probs_dtype``: operand dtype of ``dS @ K``).
@@ -272,6 +279,7 @@ def splash_dq_kernel(
     body = functools.partial(
         _dq_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks), num_steps=num_steps,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
+        column_check=column_check,
     )
     kernel = lambda *refs: body(*unpack_refs(refs, 3, 6, present, 1, count_steps))
     results = pl.pallas_call(
@@ -306,6 +314,7 @@ def splash_dkv_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks_t=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False, dq_init=None,
+    column_check="scores",
 ):
     """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``), and with
     ``dq_init`` also dq (the fused backward).
@@ -381,6 +390,7 @@ def splash_dkv_kernel(
         _dkv_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         num_steps=num_steps, group=group, inner=inner,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
+        column_check=column_check,
     )
     num_prefetch = len(prefetched)
 

@@ -31,10 +31,8 @@ from ringsplash.splash._kernel_common import (
     NT_DIMS,
     count_map,
     dispatch_kinds,
-    drop_unattended,
     kind_of,
     kv_map,
-    lane_tile,
     mask_operand_specs,
     pack_schedule,
     partial_of,
@@ -45,9 +43,9 @@ from ringsplash.splash._kernel_common import (
     sds,
     semantics,
     tally_step,
-    tile_mask,
     unpack_refs,
 )
+from ringsplash.splash.tile_masks import attended_only, drop_unattended, lane_tile, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 #: the running row max starts here: above MASK_VALUE (masked scores), below any real score
@@ -67,7 +65,7 @@ def _forward_kernel(
     # scratch
     q_scr, m_scr, l_scr, acc_scr, raw_scr,
     *,
-    scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype, precision,
+    scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype, precision, column_check,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
@@ -117,7 +115,11 @@ def _forward_kernel(
                 s = cap2 * jnp.tanh(s * (1.0 / cap2))
             if mask is not None:  # the mask's only use; masked scores are MASK_VALUE < M_START
                 s = jnp.where(mask, s, MASK_VALUE)
-                _, v = drop_unattended(s, None, v, transposed=False)
+                if which == "partial" and q_seg_ref is None:
+                    _, v = attended_only(s, None, v, transposed=False, check=column_check, q_pos_ref=q_pos_ref,
+                                         kv_pos_ref=kv_pos_ref, kv_cols=cols)
+                else:
+                    _, v = drop_unattended(s, None, v, transposed=False)
             # Online softmax in base 2: m = running row max, l = running sum of exp2(s - m),
             # acc = running sum of exp2(s - m) @ v, both rescaled by exp2(m_old - m_new).
             # m starts at M_START, above MASK_VALUE, so a masked score's exp2(s - m) is exactly 0
@@ -159,7 +161,7 @@ def splash_forward_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, block_kv_compute, scale, logit_soft_cap=None, out_dtype=None,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
-    return_max_logits=False,
+    return_max_logits=False, column_check="scores",
 ):
     """Run the forward kernel on one shard pair.
 
@@ -218,6 +220,7 @@ def splash_forward_kernel(
         _forward_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         block_kv_compute=block_kv_compute, num_steps=num_steps,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
+        column_check=column_check,
     )
 
     def kernel(*refs):

@@ -21,6 +21,7 @@ from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 from ringsplash.splash.guards import mosaic_tpu_guard, vmem_guard
+from ringsplash.splash.partial_tiles import partial_column_check
 from ringsplash.splash.tpu_tiles import NUM_LANES
 from ringsplash.splash.vmem import kernel_vmem
 
@@ -38,6 +39,7 @@ class StaticOperands(NamedTuple):
     uses_fn: bool  # some partial block has no stored block (partial_index -1): positions needed
     blocks: np.ndarray | None  # int8 [num_partials, bq, bkv] partial blocks, or None
     blocks_t: np.ndarray | None  # the same transposed, [num_partials, bkv, bq] (dK/dV kernel)
+    column_check: str | tuple  # how partial tiles find unattended kv columns (attended_columns.py)
 
 
 _STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()
@@ -54,6 +56,7 @@ def _static_operands(info: MaskInfo) -> StaticOperands:
         uses_fn=bool(needs_fn.any()),
         blocks=blocks,
         blocks_t=None if blocks is None else np.ascontiguousarray(np.swapaxes(blocks, 1, 2)),
+        column_check=partial_column_check(info),
     )
     _STATIC_CACHE[info] = ops
     return ops
@@ -107,6 +110,7 @@ def _mask_operands(ops: StaticOperands, q_pos, kv_pos, q_seg, kv_seg, *, transpo
         "kv_seg": kv_side(kv_seg),
         "mask_blocks_t" if transposed else "mask_blocks": None if blocks is None else jnp.asarray(blocks),
         "masks": ops.masks,
+        "column_check": ops.column_check,
     }
 
 

@@ -1,0 +1,66 @@
+"""How the Pallas kernels treat partial tiles, decided on the host: where a tile's mask comes
+from, and how its unattended kv columns are found.
+
+Banded masks (``Mask.band``: causal, sliding window and their intersections) build a partial
+tile from the positions with one compare per score (``_kernel_common.band_tile``), so their
+partial blocks are not stored (``partial_mode``): a stored block costs a DMA of the int8 block
+and its unpacking on every partial step. Other masks keep ``build_mask_info``'s ``"auto"``.
+
+A kv position that no query of a tile attends must not carry a NaN / Inf K or V into the tile's
+matmuls (the masked-values contract: ``_kernel_common.drop_unattended`` zeroes such rows). Reading
+the attended columns off the tile's scores costs a reduction over the whole tile, about a tenth of
+a partial tile's time on v5e. For banded masks (``Mask.band``) over q blocks of consecutive
+positions the host knows better:
+
+* ``"none"``: every partial tile attends every kv column (causal with aligned blocks): no check;
+* ``("band", lo, hi)``: a column is attended iff its position lies in ``[q_first - hi, q_last -
+  lo]`` (exact for consecutive q positions): the kernels test the kv positions, not the scores;
+* ``"scores"``: anything else (stored partial blocks, other masks, lists with different bands, q
+  blocks of scattered positions): the scores decide.
+
+Segment ids can leave more columns unattended; the kernels read the scores whenever they are given.
+"""
+
+import numpy as np
+
+from ringsplash.masks.base import PARTIAL, head_masks
+from ringsplash.splash.tile_masks import band_of
+
+__all__ = ["partial_column_check", "partial_mode"]
+
+
+def partial_mode(mask, backend: str) -> str:
+    """``build_mask_info``'s ``partial_mode`` for ``mask`` (a ``Mask`` or ``MultiHeadMask``) on
+    ``backend``: ``"function"`` when every head's mask is banded and a Pallas kernel runs it."""
+    if backend == "xla":
+        return "auto"
+    return "function" if all(band_of(m) is not None for m in head_masks(mask)) else "auto"
+
+
+def partial_column_check(info) -> str | tuple:
+    """``"none"``, ``("band", lo, hi)`` or ``"scores"`` for the partial tiles of ``info`` (every
+    list and shard pair), as in the module docstring; host work is linear in the entries."""
+    partial = info.kind == PARTIAL
+    if not partial.any():
+        return "none"
+    if (partial & (info.partial_index >= 0)).any():
+        return "scores"
+    lst, a, b, t = np.nonzero(partial)
+    bands = {band_of(info.masks[i]) for i in np.unique(lst)}
+    if len(bands) != 1 or None in bands:
+        return "scores"
+    (lo, hi), = bands
+    bq, bkv = info.block_shape
+    q_pos = np.asarray(info.q_positions).reshape(-1, bq)
+    if not np.array_equal(q_pos, q_pos[:, :1] + np.arange(bq)):
+        return "scores"
+    kv_pos = np.asarray(info.kv_positions).reshape(-1, bkv)
+    q_shard = a if info.q_shard_rows is None else np.asarray(info.q_shard_rows)[a]
+    qb = q_shard * info.q_blocks_per_shard + info.q_block[lst, a, b, t]
+    kb = b * info.kv_blocks_per_shard + info.kv_block[lst, a, b, t]
+    every = np.ones(qb.shape, bool)
+    if lo is not None:  # the last query reaches the block's last key
+        every &= kv_pos.max(1)[kb] <= q_pos[qb, -1] - lo
+    if hi is not None:  # the first query reaches the block's first key
+        every &= kv_pos.min(1)[kb] >= q_pos[qb, 0] - hi
+    return "none" if every.all() else ("band", lo, hi)
