@@ -104,6 +104,11 @@ def test_stored_blocks_and_unbanded_masks_read_the_scores():
     assert partial_column_check(info) == "scores"
     info = build_mask_info(masks.FullMask((S, S)), (64, 64), partial_mode="function")
     assert partial_column_check(info) == "none"  # no partial tile
+    # a multi-host ring's MaskInfo holds some q shards' lists (or none): never "none" from a subset
+    for rows in ((), (1,)):
+        info = build_mask_info(BANDED["causal_offset"], (32, 32), q_shards=4, kv_shards=4, q_shard_rows=rows,
+                               partial_mode="function")
+        assert partial_column_check(info) == "scores"
 
 
 N = 512  # the kernels' blocks are multiples of 128

@@ -4,7 +4,12 @@ from, and how its unattended kv columns are found.
 Banded masks (``Mask.band``: causal, sliding window and their intersections) build a partial
 tile from the positions with one compare per score (``_kernel_common.band_tile``), so their
 partial blocks are not stored (``partial_mode``): a stored block costs a DMA of the int8 block
-and its unpacking on every partial step. Other masks keep ``build_mask_info``'s ``"auto"``.
+and its unpacking on every partial step. Other masks keep ``build_mask_info``'s ``"auto"``. The
+price is the position operands: lane-replicated int32 columns of ``(len, 128)`` (512 bytes per
+token on each side the kernels read as a column). Only single-device Splash
+(``make_splash_attention``) takes this path; the context-parallel strategies keep stored blocks:
+there the positions columns raised the all-gather's compiled temporaries past its budget and
+moved USP's ring transfers off the kernels they overlapped (``tests/test_parallel_tpu_compile.py``).
 
 A kv position that no query of a tile attends must not carry a NaN / Inf K or V into the tile's
 matmuls (the masked-values contract: ``_kernel_common.drop_unattended`` zeroes such rows). Reading
@@ -16,7 +21,7 @@ positions the host knows better:
 * ``("band", lo, hi)``: a column is attended iff its position lies in ``[q_first - hi, q_last -
   lo]`` (exact for consecutive q positions): the kernels test the kv positions, not the scores;
 * ``"scores"``: anything else (stored partial blocks, other masks, lists with different bands, q
-  blocks of scattered positions): the scores decide.
+  blocks of scattered positions, a MaskInfo holding some q shards' lists only): the scores decide.
 
 Segment ids can leave more columns unattended; the kernels read the scores whenever they are given.
 """
@@ -40,6 +45,8 @@ def partial_mode(mask, backend: str) -> str:
 def partial_column_check(info) -> str | tuple:
     """``"none"``, ``("band", lo, hi)`` or ``"scores"`` for the partial tiles of ``info`` (every
     list and shard pair), as in the module docstring; host work is linear in the entries."""
+    if info.q_shard_rows is not None:  # the lists of some q shards only (a multi-host ring): the check
+        return "scores"  # must hold for every shard's tiles, and the scores are always right
     partial = info.kind == PARTIAL
     if not partial.any():
         return "none"
