@@ -99,7 +99,10 @@ def run_step(config, attention: str, args, *, batch: int, seq_len: int, timed: b
     state = step = None
     try:
         state = train.init_state(config, tc)
-        model, opt_state = state.model, state.opt_state
+        # on the mesh as the step returns them (replicated NamedSharding), so the first step compiles the
+        # program every later step runs: from init_state's uncommitted single-device arrays it compiled twice
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        model, opt_state = jax.device_put((state.model, state.opt_state), replicated)
         state = None
         step = train.make_train_step(config, train.make_optimizer(tc), mesh, loss_chunk=loss_chunk)
         host = make_batch(config, batch, seq_len, seed=0)
