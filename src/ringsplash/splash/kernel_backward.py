@@ -76,7 +76,7 @@ from ringsplash.splash.dkv_grid import (
     next_dkv_entry,
 )
 from ringsplash.splash.dq_accumulator import DqAccumulator
-from ringsplash.splash.tile_masks import attended_only, drop_unattended, scores_and_tanh, tile_mask
+from ringsplash.splash.tile_masks import attended_only, scores_and_tanh, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 # ----------------------------------------------------------------------------------------
@@ -132,11 +132,8 @@ def _dq_kernel(
         if mask is not None:  # masked scores MASK_VALUE: their p = exp(s - lse) is exactly 0
             s = jnp.where(mask, s, MASK_VALUE)
             t = None if t is None else jnp.where(mask, t, 0.0)  # a masked NaN K's tanh
-            if which == "partial" and q_seg_ref is None:
-                k, v = attended_only(s, k, v, transposed=False, check=column_check, q_pos_ref=q_pos_ref,
-                                     kv_pos_ref=kv_pos_ref)
-            else:
-                k, v = drop_unattended(s, k, v, transposed=False)
+            k, v = attended_only(s, k, v, which=which, segments=q_seg_ref is not None, transposed=False,
+                                 check=column_check, q_pos_ref=q_pos_ref, kv_pos_ref=kv_pos_ref)
         p = jnp.exp(s - lse_scr[:, :1])
         dp = lax.dot_general(do, v, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
         ds = _score_grad(p, dp, delta_scr[:, :1], t)
@@ -206,11 +203,8 @@ def _dkv_kernel(
         if mask is not None:  # masked scores MASK_VALUE: their p = exp2(s - lse) is exactly 0
             s = jnp.where(mask, s, MASK_VALUE)
             t = None if t is None else jnp.where(mask, t, 0.0)  # a masked NaN K's tanh
-            if which == "partial" and q_seg_ref is None:
-                k, v = attended_only(s, k, v, transposed=True, check=column_check, q_pos_ref=q_pos_ref,
-                                     kv_pos_ref=kv_pos_ref)
-            else:
-                k, v = drop_unattended(s, k, v, transposed=True)
+            k, v = attended_only(s, k, v, which=which, segments=q_seg_ref is not None, transposed=True,
+                                 check=column_check, q_pos_ref=q_pos_ref, kv_pos_ref=kv_pos_ref)
         p = jnp.exp2(s - lse_ref[...])
         dv_scr[...] += lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS,
                                        precision=precision, preferred_element_type=jnp.float32)

@@ -45,7 +45,7 @@ from ringsplash.splash._kernel_common import (
     tally_step,
     unpack_refs,
 )
-from ringsplash.splash.tile_masks import attended_only, drop_unattended, lane_tile, tile_mask
+from ringsplash.splash.tile_masks import attended_only, lane_tile, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 #: the running row max starts here: above MASK_VALUE (masked scores), below any real score
@@ -115,11 +115,8 @@ def _forward_kernel(
                 s = cap2 * jnp.tanh(s * (1.0 / cap2))
             if mask is not None:  # the mask's only use; masked scores are MASK_VALUE < M_START
                 s = jnp.where(mask, s, MASK_VALUE)
-                if which == "partial" and q_seg_ref is None:
-                    _, v = attended_only(s, None, v, transposed=False, check=column_check, q_pos_ref=q_pos_ref,
-                                         kv_pos_ref=kv_pos_ref, kv_cols=cols)
-                else:
-                    _, v = drop_unattended(s, None, v, transposed=False)
+                _, v = attended_only(s, None, v, which=which, segments=q_seg_ref is not None, transposed=False,
+                                     check=column_check, q_pos_ref=q_pos_ref, kv_pos_ref=kv_pos_ref, kv_cols=cols)
             # Online softmax in base 2: m = running row max, l = running sum of exp2(s - m),
             # acc = running sum of exp2(s - m) @ v, both rescaled by exp2(m_old - m_new).
             # m starts at M_START, above MASK_VALUE, so a masked score's exp2(s - m) is exactly 0

@@ -12,7 +12,7 @@ there the positions columns raised the all-gather's compiled temporaries past it
 moved USP's ring transfers off the kernels they overlapped (``tests/test_parallel_tpu_compile.py``).
 
 A kv position that no query of a tile attends must not carry a NaN / Inf K or V into the tile's
-matmuls (the masked-values contract: ``_kernel_common.drop_unattended`` zeroes such rows). Reading
+matmuls (the masked-values contract: ``tile_masks.drop_unattended`` zeroes such rows). Reading
 the attended columns off the tile's scores costs a reduction over the whole tile, about a tenth of
 a partial tile's time on v5e. For banded masks (``Mask.band``) over q blocks of consecutive
 positions the host knows better:

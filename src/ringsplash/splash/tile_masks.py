@@ -156,11 +156,15 @@ def drop_unattended(s, k, v, *, transposed):
     return zero(k), zero(v)
 
 
-def attended_only(s, k, v, *, transposed, check, q_pos_ref, kv_pos_ref, kv_cols=None):
-    """``drop_unattended`` for a partial tile without segment ids, as ``check`` (from
-    ``splash.attended_columns.partial_column_check``) allows: ``"none"`` returns ``k, v``
-    unchanged, ``("band", lo, hi)`` keeps the kv rows whose position lies in ``[q_first - hi,
-    q_last - lo]`` (the tile's q positions are consecutive), ``"scores"`` reads the scores."""
+def attended_only(s, k, v, *, which, segments, transposed, check, q_pos_ref, kv_pos_ref, kv_cols=None):
+    """``k, v`` with the rows of kv positions no query of the tile attends zeroed, for a tile of
+    kind ``which`` (``segments``: segment ids are given). A partial tile without segment ids goes
+    as ``check`` (``splash.partial_tiles.partial_column_check``) allows: ``"none"`` returns ``k,
+    v`` unchanged, ``("band", lo, hi)`` keeps the kv rows whose position lies in ``[q_first - hi,
+    q_last - lo]`` (the tile's q positions are consecutive); every other tile, and ``"scores"``,
+    reads the scores (``drop_unattended``)."""
+    if which != "partial" or segments:
+        check = "scores"
     if check == "none":
         return k, v
     if check == "scores":
