@@ -66,19 +66,17 @@ def mask_function_value(mask, q_pos, kv_pos):
     return _eval_without_int_sign(closed, q_pos, kv_pos)[0]
 
 
+_BAND_LIMIT = 1 << 29  # |q - kv - lo| stays far inside int32 for positions and bounds below this
+
+
 def band_of(mask):
     """``(lo, hi)`` when ``mask(q, kv)`` is exactly ``lo <= q - kv <= hi`` (a side None is
     unbounded; causal and sliding-window masks), else None. Bounds that could overflow the
     kernels' int32 differences are refused (None: the mask function is evaluated instead)."""
-    band = None if mask is None else getattr(mask, "band", lambda: None)()
-    if band is None or any(b is not None and abs(b) >= _BAND_LIMIT for b in band):
-        return None
-    if max(mask.shape) >= _BAND_LIMIT:
+    band = None if mask is None else mask.band()
+    if band is None or max(mask.shape) >= _BAND_LIMIT or any(b is not None and abs(b) >= _BAND_LIMIT for b in band):
         return None
     return band
-
-
-_BAND_LIMIT = 1 << 29  # |q - kv - lo| stays far inside int32 for positions and bounds below this
 
 
 def band_tile(band, col, row, *, transposed):
