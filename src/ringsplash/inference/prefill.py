@@ -25,6 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -36,6 +37,9 @@ from ringsplash.inference.checks import as_count, check_model
 from ringsplash.model import Transformer, TransformerConfig, abstract_model, attend, layer_segments
 from ringsplash.model.transformer import run_segment
 from ringsplash.splash.config import NUM_LANES
+
+#: tokens of the rows one step of the prefill's forward runs together (a bound on its activations)
+ROW_TOKENS = 32768
 
 
 class Prefilled(NamedTuple):
@@ -157,17 +161,26 @@ def prefill(
     if max_len % multiple:
         raise ValueError(f"max_len={max_len} must be a multiple of {multiple} on this mesh (devices on "
                          f"{axis_name!r} x 128-token kernel lanes)")
-    fwd_len = max_len if mesh is not None else forward_len(prompt_len)
-    pconfig = prefill_config(c, max(max_len, fwd_len), mesh, axis_name)
-    layout = "contiguous" if mesh is None else pconfig.context_parallel.layout
-    shards = check_mesh(mesh, axis_name)
-    logits, k, v = _prefill_jit(_with_config(model, pconfig), tokens, lengths, max_len=max_len, fwd_len=fwd_len,
-                                mesh=mesh, axis_name=axis_name, layout=layout, shards=shards, all_logits=all_logits)
-    perm = layouts.permutation(layout, max_len, shards)
+    program = prefill_program(model, prompt_len, max_len, mesh, axis_name, all_logits)
+    logits, k, v = program(tokens, lengths)
+    layout = "contiguous" if mesh is None else program.args[0].config.context_parallel.layout
+    perm = layouts.permutation(layout, max_len, check_mesh(mesh, axis_name))
     # lengths copied: generate donates the cache, and the caller may hold prompt_lengths
     cache = KVCache(k, v, jnp.array(lengths, copy=True), jnp.asarray(perm), model_key(c), layout, mesh,
                     axis_name if mesh else None)
     return Prefilled(logits, place(cache))
+
+
+def prefill_program(model: Transformer, prompt_len: int, max_len: int, mesh: Mesh | None = None,
+                    axis_name: str = "context", all_logits: bool = False) -> functools.partial:
+    """The jitted program ``prefill`` runs, bound to its model and static arguments: call it with
+    ``(tokens, prompt_lengths)`` (checked arrays, or abstract ones to compile it ahead of time)."""
+    fwd_len = max_len if mesh is not None else forward_len(prompt_len)
+    pconfig = prefill_config(model.config, max(max_len, fwd_len), mesh, axis_name)
+    layout = "contiguous" if mesh is None else pconfig.context_parallel.layout
+    return functools.partial(_prefill_jit, _with_config(model, pconfig), max_len=max_len, fwd_len=fwd_len,
+                             mesh=mesh, axis_name=axis_name, layout=layout, shards=check_mesh(mesh, axis_name),
+                             all_logits=all_logits)
 
 
 def _with_config(model: Transformer, config: TransformerConfig) -> Transformer:
@@ -195,21 +208,17 @@ def _prefill_jit(model, tokens, lengths, *, max_len, fwd_len, mesh, axis_name, l
     perm = jnp.asarray(layouts.permutation(layout, fwd_len, shards))
     laid = padded[:, perm]
     params, static = eqx.partition(model, eqx.is_array)
-    body = functools.partial(_forward, static=static, rope_len=max_len)
+    # each layer's keys / values leave the forward already as the cache's slots (cut or zero-padded to
+    # max_len, zeros past each row's prompt): a second cache-sized copy made after the forward pushed
+    # 8 x 32K tokens of the benchmark model past the chip's 16 GiB
+    body = functools.partial(_forward, static=static, rope_len=max_len, cache_len=max_len if mesh is None else None)
     if mesh is None:
-        hidden, k, v = body(params, laid, perm)
-        if fwd_len != max_len:  # the cache's slots: the forward's cut or padded (zeroed below)
-            keep_len = min(fwd_len, max_len)
-            pad = [(0, 0)] * 3 + [(0, max_len - keep_len), (0, 0)]
-            k, v = (jnp.pad(x[..., :keep_len, :], pad) for x in (k, v))
+        hidden, k, v = body(params, laid, perm, lengths)
     else:
         kv = cache_specs(axis_name)[0]
-        in_specs = (jax.tree.map(lambda _: P(), params), P(None, axis_name), P(axis_name))
+        in_specs = (jax.tree.map(lambda _: P(), params), P(None, axis_name), P(axis_name), P())
         hidden, k, v = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(None, axis_name), kv, kv),
-                                     check_vma=False)(params, laid, perm)
-    # slots past each row's prompt hold zeros, whatever length the forward ran over
-    held = jnp.asarray(layouts.permutation(layout, max_len, shards))[None, :] < lengths[:, None]
-    k, v = (jnp.where(held[None, :, None, :, None], x, 0) for x in (k, v))
+                                     check_vma=False)(params, laid, perm, lengths)
     inverse = jnp.asarray(layouts.inverse_permutation(layout, fwd_len, shards))
     if all_logits:
         h = hidden[:, inverse[:prompt_len]]
@@ -218,15 +227,27 @@ def _prefill_jit(model, tokens, lengths, *, max_len, fwd_len, mesh, axis_name, l
     return model.logits(h), k, v
 
 
-def _forward(params, tokens, positions, *, static, rope_len):
+def _forward(params, tokens, positions, lengths, *, static, rope_len, cache_len):
     """Final-normed hidden states ``[batch, seq, d]`` of the (local shard of) laid-out tokens and
-    every layer's keys / values ``[layers, batch, kv_heads, seq, d]``; RoPE reads ``rope_len`` as
-    the current length (the cache's, as decoding does)."""
+    every layer's keys / values as cache slots ``[layers, batch, kv_heads, slots, d]``: zero where the
+    token's position is past its row's ``lengths``, then cut or zero-padded to ``cache_len`` slots when
+    the forward ran over another length (single device: slot = position; None: a mesh's shard, kept).
+    RoPE reads ``rope_len`` as the current length (the cache's, as decoding does). Rows run
+    ``ROW_TOKENS // seq`` at a time (at least one), so the activations held at once stay bounded
+    whatever the batch."""
     model = eqx.combine(params, static)
     c = model.config
+
+    def as_slots(x, length):
+        x = jnp.where((positions < length)[None, :, None], x, 0)
+        if cache_len is None or x.shape[1] == cache_len:  # None: a mesh's shard, already the cache's
+            return x
+        keep = min(x.shape[1], cache_len)
+        return jnp.pad(x[:, :keep], ((0, 0), (0, cache_len - keep), (0, 0)))
+
     dynamic, layer_static = eqx.partition(model.layers, eqx.is_array)
 
-    def row(tok):
+    def row(tok, length):
         x = model.embed(tok)
 
         def step_for(kind):
@@ -236,7 +257,7 @@ def _forward(params, tokens, positions, *, static, rope_len):
                 def attention(module, hn):
                     q, k, v = module.project_qkv(hn, positions, rope_len=rope_len, layer_type=kind)
                     out = attend(c, q, k, v, None, module.sinks, layer_type=kind)
-                    return module.project_out(out), (k, v)
+                    return module.project_out(out), (as_slots(k, length), as_slots(v, length))
 
                 return layer.apply(h, attention)
 
@@ -250,8 +271,19 @@ def _forward(params, tokens, positions, *, static, rope_len):
             vs.append(v)
         return model.final_norm(x), jnp.concatenate(ks), jnp.concatenate(vs)
 
-    hidden, k, v = jax.vmap(row)(tokens)
-    return hidden, k.swapaxes(0, 1), v.swapaxes(0, 1)
+    batch, seq = tokens.shape
+    rows = max(r for r in range(1, batch + 1) if batch % r == 0 and (r == 1 or r * seq <= ROW_TOKENS))
+
+    def rows_step(kv, i):  # rows [i * rows, (i + 1) * rows): their keys / values written into the cache's slots
+        span = (lax.dynamic_slice_in_dim(x, i * rows, rows) for x in (tokens, lengths))
+        hidden, *new = jax.vmap(row)(*span)
+        kv = tuple(lax.dynamic_update_slice_in_dim(a, b.swapaxes(0, 1), i * rows, axis=1) for a, b in zip(kv, new))
+        return kv, hidden
+
+    _, *one = jax.eval_shape(row, tokens[0], lengths[0])  # one row's [layers, kv_heads, slots, d]
+    empty = tuple(jnp.zeros((x.shape[0], batch, *x.shape[1:]), x.dtype) for x in one)
+    (k, v), hidden = lax.scan(rows_step, empty, jnp.arange(batch // rows))
+    return hidden.reshape(batch, *hidden.shape[2:]), k, v
 
 
-__all__ = ["Prefilled", "cache_multiple", "check_prompts", "forward_len", "prefill", "prefill_config"]
+__all__ = ["Prefilled", "cache_multiple", "check_prompts", "forward_len", "prefill", "prefill_config", "prefill_program"]
