@@ -3,6 +3,7 @@
 continuing a run's checkpoints to more steps. Scripts only: the library never imports it."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -12,6 +13,29 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ------------------------------------------------------------------------------------ platform
+
+
+def choose_devices(config, *, cpu_context: int, other: int = 1, shards_context: bool = True):
+    """Choose where the run computes (``distributed.choose_platform``: the TPU when there is one, else
+    the CPU) and return ``config`` with ``--context-parallel 0`` (auto) resolved: ``cpu_context``
+    simulated devices on the CPU; on an accelerator, every device the run sees over the ``other``
+    mesh positions (``--data-parallel`` x ``--ulysses-parallel``); 1 when the attention shards over
+    none (``shards_context`` False). A number given is kept. Call it before anything starts JAX."""
+    from ringsplash import distributed
+
+    given = config.context_parallel
+    context = (given or cpu_context) if shards_context else 1
+    platform = distributed.choose_platform(other * context)
+    if given:
+        return config
+    if shards_context and platform.split(",")[0] != "cpu":
+        import jax
+
+        context = jax.device_count() // other
+        if context < 1:
+            raise flag_error("context_parallel", given, f"a device count: {jax.device_count()} devices cannot hold "
+                             f"the {other} positions of the other mesh axes")
+    return dataclasses.replace(config, context_parallel=context)
 
 
 # ------------------------------------------------------------------------------------ flags

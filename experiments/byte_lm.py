@@ -37,6 +37,7 @@ from _runtime import (
     DTYPES,
     check_block,
     check_flags,
+    choose_devices,
     continue_to,
     run_script,
     splash_config,
@@ -75,7 +76,9 @@ class Config:
     #: parameters: the usual choice on a TPU)
     compute_dtype: str = "float32"
     data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
-    context_parallel: int = 4  # devices on the ring (attention="ring" only; otherwise 1)
+    #: devices on the ring (attention="ring" only; otherwise 1); 0 = auto: 4 simulated devices on the CPU,
+    #: every device (over --data-parallel) on a TPU
+    context_parallel: int = 0
     steps: int = 300  # training steps
     batch_size: int = 8  # global rows per step
     learning_rate: float = 2e-3  # peak AdamW learning rate (warmup, then cosine decay)
@@ -98,8 +101,8 @@ class Config:
                                    "backend": BACKENDS, "packing": POLICIES, "param_dtype": DTYPES,
                                    "compute_dtype": DTYPES},
                     positive=("seq_len", "d_model", "num_layers", "num_heads", "mlp_multiple", "data_parallel",
-                              "context_parallel", "steps", "batch_size", "eval_batches", "log_every"),
-                    non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every"))
+                              "steps", "batch_size", "eval_batches", "log_every"),
+                    non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every", "context_parallel"))
         check_block(self)
         if self.data and not self.heldout:
             raise ValueError(f"--data {self.data!r} needs --heldout: a corpus of other documents (tokenized apart "
@@ -120,6 +123,9 @@ def model_config(config: Config, vocab_size: int = 256):
     from ringsplash.model import ContextParallel, TransformerConfig
 
     cp = ContextParallel(layout=config.layout)
+    if config.attention == "ring" and not config.context_parallel:
+        raise ValueError("--context-parallel 0 (auto) is resolved by main() (_runtime.choose_devices) before the "
+                         "model config is built: pass a device count")
     cp = cp.on_axis(None, config.context_parallel, "ring") if config.attention == "ring" else cp.single_device(
         config.attention)
     return TransformerConfig(
@@ -161,7 +167,8 @@ BUCKETS = (0, 8, 32, 128, 256, 512, 1024, 2048, 4096)
 def main(config: Config, hooks=()) -> dict:
     # hooks: more train.fit hooks for every training run (the tests install one that kills the process mid-run)
     # the TPU when there is one, else the CPU with a simulated device per mesh position
-    distributed.choose_platform(config.data_parallel * (config.context_parallel if config.attention == "ring" else 1))
+    config = choose_devices(config, cpu_context=4, other=config.data_parallel,
+                            shards_context=config.attention == "ring")
     import numpy as np
     import optax
 

@@ -55,6 +55,7 @@ from _runtime import (
     DTYPES,
     check_block,
     check_flags,
+    choose_devices,
     continue_to,
     run_script,
     splash_config,
@@ -98,7 +99,8 @@ class Config:
     finetune_steps: int = 150  # long finetune steps per method
     finetune_batch: int = 2  # rows per finetune step (each factor x base_len tokens)
     finetune_lr: float = 1e-3  # finetune peak learning rate
-    context_parallel: int = 8  # devices of the finetune's ring
+    #: devices of the finetune's ring; 0 = auto: 8 simulated devices on the CPU, every device on a TPU
+    context_parallel: int = 0
     layout: str = "zigzag"  # token layout over the ring: contiguous | zigzag | striped
     backend: str = "auto"  # Splash backend: auto (mosaic_tpu on a TPU, xla elsewhere) | mosaic_tpu | interpret | xla
     block: int = 0  # Splash block size (tokens, a multiple of 128); 0 = auto: the blocks tuned for the platform
@@ -133,7 +135,10 @@ class Config:
                              f"in [0, 1)")
         if not self.init_from and self.base_len < 128:
             raise ValueError(f"--base-len base_len={self.base_len} is not accepted: expected >= 128")
-        for name in ("base_steps", "finetune_steps", "base_batch", "finetune_batch", "context_parallel", "eval_docs",
+        if self.context_parallel < 0:
+            raise ValueError(f"--context-parallel context_parallel={self.context_parallel} is not accepted: expected "
+                             f">= 0 (0 = auto)")
+        for name in ("base_steps", "finetune_steps", "base_batch", "finetune_batch", "eval_docs",
                      "passkey_samples", "passkey_docs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {name}={getattr(self, name)} is not accepted: "
@@ -188,6 +193,9 @@ def extended(base, method: str, factor: int, base_len: int):
 
 def on_ring(c, config: Config):
     """``c`` with its attention as the finetune's ring over ``config.context_parallel`` devices."""
+    if not config.context_parallel:
+        raise ValueError("--context-parallel 0 (auto) is resolved by main() (_runtime.choose_devices) before the "
+                         "ring is built: pass a device count")
     cp = c.context_parallel.on_axis(None, config.context_parallel, "ring", layout=config.layout)
     return c.replace(context_parallel=cp, splash=splash_config(config))
 
@@ -391,7 +399,7 @@ def _finetune_dir(run_dir: str, method: str, base_step: int | None) -> str:
 def main(config: Config, hooks=()) -> dict:
     # hooks: more train.fit hooks for every training run (the tests install one that kills the process mid-run)
     # the TPU when there is one, else the CPU with a simulated device per member of the ring
-    distributed.choose_platform(config.context_parallel)
+    config = choose_devices(config, cpu_context=8)
     import numpy as np
 
     from ringsplash import checkpoints, data, evals, train

@@ -4,11 +4,14 @@
     python experiments/train_long_context.py --checkpoint-every 50 --run-dir runs/long  # resumable
     python experiments/train_long_context.py --run-dir runs/long                        # ... resume it
     python experiments/train_long_context.py --run-dir runs/long --steps 1400           # ... continue it further
-    python experiments/train_long_context.py --context-parallel 1 --attention splash --compute-dtype bfloat16  # 1 TPU
+    python experiments/train_long_context.py --attention splash --compute-dtype bfloat16  # one TPU chip (auto)
+    python experiments/train_long_context.py --attention splash --compute-dtype bfloat16 --seq-len 65536 \
+        --rope-theta 500000 --curriculum 16:0.1,64:0.1,256:0.1,1024:0.1,4096:0.15,16384:0.15  # 64K, one v5e: 4 min
     python experiments/train_long_context.py --qk-clip-threshold 20   # QK-clip (max logits in the metrics)
     python experiments/train_long_context.py --help     # every option
 
-The task, the curriculum and resuming: README.md ("The main job") and docs/training.md.
+On the CPU the ring runs over 4 simulated devices; on a TPU over every device (``--context-parallel 0``).
+The task, the curriculum and resuming: README.md ("The main job") and docs/training.md; the TPU runs: docs/tpu.md.
 """
 
 import dataclasses
@@ -22,6 +25,7 @@ from _runtime import (
     DTYPES,
     check_block,
     check_flags,
+    choose_devices,
     continue_to,
     run_script,
     splash_config,
@@ -75,7 +79,9 @@ class Config:
     compute_dtype: str = "float32"
     # parallelism (on CPU: simulated devices = data_parallel * context_parallel * ulysses_parallel)
     data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
-    context_parallel: int = 4  # devices on the mesh's context axis (the sequence is sharded over them)
+    #: devices on the mesh's context axis (the sequence is sharded over them); 0 = auto: 4 simulated
+    #: devices on the CPU, every device (over --data-parallel x --ulysses-parallel) on a TPU
+    context_parallel: int = 0
     ulysses_parallel: int = 1  # devices on the mesh's ulysses axis (attention="usp" only)
     # optimisation
     steps: int = 700  # training steps
@@ -105,9 +111,9 @@ class Config:
         check_flags(self, choices={"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS,
                                    "backend": BACKENDS, "param_dtype": DTYPES, "compute_dtype": DTYPES},
                     positive=("seq_len", "num_pairs", "num_queries", "num_keys", "num_values", "num_filler", "d_model",
-                              "num_layers", "num_heads", "num_kv_heads", "data_parallel", "context_parallel",
-                              "ulysses_parallel", "steps", "batch_size", "eval_batches", "log_every"),
-                    non_negative=("head_dim", "warmup_steps", "eval_every", "checkpoint_every"))
+                              "num_layers", "num_heads", "num_kv_heads", "data_parallel", "ulysses_parallel", "steps",
+                              "batch_size", "eval_batches", "log_every"),
+                    non_negative=("head_dim", "warmup_steps", "eval_every", "checkpoint_every", "context_parallel"))
         check_block(self)
         curriculum(self)  # its format (each error names --curriculum)
 
@@ -147,6 +153,9 @@ def context_parallel(config: Config):
     from ringsplash.model import ContextParallel
     from ringsplash.model.parallelism import RULES
 
+    if not config.context_parallel:
+        raise ValueError("--context-parallel 0 (auto) is resolved by main() (_runtime.choose_devices) before the "
+                         "model config is built: pass a device count")
     roles = RULES[config.attention].roles
     if len(roles) == 2:  # USP: the ring across, Ulysses inside
         return ContextParallel(config.attention, ring_size=config.context_parallel,
@@ -179,7 +188,7 @@ def episode_len_at(stages, step: int) -> int:
 def main(config: Config, hooks=()) -> dict:
     # hooks: more train.fit hooks for every training run (the tests install one that kills the process mid-run)
     # the TPU when there is one, else the CPU with a simulated device per mesh position
-    distributed.choose_platform(config.data_parallel * config.context_parallel * config.ulysses_parallel)
+    config = choose_devices(config, cpu_context=4, other=config.data_parallel * config.ulysses_parallel)
     from ringsplash import checkpoints, data, train
 
     t_start = time.perf_counter()

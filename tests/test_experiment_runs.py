@@ -265,21 +265,53 @@ def test_tpu_is_detected_from_its_device_files(monkeypatch):
     assert distributed.tpu_present()  # v2 - v5e
 
 
+def test_context_parallel_auto_is_the_simulated_devices_on_cpu_and_every_device_on_a_tpu(monkeypatch):
+    """``--context-parallel 0`` (the default): 4 (8 for extend_context) simulated CPU devices, or every
+    device of a TPU over the other mesh axes; a count given is kept; the model config refuses 0."""
+    import jax
+
+    from ringsplash import distributed
+
+    main_job, byte_lm = _job("train_long_context"), _job("byte_lm")
+    runtime = sys.modules["_runtime"]
+    default = main_job.parse_args([])
+    assert default.context_parallel == 0
+    assert runtime.choose_devices(default, cpu_context=4).context_parallel == 4  # this process: the CPU
+    monkeypatch.setattr(distributed, "choose_platform", lambda cpu_devices=1: "tpu")
+    for devices, other, expected in ((1, 1, 1), (8, 1, 8), (8, 2, 4)):
+        monkeypatch.setattr(jax, "device_count", lambda devices=devices: devices)
+        assert runtime.choose_devices(default, cpu_context=4, other=other).context_parallel == expected
+    assert runtime.choose_devices(main_job.parse_args(["--context-parallel", "2"]), cpu_context=4).context_parallel == 2
+    splash = byte_lm.parse_args(["--attention", "splash"])
+    assert runtime.choose_devices(splash, cpu_context=4, shards_context=False).context_parallel == 1
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"--context-parallel 0 is not accepted: expected a device count: 1 devices"):
+        runtime.choose_devices(default, cpu_context=4, other=2)
+    with pytest.raises(ValueError, match=r"--context-parallel 0 \(auto\) is resolved by main\(\)"):
+        main_job.make_model_config(default, 100)
+
+
 def test_dtype_backend_and_block_flags_reach_the_model_config():
     dtypes = ["--param-dtype", "float32", "--compute-dtype", "bfloat16"]
     byte_lm, main_job, extend = _job("byte_lm"), _job("train_long_context"), _job("extend_context")
+    runtime = sys.modules["_runtime"]
+    # --context-parallel 0 (auto) is resolved by each main(), as here (this process computes on the CPU)
+    kernel = ["--block", "256", "--backend", "xla"]
+    byte_cfg, main_cfg, extend_cfg = (runtime.choose_devices(job.parse_args(argv), cpu_context=4) for job, argv in
+                                      ((byte_lm, dtypes + kernel), (main_job, dtypes + kernel), (extend, kernel)))
     configs = [
-        byte_lm.model_config(byte_lm.parse_args([*dtypes, "--block", "256", "--backend", "xla"])),
-        main_job.make_model_config(main_job.parse_args([*dtypes, "--block", "256", "--backend", "xla"]), 100),
-        extend.base_model_config(extend.parse_args([*dtypes, "--block", "256", "--backend", "xla"]), 100),
+        byte_lm.model_config(byte_cfg),
+        main_job.make_model_config(main_cfg, 100),
+        extend.base_model_config(extend.parse_args(dtypes + kernel), 100),
     ]
     for c in configs:
         assert (c.param_dtype, c.compute_dtype) == ("float32", "bfloat16")
         assert (c.splash.backend, c.splash.block_q, c.splash.block_kv, c.splash.block_kv_dkv) == ("xla", 256, 256, 256)
-    ring = extend.on_ring(configs[2], extend.parse_args(["--block", "256", "--backend", "xla"]))
+    ring = extend.on_ring(configs[2], extend_cfg)
     assert (ring.splash.backend, ring.splash.block_q) == ("xla", 256)
     # by default: the fast choice for the platform (auto backend, tuned blocks), float32
-    defaults = [byte_lm.model_config(byte_lm.parse_args([])), main_job.make_model_config(main_job.parse_args([]), 100),
+    defaults = [byte_lm.model_config(runtime.choose_devices(byte_lm.parse_args([]), cpu_context=4)),
+                main_job.make_model_config(runtime.choose_devices(main_job.parse_args([]), cpu_context=4), 100),
                 extend.base_model_config(extend.parse_args([]), 100)]
     for c in defaults:
         assert (c.param_dtype, c.compute_dtype, c.splash.backend) == ("float32", "float32", "auto")

@@ -286,4 +286,5 @@ def _forward(params, tokens, positions, lengths, *, static, rope_len, cache_len)
     return hidden.reshape(batch, *hidden.shape[2:]), k, v
 
 
-__all__ = ["Prefilled", "cache_multiple", "check_prompts", "forward_len", "prefill", "prefill_config", "prefill_program"]
+__all__ = ["Prefilled", "cache_multiple", "check_prompts", "forward_len", "prefill", "prefill_config",
+           "prefill_program"]
