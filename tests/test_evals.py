@@ -430,9 +430,11 @@ def test_lm_eval_finds_ringsplash_through_its_entry_point():
 
         declared = tomllib.load(f)["project"]["entry-points"]["lm_eval.models"]
     assert declared == {"ringsplash": ep.value}  # the installed metadata is the checkout's
+    import lm_eval.models  # noqa: F401  the built-in names (and the start-up hook's registration)
+
     saved = dict(registry.model_registry._objs)
     try:
-        registry.model_registry._objs.pop("ringsplash", None)  # as in a fresh lm_eval process
+        registry.model_registry._objs.pop("ringsplash", None)  # as in a fresh lm_eval process without the hook
         assert "ringsplash" in lm_eval_cli.register_entry_points()
         assert "hf" in registry.model_registry  # built-in names are kept
         from ringsplash.evals.lm_eval_adapter import RingsplashLM
@@ -443,24 +445,60 @@ def test_lm_eval_finds_ringsplash_through_its_entry_point():
         registry.model_registry._objs.update(saved)
 
 
+def test_a_fresh_python_process_resolves_model_ringsplash_without_importing_it():
+    """The installed start-up file (``ringsplash-lm-eval.pth``) registers the entry point when lm-eval
+    fills its registry, in any process, and imports neither ringsplash nor JAX before that."""
+    import subprocess
+
+    code = ("import sys; early = sorted(m for m in ('jax', 'ringsplash', 'lm_eval') if m in sys.modules); "
+            "from lm_eval.api.registry import get_model, model_registry; cls = get_model('ringsplash'); "
+            "print(early, cls.__module__, cls.__name__, 'dummy' in model_registry)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=pathlib.Path(__file__).parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["[]", "ringsplash.evals.lm_eval_adapter", "RingsplashLM", "True"]
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_the_lm_eval_start_up_file(tmp_path):
+    """A (non-editable) wheel puts ``ringsplash-lm-eval.pth`` and its module at the top of site-packages."""
+    import subprocess
+    import zipfile
+
+    root = pathlib.Path(__file__).parents[1]
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path), str(root)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = tmp_path.glob("ringsplash-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"ringsplash-lm-eval.pth", "_ringsplash_lm_eval.py", "ringsplash/evals/lm_eval_adapter.py"} <= names
+    assert zipfile.ZipFile(wheel).read("ringsplash-lm-eval.pth") == (root / "src" / "ringsplash-lm-eval.pth").read_bytes()
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_lm_eval_cli_runs_model_ringsplash_on_a_local_task(hf_dir, tmp_path):
-    """lm-eval's own CLI (``run --model ringsplash --model_args ...``, through ``python -m
-    ringsplash.evals.lm_eval_cli``: lm-eval 0.4.13 reads no entry points) scores a local task; a
-    typo in --model_args fails naming it."""
+@pytest.mark.parametrize("command", ["lm_eval", "python -m ringsplash.evals.lm_eval_cli"])
+def test_lm_eval_cli_runs_model_ringsplash_on_a_local_task(hf_dir, tmp_path, command):
+    """lm-eval's own CLI (``lm_eval run --model ringsplash --model_args ...``, the console script
+    installed with lm-eval; and the module for an uninstalled checkout) scores a local task; a typo
+    in --model_args fails naming it."""
     import subprocess
 
     src = pathlib.Path(__file__).parent / "support" / "lm_eval_tasks" / "rs_local_mc.yaml"
     (tmp_path / "rs_local_mc.yaml").write_text(src.read_text().replace("DATA", str(tmp_path)))
     _write_jsonl(tmp_path / "mc.jsonl", [{"question": "The sky is", "choices": ["blue", "green"], "answer": 0}])
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    if command == "lm_eval":
+        prefix = [str(pathlib.Path(sys.executable).parent / "lm_eval")]
+        env.pop("PYTHONPATH", None)  # what the installed package gives, nothing from the test session
+    else:
+        prefix = [sys.executable, "-m", "ringsplash.evals.lm_eval_cli"]
 
     def run(model_args):
-        return subprocess.run([sys.executable, "-m", "ringsplash.evals.lm_eval_cli", "run", "--model", "ringsplash",
-                               "--model_args", model_args, "--tasks", "rs_local_mc", "--include_path",
-                               str(tmp_path), "--output_path", str(tmp_path / "out"), "--device", "cpu"],
-                              capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        return subprocess.run([*prefix, "run", "--model", "ringsplash", "--model_args", model_args, "--tasks",
+                               "rs_local_mc", "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out"),
+                               "--device", "cpu"], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
 
     r = run(f"pretrained={hf_dir},tokenizer=bytes,attention=reference,max_length=256")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -2,22 +2,19 @@
 runs: the same subcommands and flags) with the installed ``lm_eval.models`` entry points registered
 first, so that ``--model ringsplash`` resolves:
 
-    python -m ringsplash.evals.lm_eval_cli run --model ringsplash \\
-        --model_args pretrained=DIR,tokenizer=bytes --tasks my_task --include_path my_tasks/
+    lm_eval run --model ringsplash --model_args pretrained=DIR,tokenizer=bytes --tasks my_task --include_path my_tasks/
 
-ringsplash declares the entry point ``ringsplash = "ringsplash.evals.lm_eval_adapter:RingsplashLM"``
-in the group ``lm_eval.models`` (pyproject.toml). lm-eval versions with plugin discovery read that
-group themselves, and there plain ``lm_eval --model ringsplash`` works; released lm-eval up to
-0.4.13 only knows its built-in names and the classes already imported, and this module does the
-discovery for them. Entry points are registered lazily (imported when the model is asked for) and
-never replace a built-in name, as lm-eval's own discovery does.
+works by itself once ringsplash is installed (``pip install``: ``ringsplash-lm-eval.pth`` registers
+the group whenever lm-eval fills its registry, see ``_ringsplash_lm_eval``). This module is the same
+command for a checkout used without installing it (``PYTHONPATH=src``), where no start-up file runs.
+Entry points are registered lazily (imported when the model is asked for) and never replace a
+built-in name.
 """
 
-import importlib.metadata as md
 import sys
 
-#: the entry-point group lm-eval's plugin discovery reads for model backends
-ENTRY_POINT_GROUP = "lm_eval.models"
+from _ringsplash_lm_eval import ENTRY_POINT_GROUP
+from _ringsplash_lm_eval import register_entry_points as _register
 
 
 def register_entry_points() -> list[str]:
@@ -26,15 +23,7 @@ def register_entry_points() -> list[str]:
     import lm_eval.models  # noqa: F401  built-in names first (lm-eval registers them only into an empty registry)
     from lm_eval.api.registry import model_registry
 
-    added = []
-    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in model_registry:
-            continue
-        # "module:Class" (not the EntryPoint): the class's own @register_model then upgrades it in place
-        target = ep.value if ep.attr and "." not in ep.attr and "[" not in ep.value else ep
-        model_registry.register(ep.name, target=target)
-        added.append(ep.name)
-    return added
+    return _register(model_registry)
 
 
 def main(argv: list[str] | None = None) -> None:
