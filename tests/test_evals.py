@@ -467,7 +467,7 @@ def test_the_wheel_installs_the_lm_eval_start_up_file(tmp_path):
     import zipfile
 
     root = pathlib.Path(__file__).parents[1]
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
                         str(tmp_path), str(root)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = tmp_path.glob("ringsplash-*.whl")
