@@ -489,8 +489,10 @@ def test_lm_eval_cli_runs_model_ringsplash_on_a_local_task(hf_dir, tmp_path, com
     (tmp_path / "rs_local_mc.yaml").write_text(src.read_text().replace("DATA", str(tmp_path)))
     _write_jsonl(tmp_path / "mc.jsonl", [{"question": "The sky is", "choices": ["blue", "green"], "answer": 0}])
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    if command == "lm_eval":
-        prefix = [str(pathlib.Path(sys.executable).parent / "lm_eval")]
+    if command == "lm_eval":  # the console script pip installed beside this python (else what it runs)
+        script = pathlib.Path(sys.executable).parent / "lm_eval"
+        prefix = [str(script)] if script.exists() else [
+            sys.executable, "-c", "import sys; from lm_eval.__main__ import cli_evaluate; sys.exit(cli_evaluate())"]
         env.pop("PYTHONPATH", None)  # what the installed package gives, nothing from the test session
     else:
         prefix = [sys.executable, "-m", "ringsplash.evals.lm_eval_cli"]

@@ -134,17 +134,18 @@ def test_byte_lm_takes_a_preset_and_overrides():
 
     default = byte_lm.parse_args([])
     assert default == byte_lm.Config() and default.preset == ""  # no preset: the experiment's own model
-    mc = byte_lm.model_config(default)
+    ring = ["--context-parallel", "4"]  # main() resolves the default (0: auto) before it builds the model config
+    mc = byte_lm.model_config(byte_lm.parse_args(ring))
     assert (mc.vocab_size, mc.d_model, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim) == (256, 128, 3, 4,
                                                                                                       4, 32)
-    got = byte_lm.parse_args(["--preset", "1b", "--num-layers", "2", "--rope-theta", "1000", "--seq-len", "512"])
+    got = byte_lm.parse_args(["--preset", "1b", "--num-layers", "2", "--rope-theta", "1000", "--seq-len", "512", *ring])
     assert (got.d_model, got.num_layers, got.num_heads, got.num_kv_heads, got.head_dim, got.mlp_ratio,
             got.mlp_multiple, got.rope_theta) == (2048, 2, 16, 8, 128, 4.0, 256, 1000.0)
     mc = byte_lm.model_config(got)
     want = preset("1b", num_layers=2, rope_theta=1000.0, vocab_size=256, max_seq_len=512)
     assert (mc.vocab_size, mc.d_model, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.mlp_hidden,
             mc.rope_theta) == (want.vocab_size, want.d_model, 2, 16, 8, 128, 8192, 1000.0)
-    tiny = byte_lm.model_config(byte_lm.parse_args(["--preset", "tiny"]))
+    tiny = byte_lm.model_config(byte_lm.parse_args(["--preset", "tiny", *ring]))
     assert (tiny.vocab_size, tiny.d_model, tiny.num_layers, tiny.num_heads, tiny.mlp_ratio) == (256, 64, 2, 1, 2.0)
 
 
