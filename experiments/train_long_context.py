@@ -1,6 +1,6 @@
 """The main job: long-context multi-query associative recall, trained with ring attention.
 
-    python experiments/train_long_context.py            # the default run (about 4 minutes on 2 quiet CPU cores)
+    python experiments/train_long_context.py            # the default run (3.5 minutes on 2 quiet CPU cores)
     python experiments/train_long_context.py --checkpoint-every 50 --run-dir runs/long  # resumable
     python experiments/train_long_context.py --run-dir runs/long                        # ... resume it
     python experiments/train_long_context.py --run-dir runs/long --steps 1400           # ... continue it further
