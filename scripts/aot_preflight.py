@@ -86,6 +86,9 @@ class Config:
     #: search the longest seq_len that fits (doubling from --seq-len, then bisecting)
     find_max_seq_len: bool = False
     max_search_len: int = 1 << 24  # the search stops doubling here
+    #: search the most layers that fit at --seq-len (doubling from --num-layers, then bisecting)
+    find_max_layers: bool = False
+    max_search_layers: int = 512  # the layer search stops doubling here
 
 
 def parse_args(argv=None) -> Config:
@@ -190,8 +193,8 @@ def compile_step(config: Config):
     mesh = aot.topology_mesh(config.topology, (train.DATA, train.CONTEXT), (data, context))
     model_config = build_model_config(config, **run_options(config, context))
     rows = config.batch_size or data
-    tc = train.TrainConfig(steps=1000, batch_size=rows, data_parallel=data, context_parallel=context, warmup_steps=10,
-                           fsdp=config.fsdp, loss_chunk=config.loss_chunk)
+    tc = train.TrainConfig(steps=1000, batch_size=rows, data_parallel=data, warmup_steps=10, fsdp=config.fsdp,
+                           loss_chunk=config.loss_chunk)  # the context axis: the model's (context_parallel)
     optimizer = train.make_optimizer(tc)
     plan = train.sharding_plan(model_config, mesh, tc.fsdp)
 
@@ -323,59 +326,91 @@ def attempt(config: Config):
     return fits, total, compiled, info, "" if fits else "over the HBM limit"
 
 
-def find_max_seq_len(config: Config) -> int:
-    """Double ``seq_len`` while the step fits, then bisect in multiples of the granularity."""
-    n = aot.topology_devices(config.topology).size
-    _, context = _mesh_shape(config, n)
-    g = granularity(config, context)
-    tried = {}
-
-    def fits(s: int) -> bool:
-        if s not in tried:
-            ok, total, compiled, info, reason = attempt(dataclasses.replace(config, seq_len=s))
-            tried[s] = (ok, compiled, info)
-            used = f"{total / GiB:.3f} GiB" if total is not None else "-"
-            print(f"  seq_len {s:>9d}: {'fits' if ok else 'does not fit'} ({used}{'; ' + reason if reason else ''})",
-                  flush=True)
-        return tried[s][0]
-
-    print(f"searching the longest sequence on {config.topology} (granularity {g} tokens):", flush=True)
-    s = max(g, config.seq_len // g * g)
+def _largest(fits, start: int, step: int, cap: int) -> tuple[int, bool]:
+    """The largest multiple of ``step`` (>= ``step``) with ``fits``: doubling from ``start`` (halving when it
+    does not fit), then bisecting; (0, False) when not even ``step`` fits; the flag: the search hit ``cap``."""
+    s = max(step, start // step * step)
     lo = hi = None
     if fits(s):
         lo = s
-        while 2 * lo <= config.max_search_len and fits(2 * lo):
+        while 2 * lo <= cap and fits(2 * lo):
             lo *= 2
         hi = 2 * lo
     else:
         hi = s
-        while hi > g:
-            cand = max(g, hi // 2 // g * g)
+        while hi > step:
+            cand = max(step, hi // 2 // step * step)
             if fits(cand):
                 lo = cand
                 break
             hi = cand
     if lo is None:
-        print(f"nothing fits, not even seq_len={g}")
-        return 0
-    while hi - lo > g and lo < config.max_search_len:
-        mid = (lo + hi) // 2 // g * g
+        return 0, False
+    while hi - lo > step and lo < cap:
+        mid = (lo + hi) // 2 // step * step
         if mid <= lo:
             break
         if fits(mid):
             lo = mid
         else:
             hi = mid
-    capped = " (the search stops at --max-search-len; longer may fit)" if lo >= config.max_search_len else ""
-    print(f"longest sequence that fits: {lo} tokens{capped}")
-    _, compiled, info = tried[lo]
-    report(dataclasses.replace(config, seq_len=lo), compiled, info)
-    return lo
+    return lo, lo >= cap
+
+
+def _search(config: Config, field: str, step: int, cap: int, what: str, cap_flag: str) -> int:
+    """``_largest`` over ``config.<field>`` (each candidate one compile, printed), then the report at the
+    largest value that fits; 0 when none does."""
+    tried = {}
+
+    def fits(value: int) -> bool:
+        if value not in tried:
+            ok, total, compiled, info, reason = attempt(dataclasses.replace(config, **{field: value}))
+            tried[value] = (ok, compiled, info)
+            used = f"{total / GiB:.3f} GiB" if total is not None else "-"
+            print(f"  {field} {value:>9d}: {'fits' if ok else 'does not fit'} ({used}{'; ' + reason if reason else ''})",
+                  flush=True)
+        return tried[value][0]
+
+    best, capped = _largest(fits, getattr(config, field), step, cap)
+    if not best:
+        print(f"nothing fits, not even {field}={step}")
+        return 0
+    more = f" (the search stops at {cap_flag}; more may fit)" if capped else ""
+    print(f"{what}: {best}{more}")
+    _, compiled, info = tried[best]
+    report(dataclasses.replace(config, **{field: best}), compiled, info)
+    return best
+
+
+def find_max_seq_len(config: Config) -> int:
+    """Double ``seq_len`` while the step fits, then bisect in multiples of the granularity."""
+    _, context = _mesh_shape(config, aot.topology_devices(config.topology).size)
+    g = granularity(config, context)
+    print(f"searching the longest sequence on {config.topology} (granularity {g} tokens):", flush=True)
+    return _search(config, "seq_len", g, config.max_search_len, "longest sequence that fits (tokens)",
+                   "--max-search-len")
+
+
+def find_max_layers(config: Config) -> int:
+    """Double ``num_layers`` while the step fits at ``seq_len``, then bisect (one layer at a time)."""
+    print(f"searching the most layers at seq_len {config.seq_len} on {config.topology}:", flush=True)
+    return _search(config, "num_layers", 1, config.max_search_layers, "most layers that fit", "--max-search-layers")
 
 
 def main(config: Config) -> int:
+    try:
+        aot.topology_devices(config.topology)
+    except ValueError as e:  # one line naming the flag, not a traceback
+        print(f"aot_preflight.py: error: --topology {config.topology!r} is not accepted: {e}", file=sys.stderr)
+        return 2
+    if config.find_max_seq_len and config.find_max_layers:
+        print("aot_preflight.py: error: --find-max-seq-len and --find-max-layers search one at a time",
+              file=sys.stderr)
+        return 2
     if config.find_max_seq_len:
         return 0 if find_max_seq_len(config) else 1
+    if config.find_max_layers:
+        return 0 if find_max_layers(config) else 1
     try:
         compiled, info = compile_step(config)
     except Exception as e:  # the TPU compiler itself refuses programs that exceed HBM

@@ -54,6 +54,10 @@ def test_topology_mesh_shape():
         aot.topology_mesh("v5e:2x4", ("a", "b"), (3, 4))
     with pytest.raises(ValueError, match="shape is needed"):
         aot.topology_mesh("v5e:2x4", ("a", "b"))
+    # slices smaller than libtpu's default 2x2 host: one chip (the machine benchmarks run on), two chips
+    for name, size, kind in (("v5e:1x1", 1, "TPU v5 lite"), ("v5e:2x1", 2, "TPU v5 lite"), ("v6e:1x1", 1, "TPU v6 lite")):
+        devices = aot.topology_devices(name)
+        assert devices.size == size and devices[0].device_kind == kind, (name, devices)
 
 
 @pytest.mark.tpu_compile

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,9 +64,53 @@ def test_aot_preflight_small_preset_with_fsdp_for_v5e():
     assert out.strip().endswith("FITS")
 
 
-def test_aot_preflight_rejects_an_unknown_preset():
+def test_aot_preflight_rejects_an_unknown_preset_and_topology_in_one_line():
     result = _run(["scripts/aot_preflight.py", "--preset", "7b"])
     assert result.returncode == 2 and "choose one of ('tiny', '1b', 'llama3-8b')" in result.stderr
+    result = _run(["scripts/aot_preflight.py", "--topology", "v9x:1x1"])
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "aot_preflight.py: error: --topology 'v9x:1x1' is not accepted"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _preflight_module():
+    spec = importlib.util.spec_from_file_location("aot_preflight", os.path.join(ROOT, "scripts", "aot_preflight.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.cheap  # no compile: a predicate stands in for "the step fits"
+def test_aot_preflight_search_finds_the_largest_value_that_fits():
+    """--find-max-seq-len / --find-max-layers: doubling from the start (halving when it does not fit), then
+    bisection in steps; each candidate tried once."""
+    largest = _preflight_module()._largest
+    for limit, start, step, cap, want in [(45, 8, 1, 512, (45, False)), (3, 8, 1, 512, (3, False)),
+                                          (100_000, 32768, 128, 1 << 24, (99_968, False)), (0, 8, 1, 512, (0, False)),
+                                          (10**9, 8, 1, 512, (512, True)), (1, 8, 1, 512, (1, False))]:
+        tried = []
+
+        def fits(x, limit=limit, tried=tried, step=step):
+            assert x % step == 0 and x >= step and x not in tried
+            tried.append(x)
+            return x <= limit
+
+        assert largest(fits, start, step, cap) == want, (limit, start, tried)
+
+
+@pytest.mark.tpu_compile
+def test_aot_preflight_finds_the_most_layers_for_one_v5e_chip():
+    """--find-max-layers on v5e:1x1 (one chip): a model whose HBM use grows with its layers stops where the
+    next layer no longer fits the 90% headroom; the report is printed at the most that fit."""
+    # ~4.3 GB of parameters and AdamW state per layer (d_model 4096, float32): 3 fit in 90% of 16 GiB, 4 do not
+    result = _run(["scripts/aot_preflight.py", "--topology", "v5e:1x1", "--seq-len", "1024", "--d-model", "4096",
+                   "--num-heads", "32", "--num-kv-heads", "32", "--vocab-size", "512", "--num-layers", "2",
+                   "--context-parallel", "1", "--no-fsdp", "--find-max-layers"], timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    most = int(re.search(r"most layers that fit: (\d+)", out).group(1))
+    assert most == 3 and f"num_layers {most:>9d}: fits" in out and f"num_layers {most + 1:>9d}: does not fit" in out, out
+    assert "topology v5e:1x1 (TPU v5 lite, 1 devices)" in out and out.strip().endswith("FITS")
 
 
 @pytest.mark.cheap  # prints the commands, starts nothing heavy

@@ -103,14 +103,18 @@ def chip(device_kind_or_topology: str) -> ChipInfo:
 
 @functools.cache
 def topology_devices(name: str) -> np.ndarray:
-    """The devices of TPU topology ``name`` (``"v5e:2x2"``, ``"v5p:2x2x1"``), flat, in libtpu's order."""
+    """The devices of TPU topology ``name`` (``"v5e:2x2"``, ``"v5p:2x2x1"``, ``"v5e:1x1"``: one chip),
+    flat, in libtpu's order."""
     from jax.experimental import topologies
 
     if not isinstance(name, str) or find_chip(name) is None or ":" not in name:
         raise ValueError(f"topology name={name!r}: expected '<chip>:<shape>' with a chip of {sorted(CHIPS)}, "
                          "e.g. 'v5e:2x2' or 'v5p:2x2x1'")
+    dims = [int(x) for x in name.split(":", 1)[1].split("x") if x.isdigit()]
+    # a slice smaller than libtpu's default host (2x2x1 chips), e.g. "v5e:1x1" (one chip): its own host bounds
+    small = {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))} if 0 < np.prod(dims) < 4 else {}
     try:
-        topo = topologies.get_topology_desc(name, "tpu")
+        topo = topologies.get_topology_desc(name, "tpu", **small)
     except Exception as e:  # libtpu missing, or a shape it does not know
         raise ValueError(f"topology name={name!r}: libtpu could not describe it ({type(e).__name__}: "
                          f"{str(e).strip()[:300]}); needs the 'tpu' extra and JAX_PLATFORMS=cpu") from e
