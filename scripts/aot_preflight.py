@@ -11,6 +11,7 @@ batch), outputs, temporaries — against the chip's capacity. Exits 1 when it do
     python scripts/aot_preflight.py --preset llama3-8b --topology v5p:4x4x4 --data-parallel 4 --seq-len 262144 \
         --remat full --loss-chunk 4096
     python scripts/aot_preflight.py --preset 1b --topology v5e:2x4 --remat full --loss-chunk 2048 --find-max-seq-len
+    python scripts/aot_preflight.py --topology v5e:1x1 --seq-len 65536 --d-model 1024 --remat full --find-max-layers
     python scripts/aot_preflight.py --hf-config path/to/config.json --topology v5p:4x4x4 --seq-len 131072 --remat full
 
 ``--hf-config`` takes the model from a Hugging Face config.json (or a checkpoint directory; no
@@ -23,7 +24,8 @@ Parameters and AdamW state are sharded over data x context (``--no-fsdp``: repli
 report splits the arguments into parameters / optimiser state / batch and names the biggest
 temporaries (analytic estimates next to the compiler's total). ``--find-max-seq-len`` doubles
 ``--seq-len`` while the step fits in ``headroom`` x HBM, then bisects in multiples of the ring's
-block granularity, and prints the report at the longest length found.
+block granularity, and prints the report at the longest length found; ``--find-max-layers`` does the
+same over ``--num-layers`` at ``--seq-len`` (one layer at a time). ``--topology v5e:1x1`` is one chip.
 
 The mesh is (data x context) over the topology's devices; the ring runs over ``context``
 (``--context-parallel`` defaults to every device). Compilation uses the Mosaic Splash kernels
