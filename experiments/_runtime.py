@@ -38,6 +38,14 @@ def choose_devices(config, *, cpu_context: int, other: int = 1, shards_context: 
     return dataclasses.replace(config, context_parallel=context)
 
 
+def context_devices(config) -> int:
+    """``config.context_parallel`` once ``choose_devices`` has resolved it; 0 (auto) is refused."""
+    if not config.context_parallel:
+        raise ValueError("--context-parallel 0 (auto) is resolved by main() (_runtime.choose_devices) before the "
+                         "model config is built: pass a device count")
+    return config.context_parallel
+
+
 # ------------------------------------------------------------------------------------ flags
 
 

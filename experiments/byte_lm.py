@@ -38,6 +38,7 @@ from _runtime import (
     check_block,
     check_flags,
     choose_devices,
+    context_devices,
     continue_to,
     run_script,
     splash_config,
@@ -123,10 +124,7 @@ def model_config(config: Config, vocab_size: int = 256):
     from ringsplash.model import ContextParallel, TransformerConfig
 
     cp = ContextParallel(layout=config.layout)
-    if config.attention == "ring" and not config.context_parallel:
-        raise ValueError("--context-parallel 0 (auto) is resolved by main() (_runtime.choose_devices) before the "
-                         "model config is built: pass a device count")
-    cp = cp.on_axis(None, config.context_parallel, "ring") if config.attention == "ring" else cp.single_device(
+    cp = cp.on_axis(None, context_devices(config), "ring") if config.attention == "ring" else cp.single_device(
         config.attention)
     return TransformerConfig(
         vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,

@@ -56,6 +56,7 @@ from _runtime import (
     check_block,
     check_flags,
     choose_devices,
+    context_devices,
     continue_to,
     run_script,
     splash_config,
@@ -193,10 +194,7 @@ def extended(base, method: str, factor: int, base_len: int):
 
 def on_ring(c, config: Config):
     """``c`` with its attention as the finetune's ring over ``config.context_parallel`` devices."""
-    if not config.context_parallel:
-        raise ValueError("--context-parallel 0 (auto) is resolved by main() (_runtime.choose_devices) before the "
-                         "ring is built: pass a device count")
-    cp = c.context_parallel.on_axis(None, config.context_parallel, "ring", layout=config.layout)
+    cp = c.context_parallel.on_axis(None, context_devices(config), "ring", layout=config.layout)
     return c.replace(context_parallel=cp, splash=splash_config(config))
 
 

@@ -26,6 +26,7 @@ from _runtime import (
     check_block,
     check_flags,
     choose_devices,
+    context_devices,
     continue_to,
     run_script,
     splash_config,
@@ -153,15 +154,13 @@ def context_parallel(config: Config):
     from ringsplash.model import ContextParallel
     from ringsplash.model.parallelism import RULES
 
-    if not config.context_parallel:
-        raise ValueError("--context-parallel 0 (auto) is resolved by main() (_runtime.choose_devices) before the "
-                         "model config is built: pass a device count")
+    devices = context_devices(config)
     roles = RULES[config.attention].roles
     if len(roles) == 2:  # USP: the ring across, Ulysses inside
-        return ContextParallel(config.attention, ring_size=config.context_parallel,
+        return ContextParallel(config.attention, ring_size=devices,
                                ulysses_size=config.ulysses_parallel, layout=config.layout)
     cp = ContextParallel(layout=config.layout)
-    return cp.on_axis(None, config.context_parallel, config.attention) if roles else cp.single_device(config.attention)
+    return cp.on_axis(None, devices, config.attention) if roles else cp.single_device(config.attention)
 
 
 def make_model_config(config: Config, vocab_size: int):

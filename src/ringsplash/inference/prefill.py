@@ -163,8 +163,8 @@ def prefill(
                          f"{axis_name!r} x 128-token kernel lanes)")
     program = prefill_program(model, prompt_len, max_len, mesh, axis_name, all_logits)
     logits, k, v = program(tokens, lengths)
-    layout = "contiguous" if mesh is None else program.args[0].config.context_parallel.layout
-    perm = layouts.permutation(layout, max_len, check_mesh(mesh, axis_name))
+    layout = program.keywords["layout"]
+    perm = layouts.permutation(layout, max_len, program.keywords["shards"])
     # lengths copied: generate donates the cache, and the caller may hold prompt_lengths
     cache = KVCache(k, v, jnp.array(lengths, copy=True), jnp.asarray(perm), model_key(c), layout, mesh,
                     axis_name if mesh else None)
@@ -232,9 +232,9 @@ def _forward(params, tokens, positions, lengths, *, static, rope_len, cache_len)
     every layer's keys / values as cache slots ``[layers, batch, kv_heads, slots, d]``: zero where the
     token's position is past its row's ``lengths``, then cut or zero-padded to ``cache_len`` slots when
     the forward ran over another length (single device: slot = position; None: a mesh's shard, kept).
-    RoPE reads ``rope_len`` as the current length (the cache's, as decoding does). Rows run
-    ``ROW_TOKENS // seq`` at a time (at least one), so the activations held at once stay bounded
-    whatever the batch."""
+    RoPE reads ``rope_len`` as the current length (the cache's, as decoding does). Rows run in
+    equal spans, the most that divide the batch within ``ROW_TOKENS`` tokens (at least one row), so
+    the activations held at once stay bounded whatever the batch."""
     model = eqx.combine(params, static)
     c = model.config
 

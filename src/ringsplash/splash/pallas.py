@@ -39,7 +39,7 @@ class StaticOperands(NamedTuple):
     uses_fn: bool  # some partial block has no stored block (partial_index -1): positions needed
     blocks: np.ndarray | None  # int8 [num_partials, bq, bkv] partial blocks, or None
     blocks_t: np.ndarray | None  # the same transposed, [num_partials, bkv, bq] (dK/dV kernel)
-    column_check: str | tuple  # how partial tiles find unattended kv columns (attended_columns.py)
+    column_check: str | tuple  # how partial tiles find unattended kv columns (partial_tiles.py)
 
 
 _STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()

@@ -2,7 +2,7 @@
 from, and how its unattended kv columns are found.
 
 Banded masks (``Mask.band``: causal, sliding window and their intersections) build a partial
-tile from the positions with one compare per score (``_kernel_common.band_tile``), so their
+tile from the positions with one compare per score (``tile_masks.band_tile``), so their
 partial blocks are not stored (``partial_mode``): a stored block costs a DMA of the int8 block
 and its unpacking on every partial step. Other masks keep ``build_mask_info``'s ``"auto"``. The
 price is the position operands: lane-replicated int32 columns of ``(len, 128)`` (512 bytes per
@@ -62,8 +62,7 @@ def partial_column_check(info) -> str | tuple:
     if not np.array_equal(q_pos, q_pos[:, :1] + np.arange(bq)):
         return "scores"
     kv_pos = np.asarray(info.kv_positions).reshape(-1, bkv)
-    q_shard = a if info.q_shard_rows is None else np.asarray(info.q_shard_rows)[a]
-    qb = q_shard * info.q_blocks_per_shard + info.q_block[lst, a, b, t]
+    qb = a * info.q_blocks_per_shard + info.q_block[lst, a, b, t]
     kb = b * info.kv_blocks_per_shard + info.kv_block[lst, a, b, t]
     every = np.ones(qb.shape, bool)
     if lo is not None:  # the last query reaches the block's last key
