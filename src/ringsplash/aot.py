@@ -112,7 +112,7 @@ def topology_devices(name: str) -> np.ndarray:
                          "e.g. 'v5e:2x2' or 'v5p:2x2x1'")
     dims = [int(x) for x in name.split(":", 1)[1].split("x") if x.isdigit()]
     # a slice smaller than libtpu's default host (2x2x1 chips), e.g. "v5e:1x1" (one chip): its own host bounds
-    small = {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))} if 0 < np.prod(dims) < 4 else {}
+    small = {"chips_per_host_bounds": tuple(dims + [1] * (3 - len(dims)))} if dims and np.prod(dims) < 4 else {}
     try:
         topo = topologies.get_topology_desc(name, "tpu", **small)
     except Exception as e:  # libtpu missing, or a shape it does not know
