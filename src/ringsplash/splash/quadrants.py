@@ -38,9 +38,12 @@ def by_row_halves(step, band, word, *, bq, bkv, kv_first):
     q0, k0 = q_block_of(word) * bq, kv_first
     top = band_misses(band, q0, q0 + half - 1, k0, k0 + bkv - 1)
     bottom = band_misses(band, q0 + half, q0 + bq - 1, k0, k0 + bkv - 1)
+    lo, hi = band
     pl.when(~top & ~bottom)(lambda: step(None))
-    pl.when(top & ~bottom)(lambda: step(pl.ds(half, half)))
-    pl.when(~top & bottom)(lambda: step(pl.ds(0, half)))
+    if lo is not None:  # with no lower bound the top half (smaller q) misses only if the bottom does too
+        pl.when(top & ~bottom)(lambda: step(pl.ds(half, half)))
+    if hi is not None:  # likewise with no upper bound for the bottom half
+        pl.when(~top & bottom)(lambda: step(pl.ds(0, half)))
 
 
 def by_quadrants(sub_tile, band, word, *, bq, bkv):
@@ -52,19 +55,24 @@ def by_quadrants(sub_tile, band, word, *, bq, bkv):
     (e00, e01), (e10, e11) = [[band_misses(band, q0 + c * hq, q0 + (c + 1) * hq - 1, k0 + r * hk,
                                            k0 + (r + 1) * hk - 1) for c in (0, 1)] for r in (0, 1)]
     top, bottom, left, right = pl.ds(0, hk), pl.ds(hk, hk), pl.ds(0, hq), pl.ds(hq, hq)
-    lower_left = e10 & ~e00 & ~e01 & ~e11
-    upper_right = e01 & ~e00 & ~e10 & ~e11
+    # a lower bound alone (causal) can only empty the lower-left quadrant (q < kv), an upper bound alone only the
+    # upper-right one: the other variant is not compiled (less kernel code, shorter Mosaic compiles)
+    lo, hi = band
+    lower_left = (e10 & ~e00 & ~e01 & ~e11) if lo is not None else jnp.bool_(False)
+    upper_right = (e01 & ~e00 & ~e10 & ~e11) if hi is not None else jnp.bool_(False)
 
     @pl.when(~lower_left & ~upper_right)
     def _whole():
         sub_tile(None, None)
 
-    @pl.when(lower_left)
-    def _without_lower_left():
-        sub_tile(top, None)
-        sub_tile(bottom, right)
+    if lo is not None:
+        @pl.when(lower_left)
+        def _without_lower_left():
+            sub_tile(top, None)
+            sub_tile(bottom, right)
 
-    @pl.when(upper_right)
-    def _without_upper_right():
-        sub_tile(top, left)
-        sub_tile(bottom, None)
+    if hi is not None:
+        @pl.when(upper_right)
+        def _without_upper_right():
+            sub_tile(top, left)
+            sub_tile(bottom, None)
