@@ -138,19 +138,36 @@ def _five(cand):
     return (*cand, *cand[:2]) if len(cand) == 3 else tuple(cand)
 
 
-def ringsplash_fn(row: Row, cand):
+#: ``SplashConfig`` fields set on every ringsplash config of the run (``--set``)
+OVERRIDES: dict = {}
+
+
+def parse_overrides(text: str | None) -> dict:
+    """``key=value,...`` -> SplashConfig keyword arguments (ints, true/false, else strings)."""
+    out = {}
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        key, value = item.split("=", 1)
+        low = value.lower()
+        out[key] = True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
+    return out
+
+
+def ringsplash_fn(row: Row, cand, overrides: dict | None = None):
     import ringsplash as rs
     from ringsplash import masks
 
     s = row.seq_len
     mask = {"causal": masks.CausalMask((s, s)), "local": masks.LocalMask((s, s), window=(WINDOW, 0)),
             "docs": masks.CausalMask((s, s))}[row.mask]
+    overrides = OVERRIDES if overrides is None else overrides
     if cand is None:
-        config = rs.SplashConfig(backend="mosaic_tpu")
+        config = rs.SplashConfig(**{"backend": "mosaic_tpu", **overrides})
     else:  # (block_q, block_kv, block_kv_compute[, block_q_dkv, block_kv_dkv]); the VMEM limit is set by ringsplash
         bq, bkv, bkvc, bq_dkv, bkv_dkv = _five(cand)
-        config = rs.SplashConfig(block_q=bq, block_kv=bkv, block_kv_compute=bkvc, block_q_dkv=bq_dkv,
-                                 block_kv_dkv=bkv_dkv, backend="mosaic_tpu")
+        config = rs.SplashConfig(**{"block_q": bq, "block_kv": bkv, "block_kv_compute": bkvc, "block_q_dkv": bq_dkv,
+                                    "block_kv_dkv": bkv_dkv, "backend": "mosaic_tpu", **overrides})
     seg = rs.SegmentIds(q=segment_ids(row), kv=segment_ids(row)) if row.mask == "docs" else None
     return lambda q, k, v: rs.splash_attention(q, k, v, mask, config=config, segment_ids=seg)
 
@@ -252,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="best / all: the candidate blocks of each implementation; none: only ringsplash's default")
     parser.add_argument("--impls", default="ringsplash,jax,tokamax", help="implementations with candidates")
     parser.add_argument("--log", default="bench_splash_tpu.jsonl", help="one JSON line per measurement")
+    parser.add_argument("--set", dest="overrides",
+                        help="SplashConfig fields for every ringsplash config, key=value,... (e.g. "
+                             "skip_empty_quadrants=false)")
     for impl in CANDIDATES:
         parser.add_argument(f"--{impl}-candidates", help="bq,bkv,bkv_compute[,bq_dkv,bkv_dkv];... (replaces the list)")
     return parser
@@ -272,6 +292,9 @@ def main(argv=None):
         libtpu = "?"
     print(f"device: {device.device_kind} x{jax.device_count()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
           f"libtpu {libtpu}")
+    OVERRIDES.update(parse_overrides(args.overrides))
+    if OVERRIDES:
+        print(f"ringsplash configs with {OVERRIDES}")
     rows = parse_rows(args.rows) if args.rows else (
         [Row("causal", s, b) for b in (False, True) for s in (16384, 32768)] if args.quick else default_rows())
     impls = [i for i in args.impls.split(",") if i != "tokamax" or tokamax_available()]

@@ -26,29 +26,6 @@ import jax
 import bench_splash_tpu as bench
 
 
-def parse_overrides(text: str | None) -> dict:
-    """``key=value,...`` -> SplashConfig keyword arguments (ints, true/false, else strings)."""
-    out = {}
-    for item in (text or "").split(","):
-        if not item:
-            continue
-        key, value = item.split("=", 1)
-        low = value.lower()
-        out[key] = True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
-    return out
-
-
-def ringsplash_attn(row: bench.Row, overrides: dict):
-    import ringsplash as rs
-    from ringsplash import masks
-
-    s = row.seq_len
-    mask = masks.LocalMask((s, s), window=(bench.WINDOW, 0)) if row.mask == "local" else masks.CausalMask((s, s))
-    config = rs.SplashConfig(**{"backend": "mosaic_tpu", **overrides})
-    seg = rs.SegmentIds(q=bench.segment_ids(row), kv=bench.segment_ids(row)) if row.mask == "docs" else None
-    return lambda q, k, v: rs.splash_attention(q, k, v, mask, config=config, segment_ids=seg)
-
-
 def device_op_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     """``(op name, ms per call, occurrences per call)`` of the device ops in the Perfetto trace under
     ``trace_dir``, longest first (ops of the TPU processes' "XLA Ops" threads, else every TPU thread;
@@ -131,11 +108,11 @@ def main(argv=None):
     if jax.devices()[0].platform != "tpu":
         sys.exit(f"profile_splash_tpu.py profiles TPU kernels; this process sees {jax.devices()[0].platform!r} devices")
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    overrides = parse_overrides(args.overrides)
+    overrides = bench.parse_overrides(args.overrides)
     for row in bench.parse_rows(args.rows):
         q, k, v, do = bench.inputs(row)
         call_args = (q, k, v, do) if row.bwd else (q, k, v)
-        fn = bench.with_grad(ringsplash_attn(row, overrides), row.bwd)
+        fn = bench.with_grad(bench.ringsplash_fn(row, None, overrides), row.bwd)
         profile(f"{row.label} ringsplash {overrides or 'default'}", fn, call_args, args.repeats, args.top)
         if args.peer:
             cand = tuple(int(x) for x in args.peer.split(","))

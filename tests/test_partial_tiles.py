@@ -153,3 +153,70 @@ def test_non_finite_values_at_unattended_positions_never_leak_banded(key, name):
         assert bool(jnp.all(jnp.isfinite(a))), f"{label} has non-finite values"
         assert max_err(a, b) <= 1e-5, (label, max_err(a, b))
     assert bool(jnp.all(dk[:, unattended] == 0)) and bool(jnp.all(dv[:, unattended] == 0))
+
+
+QUADRANT_MASKS = {  # banded masks whose partial tiles have row halves that attend none of a kv slice
+    "causal": masks.CausalMask((N, N)),
+    "window": masks.LocalMask((N, N), window=(256, 0)),  # the far-edge tile: rows 128-255 miss slice 0
+    "window_both": masks.LocalMask((N, N), window=(100, 60), offset=-20),
+    "causal_offset": masks.CausalMask((N, N), offset=-40),
+}
+
+
+@pytest.mark.parametrize("name", list(QUADRANT_MASKS))
+def test_skipping_empty_quadrants_is_exact(key, name):
+    """Blocks [256, 256, 128]: the forward skips the (row half, kv slice) pairs of partial tiles that no query
+    attends (``quadrant_band``). Outputs, lse and max logits equal the reference, and equal the run that computes
+    every tile whole (``skip_empty_quadrants=False``) up to the rounding of half-height matmuls (skipping an
+    all-masked pair changes nothing). The host's decision is checked too: some pair of this mask is empty by
+    brute force."""
+    from ringsplash.splash.partial_tiles import quadrant_band
+
+    mask = QUADRANT_MASKS[name]
+    info = build_mask_info(mask, (256, 256), partial_mode="function")
+    assert quadrant_band(info) == band_of(mask)
+    dense = mask.evaluate(np, np.arange(N)[:, None], np.arange(N)[None, :])
+    empty_pairs = 0
+    for a, b, t in zip(*np.nonzero(info.kind[0] == PARTIAL)):
+        qb, kb = int(info.q_block[0, a, b, t]), int(info.kv_block[0, a, b, t])
+        tile = dense[qb * 256:(qb + 1) * 256, kb * 256:(kb + 1) * 256]
+        empty_pairs += sum(not tile[r:r + 128, c:c + 128].any() for r in (0, 128) for c in (0, 128))
+    assert empty_pairs > 0
+    q, k, v, d_out, _ = inputs(key, 2, 2, N, N, 128)
+    base = dict(block_q=256, block_kv=256, block_kv_compute=128, block_q_dkv=256, block_kv_dkv=256,
+                backend="interpret")
+
+    def run(fn):
+        def loss(q, k, v):
+            res = fn(q, k, v, mask, with_lse=True, with_max_logits=True)
+            return jnp.sum(res.out * d_out), res
+
+        (dq, dk, dv), res = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return {"out": res.out, "lse": res.lse, "max_logits": res.max_logits, "dq": dq, "dk": dk, "dv": dv}
+
+    got, whole = (run(lambda *a, skip=skip, **kw: rs.splash_attention(
+        *a, config=rs.SplashConfig(**base, skip_empty_quadrants=skip), **kw)) for skip in (True, False))
+    want = run(rs.reference_attention)
+    for label in got:
+        # part-height matmuls may round differently on the CPU: measured <= 1.8e-7 relative (out, lse); the
+        # gradients' sums of sub-tiles <= ...; 2e-6 = 10x headroom
+        np.testing.assert_allclose(np.asarray(got[label]), np.asarray(whole[label]), rtol=2e-6, atol=2e-6,
+                                   err_msg=label)
+        # measured <= 1e-6 (float32, interpret); 1e-5 = 10x headroom
+        assert max_err(got[label], want[label]) <= 1e-5, (label, max_err(got[label], want[label]))
+
+
+def test_quadrant_band_only_for_one_band_over_the_identity_layout():
+    from ringsplash.splash.partial_tiles import quadrant_band
+
+    causal = masks.CausalMask((S, S))
+    assert quadrant_band(build_mask_info(causal, (64, 64), partial_mode="function")) == (0, None)
+    assert quadrant_band(build_mask_info(causal, (64, 64), partial_mode="stored")) is None
+    assert quadrant_band(build_mask_info(causal, (64, 64), partial_mode="function", transpose=True)) == (0, None)
+    perm = layouts.permutation("zigzag", S, 4)
+    assert quadrant_band(build_mask_info(causal, (32, 32), q_positions=perm, kv_positions=perm,
+                                         partial_mode="function")) is None
+    assert quadrant_band(build_mask_info(causal, (32, 32), q_shards=4, kv_shards=4, partial_mode="function")) is None
+    two = masks.MultiHeadMask([causal, masks.LocalMask((S, S), window=(40, 0))])
+    assert quadrant_band(build_mask_info(two, (64, 64), partial_mode="function")) is None
+    assert quadrant_band(build_mask_info(masks.FullMask((S, S)), (64, 64), partial_mode="function")) is None

@@ -89,6 +89,12 @@ class SplashConfig:
     work lists per call from the segment ids: block pairs that share no segment are skipped
     (``splash/segment_blocks.py``), in the kernels, the xla backend and the ring. False runs
     the static lists (for comparison; results are equal either way).
+
+    ``skip_empty_quadrants`` (default True) lets the Pallas kernels skip the parts of banded partial tiles
+    (causal, sliding window) that no query attends: the forward's row halves per kv-compute slice, the
+    dK/dV kernel's quadrants (``splash/quadrants.py``). It acts on one band over a single device's
+    contiguous positions; False computes every partial tile whole (for comparison; results are equal up to
+    the rounding of smaller matmuls).
     """
 
     block_q: int | None = None
@@ -102,6 +108,7 @@ class SplashConfig:
     probs_dtype: ProbsDtype = "input"
     precision: Precision = "auto"
     segment_skipping: bool = True
+    skip_empty_quadrants: bool = True
     #: bytes of scalar memory one kernel call's work list may take (longer lists run in pieces,
     #: ``splash/work_pieces.py``); None = from the chip generation (kernel backends) / unlimited (xla)
     smem_budget_bytes: int | None = None
@@ -129,8 +136,9 @@ class SplashConfig:
                 or isinstance(self.interpret_params, pltpu.InterpretParams)):
             raise TypeError(f"interpret_params must be None, {GENERIC_INTERPRETER!r} or a "
                             f"jax.experimental.pallas.tpu.InterpretParams, got {self.interpret_params!r}")
-        if not isinstance(self.segment_skipping, bool):
-            raise TypeError(f"segment_skipping must be a bool, got segment_skipping={self.segment_skipping!r}")
+        for name in ("segment_skipping", "skip_empty_quadrants"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         if self.smem_budget_bytes is not None:
             object.__setattr__(self, "smem_budget_bytes",
                                check_positive_int("smem_budget_bytes", self.smem_budget_bytes))

@@ -48,10 +48,15 @@ class DqAccumulator:
             self._copy(self.state[0], self.h, self.q_block, read=True).wait()
             self.state[1] = 0
 
-    def add(self, contribution):
+    def add(self, contribution, rows=None):
+        """Add ``contribution`` to the block's dq, or to its ``rows`` (a ``pl.ds``)."""
         self._wait_read()  # after the tile's matmuls, so the read overlaps them
         slot = self.state[0]
-        self.slots[slot] = self.slots[slot] + contribution
+        if rows is None:
+            self.slots[slot] = self.slots[slot] + contribution
+        else:
+            block = self.slots.at[slot]
+            block[rows, :] = block[rows, :] + contribution
 
     def end(self):
         self._wait_read()  # steps that computed nothing

@@ -76,6 +76,7 @@ from ringsplash.splash.dkv_grid import (
     next_dkv_entry,
 )
 from ringsplash.splash.dq_accumulator import DqAccumulator
+from ringsplash.splash.quadrants import by_quadrants
 from ringsplash.splash.tile_masks import attended_only, scores_and_tanh, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
@@ -158,7 +159,7 @@ def _dkv_kernel(
     # scratch
     dk_scr, dv_scr, dq_slots, dq_sems, dq_state,
     *,
-    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype, precision, column_check,
+    scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype, precision, column_check, quadrant_band,
 ):
     del dq_init_ref  # aliased to dq_hbm
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -185,12 +186,16 @@ def _dkv_kernel(
     pos_seg_refs = (q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref)
     cap2 = None if logit_soft_cap is None else logit_soft_cap * LOG2E  # the cap in base-2 units
 
-    def compute(which):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    def sub_tile(which, kv_rows, q_cols):
+        """The (kv, q) tile, or its ``kv_rows`` x ``q_cols`` part (``pl.ds``; None: all)."""
+        def part(ref, rows=None, cols=None):
+            return ref[rows if rows is not None else slice(None), cols if cols is not None else slice(None)]
+
+        q, do, k, v = part(q_ref, q_cols), part(do_ref, q_cols), part(k_ref, kv_rows), part(v_ref, kv_rows)
         # transposed tiles (kv, q): q-side rows (1, bq) broadcast over kv rows
-        stored = None if (which != "partial" or mask_ref is None) else mask_ref[0] != 0
+        stored = None if (which != "partial" or mask_ref is None) else part(mask_ref.at[0], kv_rows, q_cols) != 0
         mask = tile_mask(which, partial_of(kinds_ref[row, i]), lst, pos_seg_refs, stored, masks=masks,
-                         transposed=True)
+                         transposed=True, kv_slice=kv_rows, q_slice=q_cols)
         # base-2 scores: s2 = log2(e) * scale * k.q, p = exp2(s2 - log2(e) * lse) (the lse rows
         # arrive scaled). q is not pre-scaled as in the forward: it changes every step here, and
         # a bf16 rounding of q * scale moved bf16 gradients by an ulp.
@@ -204,17 +209,30 @@ def _dkv_kernel(
             s = jnp.where(mask, s, MASK_VALUE)
             t = None if t is None else jnp.where(mask, t, 0.0)  # a masked NaN K's tanh
             k, v = attended_only(s, k, v, which=which, segments=q_seg_ref is not None, transposed=True,
-                                 check=column_check, q_pos_ref=q_pos_ref, kv_pos_ref=kv_pos_ref)
-        p = jnp.exp2(s - lse_ref[...])
-        dv_scr[...] += lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS,
-                                       precision=precision, preferred_element_type=jnp.float32)
+                                 check=column_check, q_pos_ref=q_pos_ref, kv_pos_ref=kv_pos_ref, kv_slice=kv_rows)
+        p = jnp.exp2(s - part(lse_ref, None, q_cols))
+        dv_part = lax.dot_general(p.astype(probs_dtype), do.astype(probs_dtype), NN_DIMS, precision=precision,
+                                  preferred_element_type=jnp.float32)
         dp = lax.dot_general(v, do, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-        ds = _score_grad(p, dp, delta_ref[...], t).astype(probs_dtype)
-        dk_scr[...] += lax.dot_general(ds, q.astype(probs_dtype), NN_DIMS, precision=precision,
-                                       preferred_element_type=jnp.float32)
+        ds = _score_grad(p, dp, part(delta_ref, None, q_cols), t).astype(probs_dtype)
+        dk_part = lax.dot_general(ds, q.astype(probs_dtype), NN_DIMS, precision=precision,
+                                  preferred_element_type=jnp.float32)
+        if kv_rows is None:
+            dv_scr[...] += dv_part
+            dk_scr[...] += dk_part
+        else:
+            dv_scr[kv_rows, :] += dv_part
+            dk_scr[kv_rows, :] += dk_part
         if dq is not None:  # dS.T @ K: this tile's share of the q block's dq
             dq.add(scale * lax.dot_general(ds, k.astype(probs_dtype), TN_DIMS, precision=precision,
-                                           preferred_element_type=jnp.float32))
+                                           preferred_element_type=jnp.float32), rows=q_cols)
+
+    def compute(which):
+        if which != "partial" or quadrant_band is None:
+            sub_tile(which, None, None)
+        else:
+            by_quadrants(functools.partial(sub_tile, which), quadrant_band, word, bq=q_ref.shape[0],
+                         bkv=k_ref.shape[0])
 
     dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
@@ -308,7 +326,7 @@ def splash_dkv_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks_t=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False, dq_init=None,
-    column_check="scores",
+    column_check="scores", quadrant_band=None,
 ):
     """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``), and with
     ``dq_init`` also dq (the fused backward).
@@ -323,7 +341,10 @@ def splash_dkv_kernel(
     dv]`` (v's head size) in ``out_dtype``, then with ``count_steps`` the per-kv-head count of
     computing steps, then with ``dq_init`` (float32 ``[heads, q_len, d]``) float32 ``dq_init +
     dq``: the kernel adds each tile's ``scale * dS @ K`` into it in HBM (``dq_accumulator.DqAccumulator``),
-    so dq costs no second pass over the work list and no memory beyond its own.
+    so dq costs no second pass over the work list and no memory beyond its own. ``quadrant_band`` ``(lo, hi)``:
+    every partial tile is of that band over positions equal to the block offsets
+    (``splash.partial_tiles.quadrant_band``); a partial tile with one (kv half, q half) quadrant that no query
+    attends is computed as two sub-tiles without it.
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
@@ -385,6 +406,7 @@ def splash_dkv_kernel(
         num_steps=num_steps, group=group, inner=inner,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
         column_check=column_check,
+        quadrant_band=quadrant_band if bq % (2 * NUM_LANES) == 0 and bkv % (2 * NUM_SUBLANES) == 0 else None,
     )
     num_prefetch = len(prefetched)
 

@@ -32,6 +32,7 @@ from ringsplash.splash._kernel_common import (
     count_map,
     dispatch_kinds,
     kind_of,
+    kv_block_of,
     kv_map,
     mask_operand_specs,
     pack_schedule,
@@ -45,6 +46,7 @@ from ringsplash.splash._kernel_common import (
     tally_step,
     unpack_refs,
 )
+from ringsplash.splash.quadrants import by_row_halves
 from ringsplash.splash.tile_masks import attended_only, lane_tile, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
@@ -66,6 +68,7 @@ def _forward_kernel(
     q_scr, m_scr, l_scr, acc_scr, raw_scr,
     *,
     scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype, precision, column_check,
+    quadrant_band,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
@@ -91,47 +94,65 @@ def _forward_kernel(
     tally_step(count_ref, i, kind)
 
     block_kv = k_ref.shape[0]
+    bq = q_ref.shape[0]
     pos_seg_refs = (q_pos_ref, kv_pos_ref, q_seg_ref, kv_seg_ref)
     cap2 = None if logit_soft_cap is None else logit_soft_cap * LOG2E  # the cap in base-2 units
 
+    def slice_step(which, partial, c, rows):
+        """One kv-compute slice ``c`` of the tile, on the q ``rows`` (a ``pl.ds``; None: all)."""
+        load = (lambda ref: ref[...]) if rows is None else (lambda ref: ref[rows, :])
+
+        def store(ref, value):
+            if rows is None:
+                ref[...] = value
+            else:
+                ref[rows, :] = value
+
+        cols = pl.ds(c * block_kv_compute, block_kv_compute)
+        q = load(q_scr) if prescaled else load(q_ref)
+        k, v = k_ref[cols, :], v_ref[cols, :]
+        stored = None
+        if which == "partial" and mask_ref is not None:
+            stored = (mask_ref[0, :, cols] if rows is None else mask_ref[0, rows, cols]) != 0
+        mask = tile_mask(which, partial, lst, pos_seg_refs, stored, masks=masks, kv_slice=cols, q_slice=rows)
+        s = lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+        if not prescaled:
+            s = s * (scale * LOG2E)
+        if raw_scr is not None:  # max logits under a soft-cap: the raw scores' row maxima too
+            raw = s if mask is None else jnp.where(mask, s, MASK_VALUE)
+            store(raw_scr, jnp.maximum(load(raw_scr), jnp.max(raw, axis=1, keepdims=True)))
+        if cap2 is not None:
+            s = cap2 * jnp.tanh(s * (1.0 / cap2))
+        if mask is not None:  # the mask's only use; masked scores are MASK_VALUE < M_START
+            s = jnp.where(mask, s, MASK_VALUE)
+            _, v = attended_only(s, None, v, which=which, segments=q_seg_ref is not None, transposed=False,
+                                 check=column_check, q_pos_ref=q_pos_ref, kv_pos_ref=kv_pos_ref, kv_slice=cols)
+        # Online softmax in base 2: m = running row max, l = running sum of exp2(s - m),
+        # acc = running sum of exp2(s - m) @ v, both rescaled by exp2(m_old - m_new).
+        # m starts at M_START, above MASK_VALUE, so a masked score's exp2(s - m) is exactly 0
+        # even in a row with nothing attended yet (no second where over p).
+        # m and l are replicated over the 128 lanes (the native tile), so they broadcast
+        # over the tile by repeating whole vregs.
+        m_prev, l_prev = load(m_scr), load(l_scr)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s - lane_tile(m_next, block_kv_compute))
+        store(m_scr, m_next)
+        store(l_scr, alpha * l_prev + jnp.sum(p, axis=1, keepdims=True))
+        pv = lax.dot_general(p.astype(probs_dtype), v.astype(probs_dtype), NN_DIMS, precision=precision,
+                             preferred_element_type=jnp.float32)
+        store(acc_scr, lane_tile(alpha, dv) * load(acc_scr) + pv)
+
     def compute(which):
         partial = partial_of(kinds_ref[lst, i])
-        q = q_scr[...] if prescaled else q_ref[...]
         # statically unrolled slices of the kv block (a rolled loop with dynamic slices ran at half speed)
         for c in range(block_kv // block_kv_compute):
-            cols = pl.ds(c * block_kv_compute, block_kv_compute)
-            k, v = k_ref[cols, :], v_ref[cols, :]
-            stored = None
-            if which == "partial" and mask_ref is not None:
-                stored = mask_ref[0, :, cols] != 0
-            mask = tile_mask(which, partial, lst, pos_seg_refs, stored, masks=masks, kv_cols=cols)
-            s = lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
-            if not prescaled:
-                s = s * (scale * LOG2E)
-            if raw_scr is not None:  # max logits under a soft-cap: the raw scores' row maxima too
-                raw = s if mask is None else jnp.where(mask, s, MASK_VALUE)
-                raw_scr[...] = jnp.maximum(raw_scr[...], jnp.max(raw, axis=1, keepdims=True))
-            if cap2 is not None:
-                s = cap2 * jnp.tanh(s * (1.0 / cap2))
-            if mask is not None:  # the mask's only use; masked scores are MASK_VALUE < M_START
-                s = jnp.where(mask, s, MASK_VALUE)
-                _, v = attended_only(s, None, v, which=which, segments=q_seg_ref is not None, transposed=False,
-                                     check=column_check, q_pos_ref=q_pos_ref, kv_pos_ref=kv_pos_ref, kv_cols=cols)
-            # Online softmax in base 2: m = running row max, l = running sum of exp2(s - m),
-            # acc = running sum of exp2(s - m) @ v, both rescaled by exp2(m_old - m_new).
-            # m starts at M_START, above MASK_VALUE, so a masked score's exp2(s - m) is exactly 0
-            # even in a row with nothing attended yet (no second where over p).
-            # m and l are replicated over the 128 lanes (the native tile), so they broadcast
-            # over the tile by repeating whole vregs.
-            m_prev, l_prev = m_scr[...], l_scr[...]
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp2(m_prev - m_next)
-            p = jnp.exp2(s - lane_tile(m_next, block_kv_compute))
-            m_scr[...] = m_next
-            l_scr[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(probs_dtype), v.astype(probs_dtype), NN_DIMS, precision=precision,
-                                 preferred_element_type=jnp.float32)
-            acc_scr[...] = lane_tile(alpha, dv) * acc_scr[...] + pv
+            step = functools.partial(slice_step, which, partial, c)
+            if which != "partial" or quadrant_band is None:
+                step(None)
+            else:
+                by_row_halves(step, quadrant_band, blocks_ref[lst, i], bq=bq, bkv=block_kv_compute,
+                              kv_first=kv_block_of(blocks_ref[lst, i]) * block_kv + c * block_kv_compute)
 
     dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 
@@ -158,7 +179,7 @@ def splash_forward_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, block_kv_compute, scale, logit_soft_cap=None, out_dtype=None,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
-    return_max_logits=False, column_check="scores",
+    return_max_logits=False, column_check="scores", quadrant_band=None,
 ):
     """Run the forward kernel on one shard pair.
 
@@ -176,7 +197,9 @@ def splash_forward_kernel(
     the default: one bfloat16 pass for float32 operands on TPU). The schedule is packed
     (``pack_schedule``) before scalar prefetch. With ``return_max_logits`` a float32 ``[heads]``
     max of the attended raw logits ``scale · q·k`` (before the soft-cap; ``-inf`` for a head with
-    nothing attended) follows ``lse`` (before the count).
+    nothing attended) follows ``lse`` (before the count). ``quadrant_band`` ``(lo, hi)``: every partial tile
+    is of that band over positions equal to the block offsets (``splash.partial_tiles.quadrant_band``), and the
+    kernel skips the (row half, kv slice) pairs of partial tiles that no query attends.
     """
     heads, q_len, d = q.shape
     kv_heads, kv_len, _ = k.shape
@@ -217,7 +240,7 @@ def splash_forward_kernel(
         _forward_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks),
         block_kv_compute=block_kv_compute, num_steps=num_steps,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
-        column_check=column_check,
+        column_check=column_check, quadrant_band=quadrant_band if (bq // 2) % NUM_SUBLANES == 0 else None,
     )
 
     def kernel(*refs):

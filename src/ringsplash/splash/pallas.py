@@ -21,7 +21,7 @@ from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig
 from ringsplash.splash.guards import mosaic_tpu_guard, vmem_guard
-from ringsplash.splash.partial_tiles import partial_column_check
+from ringsplash.splash.partial_tiles import partial_column_check, quadrant_band
 from ringsplash.splash.tpu_tiles import NUM_LANES
 from ringsplash.splash.vmem import kernel_vmem
 
@@ -40,6 +40,7 @@ class StaticOperands(NamedTuple):
     blocks: np.ndarray | None  # int8 [num_partials, bq, bkv] partial blocks, or None
     blocks_t: np.ndarray | None  # the same transposed, [num_partials, bkv, bq] (dK/dV kernel)
     column_check: str | tuple  # how partial tiles find unattended kv columns (partial_tiles.py)
+    quadrant_band: tuple | None  # the band whose empty (row half, slice) pairs the forward skips (partial_tiles.py)
 
 
 _STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()
@@ -57,6 +58,7 @@ def _static_operands(info: MaskInfo) -> StaticOperands:
         blocks=blocks,
         blocks_t=None if blocks is None else np.ascontiguousarray(np.swapaxes(blocks, 1, 2)),
         column_check=partial_column_check(info),
+        quadrant_band=quadrant_band(info),
     )
     _STATIC_CACHE[info] = ops
     return ops
@@ -129,6 +131,9 @@ def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "int
                        vmem_limit_bytes=config.vmem_limit_bytes)
     if backend == "mosaic_tpu":
         q = vmem_guard(mosaic_tpu_guard(q), vmem)
+    ops = _static_operands(info)
+    # the kernel finds positions from block indices: only when this call covers every q block (no work piece)
+    quadrants = ops.quadrant_band if config.skip_empty_quadrants and q.shape[1] == info.q_len else None
     return kernel_forward.splash_forward_kernel(
         q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
         **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
@@ -137,7 +142,7 @@ def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "int
         scale=static.scale, logit_soft_cap=static.logit_soft_cap, out_dtype=out_dtype,
         probs_dtype=config.matmul_dtype(q.dtype), precision=config.matmul_precision(q.dtype),
         interpret=_interpret(config, backend), vmem_limit_bytes=vmem.limit, count_steps=count_steps,
-        return_max_logits=return_max_logits,
+        return_max_logits=return_max_logits, quadrant_band=quadrants,
     )
 
 
@@ -177,11 +182,16 @@ def backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "i
 
     if parts == ("dq",):
         return kernel("dq", kernel_backward.splash_dq_kernel, inputs.schedule, info, False)
+    ops_dkv = _static_operands(info_dkv) if "dkv" in parts else None
+    # the kernel finds positions from block indices: only when this call covers every kv block (no work piece)
+    quadrants = None if ops_dkv is None or not config.skip_empty_quadrants or inputs.k.shape[1] != info_dkv.kv_len \
+        else ops_dkv.quadrant_band
     if parts == ("dkv",):
-        return kernel("dkv", kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True)
+        return kernel("dkv", kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True,
+                      quadrant_band=quadrants)
     # fresh zeros vary over the same manual mesh axes as q (shard_map): the kernel's aliased dq takes their type
     init = varying(jnp.zeros(q.shape, jnp.float32), vma(q)) if dq_init is None else dq_init
     dk, dv, *rest = kernel("fused", kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True,
-                           dq_init=init)
+                           dq_init=init, quadrant_band=quadrants)
     dq = rest[-1] if dq_init is not None else rest[-1].astype(grad_dtype)
     return (dq, dk, dv, rest[0]) if count_steps else (dq, dk, dv)

@@ -24,6 +24,16 @@ positions the host knows better:
   blocks of scattered positions, a MaskInfo holding some q shards' lists only): the scores decide.
 
 Segment ids can leave more columns unattended; the kernels read the scores whenever they are given.
+
+Empty quadrants (``quadrant_band``): with blocks [1024, 1024, 512] the causal diagonal tile leaves rows
+0-511 of its second kv-compute slice unattended, and a sliding window's far-edge tile rows 512-1023 of its
+first: a quarter of each such tile. When every partial tile comes from one band over the identity layout
+(a single device, q and kv positions ``0 .. len - 1``, the kernel call covering every q block), the
+forward kernel finds each (row half, slice) pair that no query attends from the entry's block indices
+alone (scalar arithmetic) and computes only the other half's rows: skipping a pair whose every score is
+masked leaves the running max, sum and accumulator exactly as computing it would. The dK/dV kernel does
+the same with the (kv half, q half) quadrants of its transposed tiles: a tile with one empty quadrant runs
+as two sub-tiles (a half-height one over every q column and a quarter over the other half).
 """
 
 import numpy as np
@@ -31,7 +41,7 @@ import numpy as np
 from ringsplash.masks.base import PARTIAL, head_masks
 from ringsplash.splash.tile_masks import band_of
 
-__all__ = ["partial_column_check", "partial_mode"]
+__all__ = ["partial_column_check", "partial_mode", "quadrant_band"]
 
 
 def partial_mode(mask, backend: str) -> str:
@@ -70,3 +80,23 @@ def partial_column_check(info) -> str | tuple:
     if hi is not None:  # the first query reaches the block's first key
         every &= kv_pos.min(1)[kb] >= q_pos[qb, 0] - hi
     return "none" if every.all() else ("band", lo, hi)
+
+
+def quadrant_band(info) -> tuple | None:
+    """``(lo, hi)`` when the kernels may skip the empty parts of ``info``'s partial tiles (the module
+    docstring; a transposed MaskInfo: the dK/dV kernel's), else None; host work linear in the length."""
+    if info.q_shard_rows is not None or info.q_shards != 1 or info.kv_shards != 1:
+        return None
+    if info.partial_mask_blocks.shape[0]:  # stored blocks: not a band's tiles
+        return None
+    partial = info.kind == PARTIAL
+    if not partial.any():
+        return None
+    bands = {band_of(info.masks[i]) for i in np.unique(np.nonzero(partial)[0])}
+    if len(bands) != 1 or None in bands:
+        return None
+    for pos, n in ((info.q_positions, info.q_len), (info.kv_positions, info.kv_len)):
+        if not np.array_equal(np.asarray(pos), np.arange(n)):
+            return None
+    (band,) = bands
+    return band

@@ -154,13 +154,13 @@ def drop_unattended(s, k, v, *, transposed):
     return zero(k), zero(v)
 
 
-def attended_only(s, k, v, *, which, segments, transposed, check, q_pos_ref, kv_pos_ref, kv_cols=None):
+def attended_only(s, k, v, *, which, segments, transposed, check, q_pos_ref, kv_pos_ref, kv_slice=None):
     """``k, v`` with the rows of kv positions no query of the tile attends zeroed, for a tile of
     kind ``which`` (``segments``: segment ids are given). A partial tile without segment ids goes
     as ``check`` (``splash.partial_tiles.partial_column_check``) allows: ``"none"`` returns ``k,
     v`` unchanged, ``("band", lo, hi)`` keeps the kv rows whose position lies in ``[q_first - hi,
     q_last - lo]`` (the tile's q positions are consecutive); every other tile, and ``"scores"``,
-    reads the scores (``drop_unattended``)."""
+    reads the scores (``drop_unattended``). ``kv_slice``: the kv rows / columns of the tile (None: all)."""
     if which != "partial" or segments:
         check = "scores"
     if check == "none":
@@ -171,12 +171,12 @@ def attended_only(s, k, v, *, which, segments, transposed, check, q_pos_ref, kv_
     if transposed:  # q positions a (1, bq) row, kv positions a lane-replicated (bkv, 128) column
         q_row = q_pos_ref[...]
         q_first, q_last = q_row[:, :1], q_row[:, q_row.shape[1] - 1:]
-        kv = kv_pos_ref[...][:, :1]
+        kv = (kv_pos_ref[...] if kv_slice is None else kv_pos_ref[kv_slice, :])[:, :1]
     else:  # q positions a lane-replicated (bq, 128) column, kv positions a (1, bkv) row
         rows = q_pos_ref.shape[0]
         q_first = jnp.min(q_pos_ref[:NUM_SUBLANES, :], axis=0, keepdims=True)[:, :1]
         q_last = jnp.max(q_pos_ref[rows - NUM_SUBLANES:, :], axis=0, keepdims=True)[:, :1]
-        row = kv_pos_ref[...] if kv_cols is None else kv_pos_ref[:, kv_cols]
+        row = kv_pos_ref[...] if kv_slice is None else kv_pos_ref[:, kv_slice]
         kv = jnp.transpose(jnp.broadcast_to(row, (NUM_LANES, row.shape[1])))[:, :1]  # (bkv, 1)
     keep = None
     if lo is not None:
@@ -188,16 +188,22 @@ def attended_only(s, k, v, *, which, segments, transposed, check, q_pos_ref, kv_
     return zero(k), zero(v)
 
 
-def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_cols=None, transposed=False):
+def tile_mask(which, partial, lst, pos_seg_refs, stored, *, masks, kv_slice=None, q_slice=None, transposed=False):
     """``block_mask`` of the current tile from its refs: ``pos_seg_refs`` is the ``(q_pos,
-    kv_pos, q_seg, kv_seg)`` refs (None where absent); ``kv_cols`` slices the kv side (the
-    forward's compute slices, kv along lanes); ``transposed``: a (kv, q) tile. Banded masks
-    (``band_of``) are built from the positions by ``band_tile``; others by their
-    ``mask_function`` on the widened positions."""
+    kv_pos, q_seg, kv_seg)`` refs (None where absent); ``kv_slice`` / ``q_slice`` (``pl.ds``; None: all)
+    take part of the kv / q side (the forward's kv-compute slices and row halves, the dK/dV kernel's
+    sub-tiles); ``transposed``: a (kv, q) tile. Banded masks (``band_of``) are built from the positions by
+    ``band_tile``; others by their ``mask_function`` on the widened positions."""
     q_pos, kv_pos, q_seg, kv_seg = pos_seg_refs
-    load = lambda ref: None if ref is None else ref[...]
-    load_kv = load if kv_cols is None else (lambda ref: None if ref is None else ref[:, kv_cols])
-    qp, kp, qs, ks = load(q_pos), load_kv(kv_pos), load(q_seg), load_kv(kv_seg)
+
+    def loader(part, as_row):  # a row side (1, n) is sliced along lanes, a column side (n, 128) along rows
+        if part is None:
+            return lambda ref: None if ref is None else ref[...]
+        return (lambda ref: None if ref is None else ref[:, part]) if as_row else \
+            (lambda ref: None if ref is None else ref[part, :])
+
+    load_q, load_kv = loader(q_slice, as_row=transposed), loader(kv_slice, as_row=not transposed)
+    qp, kp, qs, ks = load_q(q_pos), load_kv(kv_pos), load_q(q_seg), load_kv(kv_seg)
     # the column side (q of a (q, kv) tile, kv of a transposed (kv, q) one) arrives
     # lane-replicated, (rows, 128): widen it to the row side's width by repeating whole vregs
     widen = lambda col, row: None if col is None else lane_tile(col, row.shape[1])
