@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="the chip's peak TF/s (default: the table for the device kind)")
     p.add_argument("--hbm-gbps", type=float, help="the chip's HBM GB/s (default: the table for the device kind)")
     p.add_argument("--log", default="bench_inference_tpu.jsonl", help="one JSON line per row (appended)")
+    p.add_argument("--decode-unroll-up-to", type=int,
+                   help="ringsplash.inference.decode.UNROLL_LAYERS_UP_TO for this run (0: the scanned layer loop)")
     p.add_argument("--raise-errors", action="store_true", help="raise errors other than out-of-memory")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (2 layers, prompt 256, batches 1 / 2): checks the script")
@@ -185,6 +187,9 @@ def main(argv=None) -> None:
 
     from ringsplash.model import Transformer
 
+    if args.decode_unroll_up_to is not None:
+        importlib.import_module("ringsplash.inference.decode").UNROLL_LAYERS_UP_TO = args.decode_unroll_up_to
+        print(f"decode_step unrolls up to {args.decode_unroll_up_to} layers")
     models = {name: dataclasses.replace(MODELS[name], vocab=args.vocab) for name in args.models.split(",")}
     prompts = [int(s) for s in args.prompt_lens.split(",")]
     batches = [int(s) for s in args.batches.split(",")]

@@ -62,6 +62,33 @@ def _full_logits(model, tokens):
     return jax.vmap(lambda t: model(t, jnp.arange(t.shape[0], dtype=jnp.int32)))(tokens)
 
 
+@pytest.mark.parametrize("kind", ["gemma", "llama"])
+def test_decode_with_the_layers_unrolled_equals_the_scanned_loop(kind, monkeypatch):
+    """``decode_step`` unrolls its layer loop (``UNROLL_LAYERS_UP_TO``; gemma: a local / global period, the
+    grouped scan): its logits and cache equal the scanned loop's."""
+    decode = importlib.import_module("ringsplash.inference.decode")
+    config = CONFIGS[kind]
+    if kind == "gemma":  # two periods of (local, global): the grouped scan runs two iterations
+        config = config.replace(num_layers=4, features=config.features.replace(layer_types=(
+            "sliding_attention", "full_attention") * 2))
+    else:
+        config = config.replace(num_layers=4)
+    model = _randomised(config, seed=3)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (2, 12)), jnp.int32)
+    cache = prefill(model, tokens, max_len=32).cache
+    token = jnp.asarray([3, 7], jnp.int32)
+    out = {}
+    for up_to in (64, 0):
+        monkeypatch.setattr(decode, "UNROLL_LAYERS_UP_TO", up_to)
+        jax.clear_caches()  # a module constant read while tracing: trace afresh
+        logits, new = jax.jit(decode_step)(model, cache, token)
+        hlo = jax.jit(decode_step).lower(model, cache, token).as_text()
+        assert ("stablehlo.while" in hlo) == (up_to == 0)  # unrolled: no loop over the layers
+        out[up_to] = (logits, new.k, new.v)
+    for a, b in zip(out[64], out[0]):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+
+
 def test_prefill_runs_its_forward_over_a_length_the_kernels_tile_with_large_blocks():
     """A cache of prompt + room slots (8320 for an 8K prompt) has no 1024-multiple divisor: a forward over it
     would run the Splash kernels at 128-token blocks (a tenth of the chip's speed, measured on v5e)."""

@@ -336,15 +336,15 @@ def _layer_schedules(c: TransformerConfig, schedule) -> dict:
     return dict.fromkeys(kinds, schedule)
 
 
-def run_segment(seg, steps: dict, x, xs, num_layers: int):
+def run_segment(seg, steps: dict, x, xs, num_layers: int, *, unroll: bool = False):
     """Scan the layers of ``seg`` (a ``LayerSegment``) over ``x``; ``xs``: a pytree of per-layer inputs with a
     leading ``[num_layers]`` axis (here: stacked params, keys or None), ``steps``: ``{layer type: step(h, xs_i)
     -> (h, out)}``. Returns the new ``x`` and the segment's per-layer step outputs (a pytree of ``[layers, ...]``,
-    or None)."""
+    or None). ``unroll``: the layers unrolled (``lax.scan(unroll=True)``): static slices of the stacked inputs."""
     if seg.num_layers != num_layers:
         xs = jax.tree.map(lambda a: a[seg.start:seg.start + seg.num_layers], xs)
     if len(seg.kinds) == 1:
-        return jax.lax.scan(steps[seg.kinds[0]], x, xs)
+        return jax.lax.scan(steps[seg.kinds[0]], x, xs, unroll=unroll)
     p = len(seg.kinds)
     xs = jax.tree.map(lambda a: a.reshape(seg.groups, p, *a.shape[1:]), xs)
 
@@ -355,7 +355,7 @@ def run_segment(seg, steps: dict, x, xs, num_layers: int):
             outs.append(out)
         return h, None if outs[0] is None else jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
-    x, outs = jax.lax.scan(group, x, xs)
+    x, outs = jax.lax.scan(group, x, xs, unroll=unroll)
     return x, jax.tree.map(lambda o: o.reshape(seg.num_layers, *o.shape[2:]), outs)
 
 
