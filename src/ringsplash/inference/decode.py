@@ -36,7 +36,8 @@ _F32 = jnp.float32
 #: many layers (0: never). A scanned loop slices each layer's weights out of the stacked arrays at run time
 #: and copies some of them (about 0.07 ms of a 3.6 ms step in a v5e profile); unrolled, the slices are static
 #: and the weights are read in place. The compile grows with the layers, hence the bound; a sharded cache keeps
-#: the loop (an 8B model's step over 64 chips compiled in 77 s unrolled). Not yet measured on a chip.
+#: the loop (an 8B model's step over 64 chips compiled in 77 s unrolled). On a v5e chip, GQA 8:2 at 32K
+#: batch 8: 3.581 ms per step unrolled, 3.623 scanned (docs/tpu.md).
 UNROLL_LAYERS_UP_TO = 64
 
 

@@ -94,7 +94,8 @@ class SplashConfig:
     (causal, sliding window) that no query attends: the forward's row halves per kv-compute slice, the
     dK/dV kernel's quadrants (``splash/quadrants.py``). It acts on one band over a single device's
     contiguous positions; False computes every partial tile whole (for comparison; results are equal up to
-    the rounding of smaller matmuls).
+    the rounding of smaller matmuls). On a v5e chip it made the window-4096 forward 5-6% faster at 16K-64K
+    (docs/tpu.md).
     """
 
     block_q: int | None = None
