@@ -13,6 +13,7 @@ the ratio to ringsplash's default config. FLOPs count attended (query, key) pair
     python scripts/bench_splash_tpu.py                      # every row (on a v5e: ~8 min)
     python scripts/bench_splash_tpu.py --quick              # causal 16K and 32K only
     python scripts/bench_splash_tpu.py --rows causal:32768:fwd,causal:32768:bwd --candidates all
+    python scripts/bench_splash_tpu.py --rows causal:4096:fwd --rounds 3   # each entry 3x, order reversed each round
 
 It refuses to run without a TPU (CPU timings of these kernels mean nothing).
 """
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -259,12 +261,47 @@ def measure(row: Row, impl: str, cand, repeats: int, log) -> tuple[float | None,
     return ms, note
 
 
+class RowResult(NamedTuple):
+    default: float | None  # ringsplash's default config: its fastest round (ms), None if every round failed
+    default_error: str  # the last round's error when ``default`` is None
+    default_spread: float  # its slowest round over its fastest (1.0 with one round)
+    best: dict  # implementation -> (ms, candidate) of its fastest candidate and round, (None, None) if none ran
+
+
+def measure_row(measure_one, candidates: dict, rounds: int) -> RowResult:
+    """Measure one row: ringsplash's default and each implementation's candidates, ``rounds`` times, the
+    order reversed every other round, so that a slow spell of the chip (one process measured the same
+    row 1.9x slower once, session 7) falls on each side; each entry keeps its fastest round.
+    ``measure_one(impl, cand) -> (ms or None, error)``; ``candidates``: implementation -> its candidates."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
+    entries = [("ringsplash", None)] + [(impl, cand) for impl, cands in candidates.items() for cand in cands]
+    rounds_ms = [[] for _ in entries]  # per entry: the ms of each round that ran
+    error = ""
+    for r in range(rounds):
+        for i in (range(len(entries)) if r % 2 == 0 else reversed(range(len(entries)))):
+            ms, note = measure_one(*entries[i])
+            if ms is not None:
+                rounds_ms[i].append(ms)
+            elif i == 0:
+                error = note
+    best = {}
+    for impl in candidates:
+        ran = [(min(rounds_ms[i]), cand) for i, (name, cand) in enumerate(entries) if name == impl and rounds_ms[i]]
+        best[impl] = min(ran) if ran else (None, None)
+    default = rounds_ms[0]
+    return RowResult(min(default) if default else None, error, max(default) / min(default) if default else 1.0, best)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--rows", help="mask:S:fwd|bwd[:d=N][:group=G], comma-separated (default: every row)")
     parser.add_argument("--quick", action="store_true", help="causal 16K and 32K, forward and forward+backward")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every entry of a row this many times, the order reversed each round (the "
+                             "default first, then the peers; then the other way); each one's fastest round is shown")
     parser.add_argument("--candidates", default="best", choices=("best", "all", "none"),
                         help="best / all: the candidate blocks of each implementation; none: only ringsplash's default")
     parser.add_argument("--impls", default="ringsplash,jax,tokamax", help="implementations with candidates")
@@ -280,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     device = jax.devices()[0]
     if device.platform != "tpu":
@@ -302,27 +341,26 @@ def main(argv=None):
         if getattr(args, f"{impl}_candidates"):
             CANDIDATES[impl] = [tuple(int(x) for x in c.split(",")) for c in getattr(args, f"{impl}_candidates").split(";")]
     print("| row | ringsplash default ms (TF/s) | " + " | ".join(f"{i} best ms (TF/s) [blocks]" for i in impls)
-          + " | " + " | ".join(f"{i} best / default" for i in impls) + " |")
-    print("|---|---|" + "---|" * (2 * len(impls)))
+          + " | " + " | ".join(f"{i} best / default" for i in impls)
+          + (" | default's slowest / fastest round" if args.rounds > 1 else "") + " |")
+    print("|---|---|" + "---|" * (2 * len(impls) + (args.rounds > 1)))
     with open(args.log, "a") as log:
         # warm-up: the first measurement of a process ran ~12% slow (clocks / allocator), so discard one
         measure(rows[0], "ringsplash", None, args.repeats, log)
         for row in rows:
             tf = lambda ms, row=row: row.flops() / (ms * 1e-3) / 1e12
-            base, note = measure(row, "ringsplash", None, args.repeats, log)
-            cells = [f"{base:.2f} ({tf(base):.0f})" if base else f"error: {note}"]
+            candidates = {impl: [] if args.candidates == "none" else CANDIDATES[impl] for impl in impls}
+            result = measure_row(lambda impl, cand, row=row: measure(row, impl, cand, args.repeats, log),
+                                 candidates, args.rounds)
+            base = result.default
+            cells = [f"{base:.2f} ({tf(base):.0f})" if base else f"error: {result.default_error}"]
             ratios = []
             for impl in impls:
-                best = (None, None)
-                for cand in ([] if args.candidates == "none" else CANDIDATES[impl]):
-                    ms, _ = measure(row, impl, cand, args.repeats, log)
-                    if ms is not None and (best[0] is None or ms < best[0]):
-                        best = (ms, cand)
-                ms, cand = best
+                ms, cand = result.best[impl]
                 cells.append(f"{ms:.2f} ({tf(ms):.0f}) {list(cand)}" if ms else "-")
                 ratios.append(f"{ms / base:.2f}" if ms and base else "-")
-            print(f"| {row.label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |", flush=True)
-
+            spread = f" | {result.default_spread:.2f}" if args.rounds > 1 else ""
+            print(f"| {row.label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + spread + " |", flush=True)
 
 if __name__ == "__main__":
     main()

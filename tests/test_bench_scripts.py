@@ -181,3 +181,35 @@ def test_bench_inference_tpu_cpu_smoke_prints_rows():
     for c in rows:
         assert float(c[3]) > 0 and c[5].endswith("%") and float(c[6]) > 0 and c[9].endswith("%"), c
         assert c[10] == "1, 1" and not c[11], c  # one compile per shape each, nothing recompiled, no error
+
+
+def test_bench_splash_tpu_rounds_alternate_the_order_and_keep_each_entrys_fastest():
+    """bench_splash_tpu.measure_row (the chip's row loop, here with a fake measurement): with --rounds 2 every
+    entry runs twice, the second round in reverse order; each keeps its fastest round, an implementation its
+    fastest candidate; failures are dropped, a default that never ran reports its error."""
+    spec = importlib.util.spec_from_file_location("bench_splash_tpu", ROOT / "scripts" / "bench_splash_tpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    times = {("ringsplash", None): [2.3, 1.2], ("jax", "a"): [1.5, 1.4], ("jax", "b"): [1.3, 1.6],
+             ("tokamax", "a"): [None, None]}
+    calls = []
+
+    def measure_one(impl, cand):
+        calls.append((impl, cand))
+        ms = times[impl, cand][sum(c == (impl, cand) for c in calls) - 1]
+        return ms, "" if ms is not None else "boom"
+
+    candidates = {"jax": ["a", "b"], "tokamax": ["a"]}
+    result = bench.measure_row(measure_one, candidates, rounds=2)
+    first = [("ringsplash", None), ("jax", "a"), ("jax", "b"), ("tokamax", "a")]
+    assert calls == first + first[::-1]
+    assert result.default == 1.2 and result.default_spread == pytest.approx(2.3 / 1.2)
+    assert result.best == {"jax": (1.3, "b"), "tokamax": (None, None)}
+    one = bench.measure_row(lambda impl, cand: (None, "VMEM") if impl == "ringsplash" else (1.0, ""), candidates, 1)
+    assert one.default is None and one.default_error == "VMEM" and one.best["jax"] == (1.0, "a")
+    with pytest.raises(ValueError, match="--rounds must be at least 1, got 0"):
+        bench.measure_row(measure_one, candidates, rounds=0)
