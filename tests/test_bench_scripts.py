@@ -15,6 +15,18 @@ from support.processes import child_env
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _script(name: str):
+    """``scripts/<name>.py`` imported as a module (with ``scripts/`` on the path for its own imports)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return module
+
+
 @pytest.mark.tpu_compile
 @pytest.mark.e2e
 def test_bench_splash_quick_prints_tables():
@@ -69,13 +81,6 @@ def test_bench_inference_tiny_prints_tables():
     assert len(rows) == 2 and all(float(r.split("|")[-2]) > 0 for r in rows), out  # the sharded column ran
 
 
-def _model_bench():
-    spec = importlib.util.spec_from_file_location("_model_bench", ROOT / "scripts" / "_model_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
@@ -90,7 +95,7 @@ def test_model_bench_flop_counts_match_a_direct_count():
 
     from ringsplash.model import Transformer
 
-    mb = _model_bench()
+    mb = _script("_model_bench")
     shape = mb.Shape(layers=3, d_model=64, heads=4, kv_heads=2, head_dim=16, mlp=96, vocab=50)
     config = mb.model_config(shape, 256, param_dtype="float32", compute_dtype="bfloat16")
     s = 40
@@ -110,13 +115,7 @@ def test_profile_counts_each_device_op_once_without_the_ops_nested_in_it(tmp_pat
     import gzip
     import json
 
-    spec = importlib.util.spec_from_file_location("profile_splash_tpu", ROOT / "scripts" / "profile_splash_tpu.py")
-    prof = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        spec.loader.exec_module(prof)
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    prof = _script("profile_splash_tpu")
     meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:TPU:0")),
             dict(ph="M", name="thread_name", pid=1, tid=2, args=dict(name="XLA Ops"))]
     ops = []
@@ -187,13 +186,7 @@ def test_bench_splash_tpu_rounds_alternate_the_order_and_keep_each_entrys_fastes
     """bench_splash_tpu.measure_row (the chip's row loop, here with a fake measurement): with --rounds 2 every
     entry runs twice, the second round in reverse order; each keeps its fastest round, an implementation its
     fastest candidate; failures are dropped, a default that never ran reports its error."""
-    spec = importlib.util.spec_from_file_location("bench_splash_tpu", ROOT / "scripts" / "bench_splash_tpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    bench = _script("bench_splash_tpu")
     times = {("ringsplash", None): [2.3, 1.2], ("jax", "a"): [1.5, 1.4], ("jax", "b"): [1.3, 1.6],
              ("tokamax", "a"): [None, None]}
     calls = []
