@@ -362,5 +362,6 @@ def main(argv=None):
             spread = f" | {result.default_spread:.2f}" if args.rounds > 1 else ""
             print(f"| {row.label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + spread + " |", flush=True)
 
+
 if __name__ == "__main__":
     main()
