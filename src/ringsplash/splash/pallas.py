@@ -40,7 +40,7 @@ class StaticOperands(NamedTuple):
     blocks: np.ndarray | None  # int8 [num_partials, bq, bkv] partial blocks, or None
     blocks_t: np.ndarray | None  # the same transposed, [num_partials, bkv, bq] (dK/dV kernel)
     column_check: str | tuple  # how partial tiles find unattended kv columns (partial_tiles.py)
-    quadrant_band: tuple | None  # the band whose empty (row half, slice) pairs the forward skips (partial_tiles.py)
+    quadrant_band: tuple | None  # the band whose empty tile parts the kernels may skip (partial_tiles.py)
 
 
 _STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()
@@ -120,6 +120,15 @@ def _mask_operands(ops: StaticOperands, q_pos, kv_pos, q_seg, kv_seg, *, transpo
 # forward and backward (the interface of splash/backend_interface.py)
 
 
+def _skippable_band(config: SplashConfig, view: MaskInfo, local_len: int, full_len: int) -> tuple | None:
+    """The band whose empty tile parts the kernel may skip (``partial_tiles.quadrant_band``), or None. The
+    kernel finds positions from block indices, so only when this call covers every block of the view's
+    length (``local_len == full_len``: no work piece)."""
+    if not config.skip_empty_quadrants or local_len != full_len:
+        return None
+    return _static_operands(view).quadrant_band
+
+
 def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "interpret", out_dtype=None,
             count_steps: bool = False, return_max_logits: bool = False):
     """The forward kernel on one shard pair; with ``return_max_logits`` also the per-head max
@@ -131,9 +140,7 @@ def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "int
                        vmem_limit_bytes=config.vmem_limit_bytes)
     if backend == "mosaic_tpu":
         q = vmem_guard(mosaic_tpu_guard(q), vmem)
-    ops = _static_operands(info)
-    # the kernel finds positions from block indices: only when this call covers every q block (no work piece)
-    quadrants = ops.quadrant_band if config.skip_empty_quadrants and q.shape[1] == info.q_len else None
+    quadrants = _skippable_band(config, info, q.shape[1], info.q_len)
     return kernel_forward.splash_forward_kernel(
         q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
         **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
@@ -182,10 +189,7 @@ def backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "i
 
     if parts == ("dq",):
         return kernel("dq", kernel_backward.splash_dq_kernel, inputs.schedule, info, False)
-    ops_dkv = _static_operands(info_dkv) if "dkv" in parts else None
-    # the kernel finds positions from block indices: only when this call covers every kv block (no work piece)
-    quadrants = None if ops_dkv is None or not config.skip_empty_quadrants or inputs.k.shape[1] != info_dkv.kv_len \
-        else ops_dkv.quadrant_band
+    quadrants = _skippable_band(config, info_dkv, inputs.k.shape[1], info_dkv.kv_len)
     if parts == ("dkv",):
         return kernel("dkv", kernel_backward.splash_dkv_kernel, inputs.schedule_dkv, info_dkv, True,
                       quadrant_band=quadrants)
