@@ -287,7 +287,8 @@ def measure_row(measure_one, candidates: dict, rounds: int) -> RowResult:
                 error = note
     best = {}
     for impl in candidates:
-        ran = [(min(rounds_ms[i]), cand) for i, (name, cand) in enumerate(entries) if name == impl and rounds_ms[i]]
+        ran = [(min(rounds_ms[i]), cand) for i, (name, cand) in enumerate(entries)
+               if i > 0 and name == impl and rounds_ms[i]]  # entry 0, the default, is no candidate of ringsplash's
         best[impl] = min(ran) if ran else (None, None)
     default = rounds_ms[0]
     return RowResult(min(default) if default else None, error, max(default) / min(default) if default else 1.0, best)

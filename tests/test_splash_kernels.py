@@ -412,14 +412,16 @@ def test_tuned_blocks_follow_the_chip_length_head_size_and_dtype():
 
     v5e = lambda kv_len, **kw: tuned_blocks(kv_len=kv_len, device_kind="TPU v5 lite", **kw)
     assert v5e(1024) == TunedBlocks(512, 512, 512, 512, 512)
-    assert v5e(16384) == TunedBlocks(1024, 1024, 512, 1024, 1024)
+    assert v5e(4096) == TunedBlocks(1024, 1024, 512, 1024, 1024)
+    assert v5e(8192) == v5e(16384) == TunedBlocks(1024, 2048, 512, 1024, 1024)
     assert v5e(32768) == v5e(65536) == TunedBlocks(2048, 2048, 512, 1024, 2048)
     assert v5e(32768, head_dim=256) == v5e(32768, dtype=jnp.float32) == TunedBlocks(1024, 1024, 512, 1024, 1024)
     assert tuned_blocks(kv_len=32768, device_kind="TPU v6 lite") == v5e(32768)  # 128 MiB of VMEM: v5e's rows
     assert tuned_blocks(kv_len=32768, device_kind="TPU v4") == TunedBlocks(512, 512, 512, 512, 512)
     assert tuned_blocks(kv_len=32768, device_kind="cpu") == v5e(32768)  # no TPU at trace time: v5e's table
-    # segment ids / banded masks (mostly partial tiles) keep the blocks below 32K
-    assert v5e(65536, sparse=True) == v5e(16384) and v5e(4096, sparse=True) == v5e(4096)
+    # segment ids / banded masks (mostly partial tiles) take no row with kv blocks over 1024
+    assert v5e(65536, sparse=True) == v5e(8192, sparse=True) == v5e(4096) and v5e(4096, sparse=True) == v5e(4096)
+    assert v5e(65536, head_dim=256, sparse=True) == v5e(8192, head_dim=256)
     # explicit blocks are honoured, the rest tuned; an explicit compute slice tiles the tuned block_kv
     cfg = SplashConfig(block_q=256).with_tuned_blocks(kv_len=32768, device_kind="TPU v5 lite")
     assert (cfg.block_q, cfg.block_kv, cfg.block_kv_compute, cfg.block_q_dkv) == (256, 2048, 512, 1024)

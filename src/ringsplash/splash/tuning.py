@@ -41,15 +41,16 @@ _SMALL = TunedBlocks(512, 512, 512, 512, 512)
 _MEASURED = {
     "v5e": {
         128: ((0, _SMALL), (4096, TunedBlocks(1024, 1024, 512, 1024, 1024)),
+              (8192, TunedBlocks(1024, 2048, 512, 1024, 1024)),
               (32768, TunedBlocks(2048, 2048, 512, 1024, 2048))),
         1 << 30: ((0, _SMALL), (8192, TunedBlocks(1024, 1024, 512, 1024, 1024))),
     },
 }
 _LARGE_VMEM = 64 << 20  # generations with at least this much VMEM per core take v5e's rows
-#: ``sparse`` calls (segment ids, banded masks: mostly partial tiles) take no row from this kv
-#: length on: on v5e at 32K, 16 packed documents ran 41 ms at 2048-blocks and 7.8 ms at 1024 (a
-#: partial 2048 x 512 tile costs far more than four 1024 x 512 ones); window 4096: 11.5 vs 10.8
-_SPARSE_LAST_ROW = 32768
+#: ``sparse`` calls (segment ids, banded masks: mostly partial tiles) take no row with kv blocks of
+#: 2048: on v5e at 32K, 16 packed documents ran 41 ms at 2048-blocks and 7.8 ms at 1024 (a partial
+#: 2048 x 512 tile costs far more than four 1024 x 512 ones); window 4096: 11.5 vs 10.8
+_SPARSE_MAX_BLOCK_KV = 1024
 
 
 def trace_chip() -> str | None:
@@ -91,7 +92,8 @@ def tuned_blocks(*, kv_len: int, head_dim: int | None = None, dtype=None, device
     table = _table(device_kind)
     row_dim = head_dim * 2 if dtype.itemsize >= 4 else head_dim
     rows = table[min(bound for bound in table if row_dim <= bound)]
-    blocks = [blocks for start, blocks in rows if kv_len >= start and not (sparse and start >= _SPARSE_LAST_ROW)][-1]
+    blocks = [blocks for start, blocks in rows
+              if kv_len >= start and not (sparse and blocks.block_kv > _SPARSE_MAX_BLOCK_KV)][-1]
     return _within_vmem(blocks, aot.find_chip(device_kind), head_dim, dtype)
 
 
