@@ -38,6 +38,7 @@ _SMALL = TunedBlocks(512, 512, 512, 512, 512)
 #: generation -> {head sizes up to: [(from kv length, blocks), ...] ascending}. v5e: measured on one
 #: v5e chip (TPU v5 lite, jax 0.10.2, libtpu 0.0.42.1), causal, 16 heads, bfloat16, head size 128
 #: (docs/tpu.md); larger head sizes (and float32, which counts double) keep 1024-blocks, not measured.
+#: The 8K row (session 8): kv blocks of 2048 took the causal forward at 16K from 8.51 to 8.15 ms.
 _MEASURED = {
     "v5e": {
         128: ((0, _SMALL), (4096, TunedBlocks(1024, 1024, 512, 1024, 1024)),
@@ -83,7 +84,7 @@ def tuned_blocks(*, kv_len: int, head_dim: int | None = None, dtype=None, device
     """The tuned blocks for a kernel that sees ``kv_len`` keys with q's ``head_dim`` / ``dtype``
     (None: 128 / bfloat16) on ``device_kind`` (None: :func:`trace_chip`). Float32 inputs take
     the rows of twice their head size (their blocks take twice the VMEM). ``sparse`` (segment
-    ids or a mask other than causal / full) keeps the blocks of the rows below 32K. On a known chip the
+    ids or a mask other than causal / full) takes no row with kv blocks over 1024. On a known chip the
     blocks are halved until the forward and the fused backward fit its VMEM (``splash/vmem.py``),
     so the default configuration is never refused there."""
     head_dim = 128 if head_dim is None else int(head_dim)
