@@ -32,7 +32,6 @@ from ringsplash.splash._kernel_common import (
     count_map,
     dispatch_kinds,
     kind_of,
-    kv_block_of,
     kv_map,
     mask_operand_specs,
     pack_schedule,
@@ -151,8 +150,8 @@ def _forward_kernel(
             if which != "partial" or quadrant_band is None:
                 step(None)
             else:
-                by_row_halves(step, quadrant_band, blocks_ref[lst, i], bq=bq, bkv=block_kv_compute,
-                              kv_first=kv_block_of(blocks_ref[lst, i]) * block_kv + c * block_kv_compute)
+                by_row_halves(step, quadrant_band, blocks_ref[lst, i], bq=bq, block_kv=block_kv,
+                              start=c * block_kv_compute, width=block_kv_compute)
 
     dispatch_kinds(kind, compute, segments=q_seg_ref is not None)
 

@@ -30,14 +30,14 @@ def band_misses(band, q_first, q_last, kv_first, kv_last):
     return out
 
 
-def by_row_halves(step, band, word, *, bq, bkv, kv_first):
-    """Run ``step(rows)`` for a forward slice of kv positions ``[kv_first, kv_first + bkv)`` (offset within
-    the entry's kv block) of the entry ``word``: on every row (``rows=None``) or, when one row half attends
-    none of the slice, on the other half only (``pl.ds``); nothing when neither does."""
+def by_row_halves(step, band, word, *, bq, block_kv, start, width):
+    """Run ``step(rows)`` for the forward slice ``[start, start + width)`` of the kv block of the entry
+    ``word`` (``(bq, block_kv)`` tiles): on every row (``rows=None``) or, when one row half attends none of
+    the slice, on the other half only (``pl.ds``); nothing when neither does."""
     half = bq // 2
-    q0, k0 = q_block_of(word) * bq, kv_first
-    top = band_misses(band, q0, q0 + half - 1, k0, k0 + bkv - 1)
-    bottom = band_misses(band, q0 + half, q0 + bq - 1, k0, k0 + bkv - 1)
+    q0, k0 = q_block_of(word) * bq, kv_block_of(word) * block_kv + start
+    top = band_misses(band, q0, q0 + half - 1, k0, k0 + width - 1)
+    bottom = band_misses(band, q0 + half, q0 + bq - 1, k0, k0 + width - 1)
     lo, hi = band
     pl.when(~top & ~bottom)(lambda: step(None))
     if lo is not None:  # with no lower bound the top half (smaller q) misses only if the bottom does too

@@ -48,8 +48,8 @@ _MEASURED = {
     },
 }
 _LARGE_VMEM = 64 << 20  # generations with at least this much VMEM per core take v5e's rows
-#: ``sparse`` calls (segment ids, banded masks: mostly partial tiles) take no row with kv blocks of
-#: 2048: on v5e at 32K, 16 packed documents ran 41 ms at 2048-blocks and 7.8 ms at 1024 (a partial
+#: ``sparse`` calls (segment ids, banded masks: mostly partial tiles) take no row with kv blocks over
+#: 1024: on v5e at 32K, 16 packed documents ran 41 ms at 2048-blocks and 7.8 ms at 1024 (a partial
 #: 2048 x 512 tile costs far more than four 1024 x 512 ones); window 4096: 11.5 vs 10.8
 _SPARSE_MAX_BLOCK_KV = 1024
 
