@@ -24,6 +24,7 @@ BANDED = {
     "local_both": masks.LocalMask((S, S), window=(30, 20), offset=7),
     "right_only": masks.LocalMask((S, S), window=(None, 3)),
     "and": masks.CausalMask((S, S)) & masks.LocalMask((S, S), window=(70, None)),
+    "window_wider_than_the_sequence": masks.LocalMask((S, S), window=(S, 0)),  # causal
 }
 
 
@@ -40,6 +41,16 @@ def test_band_tile_equals_the_mask_for_any_positions(name):
     np.testing.assert_array_equal(np.asarray(got), mask.evaluate(np, col[:, None], row[None, :]))
     got_t = band_tile(band, wide, jnp.asarray(row)[None, :], transposed=True)  # column = kv, row = q
     np.testing.assert_array_equal(np.asarray(got_t), mask.evaluate(np, row[None, :], col[:, None]))
+
+
+def test_band_drops_a_side_no_position_pair_reaches():
+    """q - kv lies in [1 - kv_len, q_len - 1]: a bound outside it never binds and costs a compare per score."""
+    assert band_of(masks.LocalMask((S, S), window=(S - 1, 0))) == (0, None)
+    assert band_of(masks.LocalMask((S, S), window=(S - 2, 0))) == (0, S - 2)  # binds at q - kv = S - 1
+    assert band_of(masks.LocalMask((S, S), window=(5, S - 1))) == (None, 5)
+    assert band_of(masks.LocalMask((S, 2 * S), window=(0, 2 * S - 1))) == (None, 0)  # kv_len bounds lo
+    assert band_of(masks.LocalMask((S, 2 * S), window=(0, 2 * S - 2))) == (2 - 2 * S, 0)
+    assert band_of(masks.LocalMask((S, S), window=(S, S))) == (-S, S)  # both free: kept, a band still
 
 
 def test_only_banded_masks_have_a_band():

@@ -72,10 +72,21 @@ _BAND_LIMIT = 1 << 29  # |q - kv - lo| stays far inside int32 for positions and 
 def band_of(mask):
     """``(lo, hi)`` when ``mask(q, kv)`` is exactly ``lo <= q - kv <= hi`` (a side None is
     unbounded; causal and sliding-window masks), else None. Bounds that could overflow the
-    kernels' int32 differences are refused (None: the mask function is evaluated instead)."""
+    kernels' int32 differences are refused (None: the mask function is evaluated instead).
+
+    A side no position pair of the mask's shape can reach is dropped (a window at least as
+    wide as the sequence is causal: one compare per score, not a subtract and a compare), as
+    long as the other side bounds the band."""
     band = None if mask is None else mask.band()
     if band is None or max(mask.shape) >= _BAND_LIMIT or any(b is not None and abs(b) >= _BAND_LIMIT for b in band):
         return None
+    lo, hi = band
+    lo_free = lo is not None and lo <= 1 - mask.shape[1]  # q - kv >= 1 - kv_len always
+    hi_free = hi is not None and hi >= mask.shape[0] - 1  # q - kv <= q_len - 1 always
+    if lo_free and hi is not None and not hi_free:
+        return None, hi
+    if hi_free and lo is not None and not lo_free:
+        return lo, None
     return band
 
 
