@@ -2,7 +2,8 @@
 
 Rows: causal, sliding window 4096 and 16 packed causal documents (segment ids), S = 4K ... 64K forward and
 4K ... 32K forward+backward; bfloat16, 16 heads, head size 128; at 16K also head sizes 64 and 256 and GQA
-4:1. Columns per implementation: milliseconds (median of ``--repeats`` calls, each blocked on), TF/s and
+4:1. Columns per implementation: milliseconds (median of ``--repeats`` calls, each blocked on; with
+``--back-to-back N`` each sample is N calls dispatched back to back, one block at the end), TF/s and
 the ratio to ringsplash's default config. FLOPs count attended (query, key) pairs only: forward 4·d per pair
 (2·H·S²·d for causal), forward+backward 3.5x that.
 
@@ -114,10 +115,19 @@ def inputs(row: Row):
     return q, k, v, do
 
 
-def timed(fn, args, repeats: int) -> float:
-    """Median milliseconds of ``fn(*args)`` (compiled first; each call blocked on)."""
+def timed(fn, args, repeats: int, back_to_back: int = 1) -> float:
+    """Median milliseconds of ``fn(*args)`` (compiled first). Each of the ``repeats`` samples
+    dispatches ``back_to_back`` calls and blocks on the last: per call, its time over that count.
+    1 blocks on every call (its host round trip counted); more hide it, as a training loop does."""
     jax.block_until_ready(fn(*args))
-    return 1e3 * median_of(lambda: jax.block_until_ready(fn(*args)), repeats)[0]
+
+    def burst():
+        out = None
+        for _ in range(back_to_back):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
+    return 1e3 * median_of(burst, repeats)[0] / back_to_back
 
 
 def with_grad(attn, bwd: bool):
@@ -246,12 +256,12 @@ def tokamax_available() -> bool:
     return True
 
 
-def measure(row: Row, impl: str, cand, repeats: int, log) -> tuple[float | None, str]:
+def measure(row: Row, impl: str, cand, repeats: int, log, back_to_back: int = 1) -> tuple[float | None, str]:
     q, k, v, do = inputs(row)
     start = time.perf_counter()
     try:
         fn = with_grad(IMPLS[impl](row, cand), row.bwd)
-        ms = timed(fn, (q, k, v, do) if row.bwd else (q, k, v), repeats)
+        ms = timed(fn, (q, k, v, do) if row.bwd else (q, k, v), repeats, back_to_back)
         note = ""
     except Exception as exc:
         ms, note = None, " ".join(f"{type(exc).__name__}: {exc}".split())[:160]
@@ -300,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", help="mask:S:fwd|bwd[:d=N][:group=G], comma-separated (default: every row)")
     parser.add_argument("--quick", action="store_true", help="causal 16K and 32K, forward and forward+backward")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median)")
+    parser.add_argument("--back-to-back", type=int, default=1,
+                        help="calls per timed sample, dispatched back to back with one block at the end "
+                             "(1: every call blocked on)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every entry of a row this many times, the order reversed each round (the "
                              "default first, then the peers; then the other way); each one's fastest round is shown")
@@ -318,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    for name in ("rounds", "back_to_back"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
 
     device = jax.devices()[0]
     if device.platform != "tpu":
@@ -347,11 +361,12 @@ def main(argv=None):
     print("|---|---|" + "---|" * (2 * len(impls) + (args.rounds > 1)))
     with open(args.log, "a") as log:
         # warm-up: the first measurement of a process ran ~12% slow (clocks / allocator), so discard one
-        measure(rows[0], "ringsplash", None, args.repeats, log)
+        measure(rows[0], "ringsplash", None, args.repeats, log, args.back_to_back)
         for row in rows:
             tf = lambda ms, row=row: row.flops() / (ms * 1e-3) / 1e12
             candidates = {impl: [] if args.candidates == "none" else CANDIDATES[impl] for impl in impls}
-            result = measure_row(lambda impl, cand, row=row: measure(row, impl, cand, args.repeats, log),
+            result = measure_row(lambda impl, cand, row=row: measure(row, impl, cand, args.repeats, log,
+                                                                     args.back_to_back),
                                  candidates, args.rounds)
             base = result.default
             cells = [f"{base:.2f} ({tf(base):.0f})" if base else f"error: {result.default_error}"]

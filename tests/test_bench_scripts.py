@@ -210,3 +210,28 @@ def test_bench_splash_tpu_rounds_alternate_the_order_and_keep_each_entrys_fastes
     # blocks to print) even when the default is faster (session 8's run crashed printing it)
     own = bench.measure_row(lambda impl, cand: (1.0 if cand is None else 2.0, ""), {"ringsplash": ["x"]}, 1)
     assert own.default == 1.0 and own.best == {"ringsplash": (2.0, "x")}
+
+
+def test_bench_splash_tpu_back_to_back_times_each_call_once_per_burst(monkeypatch):
+    """bench_splash_tpu.timed: with --back-to-back N each sample dispatches N calls and blocks once; the time
+    per call is the sample over N (a fake clock: every call takes 2 ms, a block 1 ms more)."""
+    import time
+
+    bench = _script("bench_splash_tpu")
+    clock = {"t": 0.0, "calls": 0, "blocks": 0}
+
+    def fn(x):
+        clock["t"] += 2e-3
+        clock["calls"] += 1
+        return x
+
+    def block(x):
+        clock["t"] += 1e-3
+        clock["blocks"] += 1
+        return x
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(bench.jax, "block_until_ready", block)
+    assert bench.timed(fn, (1,), repeats=3, back_to_back=4) == pytest.approx(2.25)
+    assert clock["calls"] == 1 + 3 * 4 and clock["blocks"] == 1 + 3  # the compile call, then one block a sample
+    assert bench.timed(fn, (1,), repeats=3) == pytest.approx(3.0)
