@@ -12,18 +12,21 @@ compile or run time is reported as such; a KV cache larger than the chip's HBM i
   ``B·(2·N·P + 2·d_model·V + L·4·H·dh·P(P+1)/2)`` for P prompt tokens, N the non-embedding parameters (every
   layer + the final norm), the unembedding of the last token, causal attention forward (2 FLOPs per
   multiply-add of QK^T and PV over the attended pairs); the padding to the cache length is not counted;
-* decode: the jitted ``decode_step`` (+ greedy argmax, the cache donated, what ``generate`` loops over) timed
-  directly: ``--decode-steps`` steps dispatched back to back after two warm-up steps, one block at the end,
-  milliseconds per step = total / steps (median of ``--repeats``); tokens/s = batch / step time. Roofline per
+* decode: the jitted program ``generate`` launches (greedy, the cache donated): ``--steps-per-program`` tokens
+  per call (default ``generate.STEPS_PER_PROGRAM``: ``decode_steps``; 1: ``decode_step``; a list gives a row
+  each) timed directly: ``--decode-steps`` steps dispatched back to back after two warm-up calls, one block at
+  the end, milliseconds per step = total / steps (median of ``--repeats``); tokens/s = batch / step time;
+  ``--generate-tokens N`` adds ``generate`` itself, (its time for 1 + N tokens - for 1) / N. Roofline per
   step = bytes that must be read / the chip's HBM bandwidth: every parameter as stored except the embedding
   table (B of its rows are read) + the KV cache of the tokens held (mean over the timed steps), K and V of
-  every layer; ``decode_step`` reads the cache's every slot (masked), up to ``--room`` more than counted.
+  every layer; a step reads the cache's every slot (masked), up to ``--room`` more than counted.
 * compiles: each prefill shape must compile once and each decode shape once, with no compile while the cache
   fills: counted with ``jax.monitoring`` (one event per XLA backend compile) during the timed calls (must be
   0; a row that recompiled says so) and with the jit caches of ``_prefill_jit`` and the decode step.
 
     python scripts/bench_inference_tpu.py
     python scripts/bench_inference_tpu.py --prompt-lens 32768 --batches 8 --models gqa
+    python scripts/bench_inference_tpu.py --prompt-lens 32768 --batches 8 --steps-per-program 1,4 --generate-tokens 64
     python scripts/bench_inference_tpu.py --cpu-smoke        # tiny shapes on the CPU (CI)
 
 It refuses to run without a TPU, except with ``--cpu-smoke`` (CPU times, never a TPU speed).
@@ -52,6 +55,7 @@ LANES = 128
 class Row:
     prefill_s: float | None = None
     decode_s: float | None = None
+    generate_s: float | None = None  # generate's seconds per new token (--generate-tokens)
     prefill_compiles: int | None = None  # _prefill_jit cache entries added by this shape
     decode_compiles: int | None = None  # decode-step cache entries after this shape
     recompiles: int = 0  # backend compiles during the timed calls (must be 0)
@@ -81,21 +85,57 @@ def cache_bytes(config, batch: int, max_len: int) -> int:
 
 
 @functools.cache
-def decode_fn():
-    """The jitted greedy decode step (cache donated): ``(model, cache, token) -> (next token, cache)``."""
+def generate_program(per_call: int, batch: int):
+    """What ``generate`` launches per call, greedy, the cache donated: ``generate._steps`` with ``per_call``
+    steps (1: ``decode_step``; more: ``decode_steps``). Returns ``(model, cache, token) -> (last token, cache)``
+    and the jitted function (for its compile cache)."""
     import jax
     import jax.numpy as jnp
 
-    from ringsplash.inference import decode_step
+    gen = importlib.import_module("ringsplash.inference.generate")
+    settings = dict(temperature=0.0, top_k=None, top_p=None, stop=())
+    keys = jax.random.split(jax.random.key(0), 1 + per_call)
+    flags = jnp.zeros((batch,), bool), jnp.full((batch,), -1, jnp.int32), jnp.int32(1)  # done, nonfinite, index
+    total = jnp.int32(2**31 - 1)
 
-    def step(model, cache, token):
-        logits, cache = decode_step(model, cache, token)
-        return jnp.argmax(logits, -1).astype(jnp.int32), cache
+    def steps(model, cache, token):
+        _, cache, (token, *_) = gen._steps(model, cache, (token, *flags), keys, total, steps=per_call, **settings)
+        return token, cache
 
-    return jax.jit(step, donate_argnums=1)
+    return steps, gen._steps
 
 
-def measure(model, config, batch: int, prompt: int, args, counter) -> Row:
+def time_generate(model, tokens, new: int, per_call: int, repeats: int) -> float:
+    """Median seconds of ``generate(model, tokens, new, bucket=False)`` with ``STEPS_PER_PROGRAM = per_call``
+    (compiled first)."""
+    import jax
+
+    from ringsplash.inference import generate
+
+    gen = importlib.import_module("ringsplash.inference.generate")
+    saved, gen.STEPS_PER_PROGRAM = gen.STEPS_PER_PROGRAM, per_call
+    try:
+        jax.block_until_ready(generate(model, tokens, new, bucket=False))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(generate(model, tokens, new, bucket=False))
+            times.append(time.perf_counter() - t0)
+    finally:
+        gen.STEPS_PER_PROGRAM = saved
+    return statistics.median(times)
+
+
+def calls_per_repeat(args, per_call: int) -> int:
+    return max(1, args.decode_steps // args.repeats // per_call)
+
+
+def decoded(args, per_call: int) -> int:
+    """Tokens the decode of one row appends to the cache: two warm-up calls, then the timed ones."""
+    return per_call * (2 + args.repeats * calls_per_repeat(args, per_call))
+
+
+def measure(model, config, batch: int, prompt: int, args, counter, per_call: int, timed_prefill: bool) -> Row:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -106,7 +146,7 @@ def measure(model, config, batch: int, prompt: int, args, counter) -> Row:
     row = Row()
     max_len = -(-(prompt + args.room) // LANES) * LANES
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32)
-    step = decode_fn()
+    step, jitted = generate_program(per_call, batch)
     stage = "prefill"
     try:
         before = prefill_module._prefill_jit._cache_size()
@@ -116,35 +156,42 @@ def measure(model, config, batch: int, prompt: int, args, counter) -> Row:
         if out.logits.shape != (batch, config.vocab_size):
             raise AssertionError(f"prefill returned logits of shape {out.logits.shape}, expected "
                                  f"{(batch, config.vocab_size)}: the last prompt token's only")
-        times, start = [], counter.count
-        for _ in range(args.repeats):
-            out = None  # the previous call's cache freed first: one cache alive at a time
-            t0 = time.perf_counter()
-            out = prefill(model, tokens, max_len=max_len)
-            jax.block_until_ready(out)
-            times.append(time.perf_counter() - t0)
-        row.prefill_s = statistics.median(times)
-        row.recompiles += counter.count - start
+        if timed_prefill:
+            times, start = [], counter.count
+            for _ in range(args.repeats):
+                out = None  # the previous call's cache freed first: one cache alive at a time
+                t0 = time.perf_counter()
+                out = prefill(model, tokens, max_len=max_len)
+                jax.block_until_ready(out)
+                times.append(time.perf_counter() - t0)
+            row.prefill_s = statistics.median(times)
+            row.recompiles += counter.count - start
         stage = "decode"
         cache = out.cache
         token = jnp.argmax(out.logits, -1).astype(jnp.int32)
         del out
-        before = step._cache_size()
+        before = jitted._cache_size()
         for _ in range(2):  # compile + a warm-up step
             token, cache = step(model, cache, token)
         jax.block_until_ready((token, cache))
         times, start = [], counter.count
-        steps = args.decode_steps // args.repeats
+        calls = calls_per_repeat(args, per_call)
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            for _ in range(steps):
+            for _ in range(calls):
                 token, cache = step(model, cache, token)
             jax.block_until_ready((token, cache))
-            times.append((time.perf_counter() - t0) / steps)
+            times.append((time.perf_counter() - t0) / (calls * per_call))
         row.decode_s = statistics.median(times)
         row.recompiles += counter.count - start
-        row.decode_compiles = step._cache_size() - before
+        row.decode_compiles = jitted._cache_size() - before
         del cache
+        if args.generate_tokens:
+            stage = "generate"
+            gc.collect()
+            one = time_generate(model, tokens, 1, per_call, args.repeats)
+            many = time_generate(model, tokens, 1 + args.generate_tokens, per_call, args.repeats)
+            row.generate_s = (many - one) / args.generate_tokens
     except Exception as exc:
         if args.raise_errors and not mb.is_oom(exc):
             raise
@@ -170,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default="bench_inference_tpu.jsonl", help="one JSON line per row (appended)")
     p.add_argument("--decode-unroll-up-to", type=int,
                    help="ringsplash.inference.decode.UNROLL_LAYERS_UP_TO for this run (0: the scanned layer loop)")
+    p.add_argument("--steps-per-program",
+                   help="decode steps per jitted program, comma-separated: a row each, the prefill timed in the "
+                        "first (1: decode_step; more: decode_steps, the cache read-only inside it; default: "
+                        "generate's STEPS_PER_PROGRAM)")
+    p.add_argument("--generate-tokens", type=int, default=0,
+                   help="also time generate end to end: (generate of 1 + N tokens - generate of 1) / N, "
+                        "bucket=False (0: not)")
     p.add_argument("--raise-errors", action="store_true", help="raise errors other than out-of-memory")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (2 layers, prompt 256, batches 1 / 2): checks the script")
@@ -196,9 +250,14 @@ def main(argv=None) -> None:
     if args.cpu_smoke:
         models = {name: SMOKE_MODELS[name] for name in models}
         prompts, batches, args.decode_steps, args.repeats = [256], [1, 2], 4, 2
-    if args.decode_steps // args.repeats < 1 or args.decode_steps + 2 > args.room:
+    if args.steps_per_program is None:
+        args.steps_per_program = str(importlib.import_module("ringsplash.inference.generate").STEPS_PER_PROGRAM)
+    per_calls = [int(k) for k in args.steps_per_program.split(",")]
+    if min(per_calls) < 1:
+        sys.exit(f"--steps-per-program: expected positive step counts, got {args.steps_per_program!r}")
+    if args.decode_steps // args.repeats < 1 or max(decoded(args, k) for k in per_calls) > args.room:
         sys.exit(f"--decode-steps {args.decode_steps} must give each of --repeats {args.repeats} runs a step, and "
-                 f"fit with the 2 warm-up steps in --room {args.room}")
+                 f"fit with the 2 warm-up calls in --room {args.room}")
     peak = mb.chip_rate(mb.PEAK_BF16_TFLOPS, device, args.peak_tflops)
     bandwidth = mb.chip_rate(mb.HBM_GBPS, device, args.hbm_gbps)
     chip = mb.chip_name(device)
@@ -215,8 +274,8 @@ def main(argv=None) -> None:
           f"{f'{bandwidth:g} GB/s' if bandwidth else 'unknown'} (--peak-tflops / --hbm-gbps set them); "
           f"dtype {args.dtype}; vocab {args.vocab if not args.cpu_smoke else 256}")
     print("prefill FLOPs = B·(2·N·P + 2·d_model·V + L·4·H·dh·P(P+1)/2), N = non-embedding parameters (every layer + "
-          "the final norm); decode: the jitted decode_step timed directly (steps back to back, one block at the "
-          "end), roofline = (parameters but the embedding table + B embedding rows + K/V of the cached tokens) "
+          "the final norm); decode: generate's jitted program timed directly (calls back to back, one block at the "
+          f"end; {args.steps_per_program} steps per program), roofline = (parameters but the embedding table + B embedding rows + K/V of the cached tokens) "
           "bytes / HBM bandwidth")
     for name, shape in models.items():
         config = mb.model_config(shape, max(prompts) + args.room + LANES, param_dtype=args.dtype,
@@ -241,33 +300,45 @@ def main(argv=None) -> None:
                     if hbm is not None and need + counts.param_bytes > hbm:
                         row = Row(note=f"does not fit: KV cache {need / 2**30:.1f} GiB + parameters > "
                                        f"{hbm / 2**30:.0f} GiB HBM (not tried)")
+                        rows = [(per_calls[0], row)]
                     else:
-                        row = measure(model, config, batch, prompt, args, counter)
-                    cells = cells_of(row, config, counts, batch, prompt, args, peak, bandwidth)
-                    mb.log_line(log, kind="inference", device=device.device_kind, model=name, shape=shape.label,
-                                prompt=prompt, batch=batch, **dataclasses.asdict(row),
-                                prefill_flops=prefill_flops(config, counts, batch, prompt), peak_tflops=peak,
-                                hbm_gbps=bandwidth)
-                    print(f"| {name} ({shape.label}) | {prompt} | {batch} | " + " | ".join(cells) + " |", flush=True)
+                        rows = [(k, measure(model, config, batch, prompt, args, counter, k, i == 0))
+                                for i, k in enumerate(per_calls)]
+                    for per_call, row in rows:
+                        if per_call > 1:
+                            row.note = (row.note + "; " if row.note else "") + f"{per_call} steps per program"
+                        cells = cells_of(row, config, counts, batch, prompt, args, peak, bandwidth, per_call)
+                        mb.log_line(log, kind="inference", device=device.device_kind, model=name,
+                                    shape=shape.label, prompt=prompt, batch=batch, steps_per_program=per_call,
+                                    **dataclasses.asdict(row),
+                                    prefill_flops=prefill_flops(config, counts, batch, prompt), peak_tflops=peak,
+                                    hbm_gbps=bandwidth)
+                        print(f"| {name} ({shape.label}) | {prompt} | {batch} | " + " | ".join(cells) + " |",
+                              flush=True)
             del model
             gc.collect()
 
 
-def cells_of(row: Row, config, counts, batch: int, prompt: int, args, peak, bandwidth) -> list[str]:
+def cells_of(row: Row, config, counts, batch: int, prompt: int, args, peak, bandwidth, per_call: int = 1) -> list[str]:
     dash = "-"
     pre = [dash] * 3
     if row.prefill_s is not None:
         tflops = prefill_flops(config, counts, batch, prompt) / row.prefill_s / 1e12
         pre = [f"{row.prefill_s:.3f}", f"{tflops:.3g}", f"{100 * tflops / peak:.1f}%" if peak else dash]
-    dec = [dash] * 4
+    dec, roof = [dash] * 4, None
     if row.decode_s is not None:
-        context = prompt + 2 + args.decode_steps / 2  # mean tokens held over the timed steps
+        warm = 2 * per_call
+        context = prompt + (warm + decoded(args, per_call)) / 2  # mean tokens held over the timed steps
         roof = decode_bytes(config, counts, batch, context) / (bandwidth * 1e9) if bandwidth else None
         dec = [f"{1e3 * row.decode_s:.3f}", f"{batch / row.decode_s:,.0f}",
                f"{1e3 * roof:.3f}" if roof else dash, f"{100 * roof / row.decode_s:.0f}%" if roof else dash]
     decode = dash if row.decode_compiles is None else row.decode_compiles
     compiles = dash if row.prefill_compiles is None else f"{row.prefill_compiles}, {decode}"
     note = row.note
+    if row.generate_s is not None:  # a difference of two timings: on tiny CPU shapes, noise can exceed it
+        share = f" ({100 * roof / row.generate_s:.0f}% of roofline)" if roof else ""
+        per_token = f"{1e3 * row.generate_s:.3f} ms/token{share}" if row.generate_s > 0 else "below timing noise"
+        note = (note + "; " if note else "") + f"generate: {per_token}"
     if row.recompiles:
         note = (note + "; " if note else "") + f"RECOMPILED {row.recompiles}x during the timed calls"
     return [*pre, *dec, compiles, note]

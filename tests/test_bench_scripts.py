@@ -5,6 +5,7 @@
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -163,12 +164,13 @@ def test_bench_train_tpu_cpu_smoke_prints_rows():
 @pytest.mark.e2e
 def test_bench_inference_tpu_cpu_smoke_prints_rows():
     """scripts/bench_inference_tpu.py --cpu-smoke: prefill and decode rows for the MHA and GQA models at batch 1
-    and 2, each shape compiled once (prefill and decode) and never during the timed calls, MFU and the
-    roofline printed against the given peak and bandwidth."""
+    and 2, one step per program and 4 (prefill timed in the first), each shape compiled once (prefill and
+    decode) and never during the timed calls, MFU and the roofline printed against the given peak and bandwidth,
+    and generate's own time per token."""
     env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_inference_tpu.py"), "--cpu-smoke", "--peak-tflops", "0.5",
-         "--hbm-gbps", "20", "--log", os.devnull],
+         "--hbm-gbps", "20", "--steps-per-program", "1,4", "--generate-tokens", "4", "--log", os.devnull],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -176,10 +178,14 @@ def test_bench_inference_tpu_cpu_smoke_prints_rows():
             "| roofline ms/step | % of roofline | compiles (prefill, decode) | note |") in out
     rows = [c for c in map(_cells, out.splitlines()) if c[0].startswith(("mha (", "gqa ("))]
     assert [(c[0].split()[0], c[1], c[2]) for c in rows] == [
-        ("mha", "256", "1"), ("mha", "256", "2"), ("gqa", "256", "1"), ("gqa", "256", "2")], out
-    for c in rows:
-        assert float(c[3]) > 0 and c[5].endswith("%") and float(c[6]) > 0 and c[9].endswith("%"), c
-        assert c[10] == "1, 1" and not c[11], c  # one compile per shape each, nothing recompiled, no error
+        (m, "256", b) for m in ("mha", "gqa") for b in ("1", "2") for _ in range(2)], out
+    for i, c in enumerate(rows):
+        first = i % 2 == 0  # one step per program, the prefill timed; then 4 steps per program
+        assert float(c[6]) > 0 and c[9].endswith("%"), c
+        assert (float(c[3]) > 0 and c[5].endswith("%")) if first else c[3] == "-", c
+        assert c[10] == ("1, 1" if first else "0, 1"), c  # one compile per shape each, nothing recompiled
+        generate = r"generate: ([0-9.]+ ms/token \(\d+% of roofline\)|below timing noise)"  # CPU: noise
+        assert re.fullmatch(("" if first else "4 steps per program; ") + generate, c[11]), c
 
 
 def test_bench_splash_tpu_rounds_alternate_the_order_and_keep_each_entrys_fastest():

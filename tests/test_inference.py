@@ -15,7 +15,7 @@ import pytest
 
 import ringsplash as rs
 from ringsplash import train
-from ringsplash.inference import decode_step, empty_cache, filter_logits, generate, prefill, sample
+from ringsplash.inference import bucket_length, decode_step, empty_cache, filter_logits, generate, prefill, sample
 from ringsplash.model import ModelFeatures, Transformer, TransformerConfig
 
 # measured max |decode - full forward| logits (f32, logits of magnitude ~1-5): llama 9.5e-7, sliding 1.2e-6,
@@ -148,14 +148,14 @@ def test_generate_on_a_mesh_equals_one_device_and_compiles_the_step_once(caplog)
     prompts = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 140)), jnp.int32)
     lengths = jnp.asarray([140, 131], jnp.int32)
     one = generate(model, prompts, 10, prompt_lengths=lengths)
-    step = importlib.import_module("ringsplash.inference.generate")._step
+    step = importlib.import_module("ringsplash.inference.generate")._steps
     before = step._cache_size()
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         four = generate(model, prompts, 10, prompt_lengths=lengths, mesh=train.make_mesh(1, 4))
     np.testing.assert_array_equal(four, one)
     assert four.shape == (2, 10) and four.dtype == jnp.int32
-    assert step._cache_size() == before + 1  # one decode program for the 9 steps
-    assert sum("_step" in r.getMessage() and "Compiling" in r.getMessage() for r in caplog.records) <= 1
+    assert step._cache_size() == before + 1  # one decode program (a step each on a mesh) for the 9 steps
+    assert sum("_steps" in r.getMessage() and "Compiling" in r.getMessage() for r in caplog.records) <= 1
 
 
 
@@ -225,6 +225,50 @@ def test_generate_pads_a_stopped_row_with_its_stop_token():
     hit = np.flatnonzero(free[1] == stop)
     end = hit[0] if hit.size else 8
     np.testing.assert_array_equal(out[1, :end], free[1, :end])
+
+
+def test_generate_in_programs_of_several_steps_equals_one_step_per_program(monkeypatch):
+    """``generate`` on one device runs ``STEPS_PER_PROGRAM`` tokens per program (``decode_steps``): the same
+    tokens as one ``decode_step`` per program, greedy and sampled, with a stop token hit mid-program, for
+    token counts that are not multiples of it (the last program's extra steps are trimmed); each setting's
+    program is compiled once, for any token count that keeps the cache's bucket (11 and 9 here)."""
+    module = importlib.import_module("ringsplash.inference.generate")
+    model = _randomised(CONFIGS["llama"], seed=11)
+    prompts = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 9)), jnp.int32)
+    lengths = jnp.asarray([9, 5], jnp.int32)
+    before = module._steps._cache_size()
+    free = np.asarray(generate(model, prompts, 11, prompt_lengths=lengths))
+    runs = [dict(n=11, stop_tokens=(int(free[0, 6]),)), dict(n=6, temperature=1.5, top_k=20, key=jax.random.key(1)),
+            dict(n=9)]
+    multi = [free] + [np.asarray(generate(model, prompts, r["n"], prompt_lengths=lengths,
+                                          **{k: v for k, v in r.items() if k != "n"})) for r in runs]
+    assert module.STEPS_PER_PROGRAM == 4 and module._steps._cache_size() - before == 3  # greedy, stop, sampled
+    assert bucket_length(9 + 9) == bucket_length(9 + 11)  # the same cache: one program for both counts
+    monkeypatch.setattr(module, "STEPS_PER_PROGRAM", 1)
+    runs = [dict(n=11)] + runs
+    single = [np.asarray(generate(model, prompts, r["n"], prompt_lengths=lengths,
+                                  **{k: v for k, v in r.items() if k != "n"})) for r in runs]
+    for run, a, b in zip(runs, multi, single, strict=True):
+        assert a.shape == (2, run["n"]), run
+        np.testing.assert_array_equal(a, b, err_msg=str(run))
+    assert (multi[1][0, 6:] == free[0, 6]).all() and not (free[0, 7:] == free[0, 6]).all()  # stopped mid-program
+    np.testing.assert_array_equal(multi[3], free[:, :9])
+
+
+def test_generate_stops_launching_programs_once_every_row_has_stopped(monkeypatch):
+    """Both rows stop at their second token: ``generate`` of 40 tokens stops launching decode programs at the
+    second check (it reads the first check's flags, computed meanwhile): 4 programs of 4 steps, not 10, and
+    the rows repeat their stop tokens to the end."""
+    module = importlib.import_module("ringsplash.inference.generate")
+    model = _randomised(CONFIGS["llama"], seed=11)
+    prompts = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 6)), jnp.int32)
+    free = np.asarray(generate(model, prompts, 2))
+    calls, steps = [], module._steps
+    monkeypatch.setattr(module, "_steps", lambda *a, **k: calls.append(1) or steps(*a, **k))
+    out = np.asarray(generate(model, prompts, 40, stop_tokens=tuple(int(t) for t in free[:, 1])))
+    assert out.shape == (2, 40) and len(calls) == 4, len(calls)
+    np.testing.assert_array_equal(out[:, :2], free)
+    assert (out[:, 1:] == free[:, 1:]).all()
 
 
 # ------------------------------------------------------------------------------ bad input

@@ -129,10 +129,10 @@ def test_generate_shares_compilations_across_prompt_lengths(model):
     (unbucketed) ones, rows of different lengths too."""
     module = importlib.import_module("ringsplash.inference.generate")
     prefill_jit = importlib.import_module("ringsplash.inference.prefill")._prefill_jit
-    before = module._step._cache_size(), prefill_jit._cache_size()
+    before = module._steps._cache_size(), prefill_jit._cache_size()
     prompts = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 17)), jnp.int32)
     outs = {n: generate(model, prompts[:, :n], 3) for n in range(1, 18)}
-    assert module._step._cache_size() - before[0] <= 2
+    assert module._steps._cache_size() - before[0] <= 2
     assert prefill_jit._cache_size() - before[1] <= 2
     np.testing.assert_array_equal(outs[5], generate(model, prompts[:, :5], 3, bucket=False))
     lengths = jnp.asarray([17, 6], jnp.int32)  # rows of different lengths, masked past their own

@@ -163,3 +163,32 @@ def test_batched_under_vmap_on_chip():
     errs = {name: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
             for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads))}
     assert all(np.isfinite(e) for e in errs.values()) and max(errs.values()) <= BF16_TOL, errs
+
+
+def test_decode_steps_equals_decode_step_calls_on_chip():
+    """What ``generate`` launches on one device, ``decode_steps`` (8 steps as one program, the cache read-only
+    inside it), against 8 ``decode_step`` programs on the chip, rows at different lengths, float32 at
+    precision "highest": the same greedy tokens, the last logits and the cache within 1e-4."""
+    from ringsplash.inference import decode_step, decode_steps, prefill
+    from ringsplash.model import Transformer, TransformerConfig
+
+    config = TransformerConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                               max_seq_len=1024)
+    model = Transformer(config, key=jax.random.key(3))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 300)), jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        out = prefill(model, tokens, max_len=512, prompt_lengths=jnp.array([300, 171, 257]))
+        token = jnp.argmax(out.logits, -1).astype(jnp.int32)
+        step = jax.jit(decode_step)
+        ref, cache, t = [], out.cache, token
+        for _ in range(8):
+            logits, cache = step(model, cache, t)
+            t = jnp.argmax(logits, -1).astype(jnp.int32)
+            ref.append(t)
+        got = jax.jit(lambda m, c, t: decode_steps(m, c, t, 8))(model, out.cache, token)
+    errs = {name: float(jnp.max(jnp.abs(a - b))) for name, a, b in
+            (("logits", got.logits, logits), ("k", got.cache.k, cache.k), ("v", got.cache.v, cache.v))}
+    print("decode_steps vs decode_step on chip:", errs)
+    np.testing.assert_array_equal(got.tokens, jnp.stack(ref))
+    assert max(errs.values()) <= 1e-4, errs
+    np.testing.assert_array_equal(got.cache.lengths, [308, 179, 265])

@@ -9,10 +9,15 @@ the online-softmax
 moves. The new token attends itself as one more partial, merged once; sinks join at the end
 (``fold_sinks``). After the layers, the new token's keys and values are written into the slot
 that holds its position, on the device that owns that slot.
+
+``decode_steps``: several steps as one program on a cache without a mesh (the cache read-only
+until one write at the end, the new tokens' keys and values attended from a side buffer).
 """
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -97,12 +102,31 @@ def _check_room(cache: KVCache) -> Bool[Array, " batch"]:
 def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, static, layout: str, max_len: int,
                 shards: int, axis_name: str | None):
     """One device's step on its cache slots ``[layers, batch, kv_heads, local_len, d]``: the logits (the
-    same on every device) and its updated slots. The batch rides where the model's blocks take the
-    sequence (projections, norms, RoPE and MLP act per token), so no array is transposed or vmapped."""
-    model = eqx.combine(params, static)
+    same on every device) and its updated slots."""
+    logits, new_k, new_v = _layers(eqx.combine(params, static), k_cache, v_cache, lengths, slot_positions, tokens,
+                                   lengths, None, max_len=max_len, axis_name=axis_name)
+    # the slot of each row's new position; a device that does not own it writes out of bounds (dropped)
+    local_len = k_cache.shape[3]
+    slot = lengths if layout == "contiguous" else jnp.asarray(
+        layouts.inverse_permutation(layout, max_len, shards))[lengths]
+    local = slot - (0 if axis_name is None else lax.axis_index(axis_name) * local_len)
+    local = jnp.where((local >= 0) & (local < local_len), local, local_len)
+    rows = jnp.arange(tokens.shape[0])
+
+    def write(cache, new):  # new: [layers, kv_heads, batch, d] -> cache[:, b, :, local[b]]
+        return cache.at[:, rows, :, local].set(new.transpose(2, 0, 1, 3).astype(cache.dtype), mode="drop")
+
+    return logits, write(k_cache, new_k), write(v_cache, new_v)
+
+
+def _layers(model, k_cache, v_cache, lengths, slot_positions, tokens, positions, pending, *, max_len: int,
+            axis_name: str | None):
+    """The layers on one new token per row at ``positions``: its logits and keys / values ``[layers, kv_heads,
+    batch, d]``. Each row attends the cache's slots below its ``lengths``, then ``pending`` (None, or the keys and
+    values ``[layers, batch, kv_heads, n, d]`` of the row's n tokens fed earlier in the same program, not yet in
+    the cache), then itself. The batch rides where the model's blocks take the sequence (projections, norms,
+    RoPE and MLP act per token), so no array is transposed or vmapped."""
     c = model.config
-    batch, local_len = tokens.shape[0], k_cache.shape[3]
-    positions = lengths  # each row's new token sits at its current length
     x = model.embed(tokens)
     dynamic, layer_static = eqx.partition(model.layers, eqx.is_array)
 
@@ -110,16 +134,22 @@ def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, st
         mask = c.make_mask(max_len, kind)
 
         def step(h, xs):
-            layer_params, k_layer, v_layer = xs
+            layer_params, k_layer, v_layer, pending_layer = xs
             layer = eqx.combine(layer_params, layer_static)
-            visible = (slot_positions[None] < positions[:, None]) & mask.mask_function(positions[:, None],
-                                                                                       slot_positions[None])
+            visible = (slot_positions[None] < lengths[:, None]) & mask.mask_function(positions[:, None],
+                                                                                     slot_positions[None])
 
             def attention(module, hn):
                 q, k, v = module.project_qkv(hn, positions, rope_len=max_len, layer_type=kind)  # [heads, batch, d]
                 o, lse = _attend_shards(c, q, k_layer, v_layer, visible, axis_name)
-                o_self, lse_self = _self_partial(c, q, k, v)
-                o, lse = merge(o, lse, o_self, lse_self)
+                if pending_layer is not None:
+                    pk, pv = pending_layer
+                    n = pk.shape[2]
+                    pending_pos = positions[:, None] - n + jnp.arange(n)[None]
+                    seen = mask.mask_function(positions[:, None], pending_pos)
+                    o, lse = merge(o, lse, *_local_partial(q, pk, pv, seen, c.features.attention_scale,
+                                                           c.logit_soft_cap))
+                o, lse = merge(o, lse, *_self_partial(c, q, k, v))
                 o, _ = fold_sinks(o, lse, module.sinks)
                 return module.project_out(o.astype(q.dtype)), (k, v)
 
@@ -130,23 +160,74 @@ def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, st
     steps = {kind: step_for(kind) for kind in c.attention_kinds}
     new_k, new_v = [], []
     for seg in layer_segments(c.features.layer_types, c.num_layers):
-        x, (k_new, v_new) = run_segment(seg, steps, x, (dynamic, k_cache, v_cache), c.num_layers,
+        x, (k_new, v_new) = run_segment(seg, steps, x, (dynamic, k_cache, v_cache, pending), c.num_layers,
                                         unroll=axis_name is None and c.num_layers <= UNROLL_LAYERS_UP_TO)
         new_k.append(k_new)
         new_v.append(v_new)
-    logits = model.logits(model.final_norm(x))
-    # the slot of each row's new position; a device that does not own it writes out of bounds (dropped)
-    slot = positions if layout == "contiguous" else jnp.asarray(
-        layouts.inverse_permutation(layout, max_len, shards))[positions]
-    local = slot - (0 if axis_name is None else lax.axis_index(axis_name) * local_len)
-    local = jnp.where((local >= 0) & (local < local_len), local, local_len)
-    rows = jnp.arange(batch)
+    return model.logits(model.final_norm(x)), jnp.concatenate(new_k), jnp.concatenate(new_v)
 
-    def write(cache, new):  # new: [layers, kv_heads, batch, d] -> cache[:, b, :, local[b]]
-        value = jnp.concatenate(new).transpose(2, 0, 1, 3).astype(cache.dtype)
-        return cache.at[:, rows, :, local].set(value, mode="drop")
 
-    return logits, write(k_cache, new_k), write(v_cache, new_v)
+class Decoded(NamedTuple):
+    """What ``decode_steps`` returns: the chosen tokens ``[steps, batch]``, the last step's float32 logits,
+    the cache with ``lengths + steps`` and ``choose``'s carry after the last step."""
+
+    tokens: Int[Array, "steps batch"]
+    logits: Float[Array, "batch vocab"]
+    cache: KVCache
+    carry: Any = None
+
+
+def greedy(logits, step, carry):
+    """``decode_steps``' default ``choose``: the most likely token, the carry unchanged."""
+    return jnp.argmax(logits, -1).astype(jnp.int32), carry
+
+
+def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"], steps: int,
+                 choose: Callable = greedy, carry: Any = None) -> Decoded:
+    """``steps`` decode steps as one program (jit it), on a cache without a mesh: each step feeds one token per
+    row, and ``choose(logits, step, carry) -> (next tokens, carry)`` picks the next from its float32 logits
+    (default ``greedy``; ``generate`` samples and tracks stop tokens in the carry).
+
+    The same tokens as ``steps`` ``decode_step`` calls, with one program launch instead of ``steps``. The cache is
+    only read inside the program: the new tokens' keys and values wait in a side buffer, which each later step
+    attends to, and are written once at the end. (Written after every step, as ``steps`` ``decode_step`` calls in
+    one program would, XLA's compile for v5e copies the whole cache each step.) On a v5e chip, GQA 8:2 at 32K
+    batch 8: 3.497 ms per token at 4 steps per program, 3.585 one step per program (docs/tpu.md).
+    A row without room for a step's token gets NaN logits from that step on (its keys and values are dropped)."""
+    check_model(model, "decode_steps")
+    check_cache(cache, model.config)
+    if cache.mesh is not None or cache.layout != "contiguous":
+        raise ValueError(f"decode_steps: a cache without a mesh and with the contiguous layout is supported, got "
+                         f"mesh={cache.mesh}, layout={cache.layout!r}; use decode_step")
+    if not isinstance(steps, int | np.integer) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"decode_steps: steps must be a positive int, got {steps!r}")
+    if getattr(tokens, "shape", None) != (cache.batch,):
+        raise ValueError(f"tokens must be int [batch={cache.batch}] (one new token per cached row), got "
+                         f"tokens.shape={getattr(tokens, 'shape', type(tokens).__name__)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer token ids, got tokens.dtype={tokens.dtype}")
+    k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
+    layers, batch, kv_heads, max_len = k_cache.shape[:4]
+    side_k = jnp.zeros((layers, batch, kv_heads, 0, k_cache.shape[4]), k_cache.dtype)
+    side_v = jnp.zeros((layers, batch, kv_heads, 0, v_cache.shape[4]), v_cache.dtype)
+    chosen = []
+    for step in range(int(steps)):  # unrolled: the side buffer grows by one slot a step
+        positions = lengths + step
+        logits, k_new, v_new = _layers(model, k_cache, v_cache, lengths, cache.slot_positions, tokens, positions,
+                                       None if step == 0 else (side_k, side_v), max_len=max_len, axis_name=None)
+        logits = jnp.where((positions < max_len)[:, None], logits, jnp.nan)  # no slot: NaN, never silent
+        # [layers, kv_heads, batch, d] -> one more slot of [layers, batch, kv_heads, slots, d]
+        side_k = jnp.concatenate([side_k, k_new.transpose(0, 2, 1, 3)[:, :, :, None].astype(side_k.dtype)], axis=3)
+        side_v = jnp.concatenate([side_v, v_new.transpose(0, 2, 1, 3)[:, :, :, None].astype(side_v.dtype)], axis=3)
+        tokens, carry = choose(logits, step, carry)
+        chosen.append(tokens)
+    slots = lengths[:, None] + jnp.arange(steps)[None]
+    slots = jnp.where(slots < max_len, slots, max_len)  # past the end: dropped
+    rows = jnp.arange(batch)[:, None]
+    write = lambda cache_arr, side: cache_arr.at[:, rows, :, slots].set(side.transpose(1, 3, 0, 2, 4), mode="drop")
+    new_cache = dataclasses.replace(cache, k=write(k_cache, side_k), v=write(v_cache, side_v),
+                                    lengths=lengths + steps)
+    return Decoded(jnp.stack(chosen), logits, new_cache, carry)
 
 
 def _self_partial(c, q, k, v):
@@ -200,4 +281,4 @@ def _local_partial(q: Float[Array, "heads batch d"], k: Float[Array, "batch kv_h
     return o, lse
 
 
-__all__ = ["decode_step"]
+__all__ = ["Decoded", "decode_step", "decode_steps", "greedy"]
