@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ringsplash import train
 from ringsplash.inference import decode_step, decode_steps, empty_cache, prefill
 from ringsplash.model import ModelFeatures, Transformer, TransformerConfig
 
@@ -50,6 +51,13 @@ def test_decode_steps_refuses_what_it_does_not_support():
         decode_steps(model, cache, jnp.zeros((2,), jnp.int32), 0)
     with pytest.raises(ValueError, match=r"tokens must be int \[batch=2\]"):
         decode_steps(model, cache, jnp.zeros((3,), jnp.int32), 2)
+    with pytest.raises(ValueError, match=r"no room for steps=129 more tokens in row\(s\) \[0, 1\] \(cache.lengths="
+                                         r"\[0, 0\], cache.max_len=128\)"):
+        decode_steps(model, cache, jnp.zeros((2,), jnp.int32), 129)
+    sharded = empty_cache(model.config, 2, 128, mesh=train.make_mesh(1, 2))
+    with pytest.raises(ValueError, match=r"a cache without a mesh and with the contiguous layout is supported, got "
+                                         r"mesh=.*use decode_step"):
+        decode_steps(model, sharded, jnp.zeros((2,), jnp.int32), 2)
     with pytest.raises(TypeError, match="typechecking parameter 'tokens'"):  # jaxtyping: Int[Array, " batch"]
         decode_steps(model, cache, jnp.zeros((2,), jnp.float32), 2)
 
