@@ -61,11 +61,7 @@ def decode_step(
     failed check naming the lengths (``checkify.checkify(jax.jit(decode_step))``)."""
     check_model(model, "decode_step")
     check_cache(cache, model.config, None if mesh == "cache" else mesh, check_mesh_arg=mesh != "cache")
-    if getattr(tokens, "shape", None) != (cache.batch,):
-        raise ValueError(f"tokens must be int [batch={cache.batch}] (one new token per cached row), got "
-                         f"tokens.shape={getattr(tokens, 'shape', type(tokens).__name__)}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be integer token ids, got tokens.dtype={tokens.dtype}")
+    _check_tokens(tokens, cache)
     room = _check_room(cache)
     params, static = eqx.partition(model, eqx.is_array)
     body = functools.partial(_local_step, static=static, layout=cache.layout, max_len=cache.max_len,
@@ -80,6 +76,15 @@ def decode_step(
                                      check_vma=False)(*args)
     logits = jnp.where(room[:, None], logits, jnp.nan)  # a full row's logits would be wrong: NaN, never silent
     return logits, dataclasses.replace(cache, k=k, v=v, lengths=cache.lengths + 1)
+
+
+def _check_tokens(tokens, cache: KVCache) -> None:
+    """One integer token per cached row, or a clear error."""
+    if getattr(tokens, "shape", None) != (cache.batch,):
+        raise ValueError(f"tokens must be int [batch={cache.batch}] (one new token per cached row), got "
+                         f"tokens.shape={getattr(tokens, 'shape', type(tokens).__name__)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer token ids, got tokens.dtype={tokens.dtype}")
 
 
 def _check_room(cache: KVCache) -> Bool[Array, " batch"]:
@@ -202,11 +207,7 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
                          f"mesh={cache.mesh}, layout={cache.layout!r}; use decode_step")
     if not isinstance(steps, int | np.integer) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"decode_steps: steps must be a positive int, got {steps!r}")
-    if getattr(tokens, "shape", None) != (cache.batch,):
-        raise ValueError(f"tokens must be int [batch={cache.batch}] (one new token per cached row), got "
-                         f"tokens.shape={getattr(tokens, 'shape', type(tokens).__name__)}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be integer token ids, got tokens.dtype={tokens.dtype}")
+    _check_tokens(tokens, cache)
     k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
     layers, batch, kv_heads, max_len = k_cache.shape[:4]
     if not isinstance(lengths, jax.core.Tracer):  # as decode_step: concrete lengths without room are refused
