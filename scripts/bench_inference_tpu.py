@@ -56,6 +56,7 @@ class Row:
     prefill_s: float | None = None
     decode_s: float | None = None
     generate_s: float | None = None  # generate's seconds per new token (--generate-tokens)
+    generate_bucket: bool = False  # generate timed with bucket=True (--generate-bucket)
     prefill_compiles: int | None = None  # _prefill_jit cache entries added by this shape
     decode_compiles: int | None = None  # decode-step cache entries after this shape
     recompiles: int = 0  # backend compiles during the timed calls (must be 0)
@@ -105,8 +106,8 @@ def generate_program(per_call: int, batch: int):
     return steps, gen._steps
 
 
-def time_generate(model, tokens, new: int, per_call: int, repeats: int) -> float:
-    """Median seconds of ``generate(model, tokens, new, bucket=False)`` with ``STEPS_PER_PROGRAM = per_call``
+def time_generate(model, tokens, new: int, per_call: int, repeats: int, bucket: bool = False) -> float:
+    """Median seconds of ``generate(model, tokens, new, bucket=bucket)`` with ``STEPS_PER_PROGRAM = per_call``
     (compiled first)."""
     import jax
 
@@ -115,11 +116,11 @@ def time_generate(model, tokens, new: int, per_call: int, repeats: int) -> float
     gen = importlib.import_module("ringsplash.inference.generate")
     saved, gen.STEPS_PER_PROGRAM = gen.STEPS_PER_PROGRAM, per_call
     try:
-        jax.block_until_ready(generate(model, tokens, new, bucket=False))
+        jax.block_until_ready(generate(model, tokens, new, bucket=bucket))
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            jax.block_until_ready(generate(model, tokens, new, bucket=False))
+            jax.block_until_ready(generate(model, tokens, new, bucket=bucket))
             times.append(time.perf_counter() - t0)
     finally:
         gen.STEPS_PER_PROGRAM = saved
@@ -189,9 +190,9 @@ def measure(model, config, batch: int, prompt: int, args, counter, per_call: int
         if args.generate_tokens:
             stage = "generate"
             gc.collect()
-            one = time_generate(model, tokens, 1, per_call, args.repeats)
-            many = time_generate(model, tokens, 1 + args.generate_tokens, per_call, args.repeats)
-            row.generate_s = (many - one) / args.generate_tokens
+            one = time_generate(model, tokens, 1, per_call, args.repeats, args.generate_bucket)
+            many = time_generate(model, tokens, 1 + args.generate_tokens, per_call, args.repeats, args.generate_bucket)
+            row.generate_s, row.generate_bucket = (many - one) / args.generate_tokens, args.generate_bucket
     except Exception as exc:
         if args.raise_errors and not mb.is_oom(exc):
             raise
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generate-tokens", type=int, default=0,
                    help="also time generate end to end: (generate of 1 + N tokens - generate of 1) / N, "
                         "bucket=False (0: not)")
+    p.add_argument("--generate-bucket", action="store_true",
+                   help="time generate with bucket=True (its default: the cache sized by bucket_length, each step "
+                        "reading every slot) instead of the exact length")
     p.add_argument("--raise-errors", action="store_true", help="raise errors other than out-of-memory")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (2 layers, prompt 256, batches 1 / 2): checks the script")
@@ -338,7 +342,8 @@ def cells_of(row: Row, config, counts, batch: int, prompt: int, args, peak, band
     if row.generate_s is not None:  # a difference of two timings: on tiny CPU shapes, noise can exceed it
         share = f" ({100 * roof / row.generate_s:.0f}% of roofline)" if roof else ""
         per_token = f"{1e3 * row.generate_s:.3f} ms/token{share}" if row.generate_s > 0 else "below timing noise"
-        note = (note + "; " if note else "") + f"generate: {per_token}"
+        how = " (bucket=True)" if row.generate_bucket else ""
+        note = (note + "; " if note else "") + f"generate{how}: {per_token}"
     if row.recompiles:
         note = (note + "; " if note else "") + f"RECOMPILED {row.recompiles}x during the timed calls"
     return [*pre, *dec, compiles, note]
