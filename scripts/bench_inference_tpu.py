@@ -16,7 +16,9 @@ compile or run time is reported as such; a KV cache larger than the chip's HBM i
   per call (default ``generate.STEPS_PER_PROGRAM``: ``decode_steps``; 1: ``decode_step``; a list gives a row
   each) timed directly: ``--decode-steps`` steps dispatched back to back after two warm-up calls, one block at
   the end, milliseconds per step = total / steps (median of ``--repeats``); tokens/s = batch / step time;
-  ``--generate-tokens N`` adds ``generate`` itself, (its time for 1 + N tokens - for 1) / N. Roofline per
+  ``--generate-tokens N`` adds ``generate`` itself, (its time for 1 + N tokens - for 1) / N, with
+  ``bucket=False`` (the cache of the prompt and the new tokens, rounded up to 128 slots) or, with
+  ``--generate-bucket``, its default ``bucket=True`` (the cache of ``bucket_length`` slots). Roofline per
   step = bytes that must be read / the chip's HBM bandwidth: every parameter as stored except the embedding
   table (B of its rows are read) + the KV cache of the tokens held (mean over the timed steps), K and V of
   every layer; a step reads the cache's every slot (masked), up to ``--room`` more than counted.
