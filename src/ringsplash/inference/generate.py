@@ -28,7 +28,7 @@ STEPS_PER_PROGRAM = 4
 #: reads the flags of the one before (already computed while later programs were queued), a multiple of
 #: ``STEPS_PER_PROGRAM``
 STOP_CHECK_EVERY = 8
-#: the shortest cache ``generate`` compiles for (see ``bucket_length``)
+#: the shortest length ``bucket_length`` gives (``generate`` then rounds its cache up to 128 slots)
 MIN_BUCKET = 16
 
 
@@ -98,8 +98,8 @@ def generate(
         raise ValueError(f"generate would make sequences of {longest + max_new_tokens} tokens (the longest prompt, "
                          f"{longest} tokens, + max_new_tokens={max_new_tokens}), more than the model's "
                          f"max_seq_len={c.max_seq_len}: pass max_new_tokens <= {c.max_seq_len - longest}")
-    # whole 128-slot lanes: on a v5e chip a cache of 32,833 slots (32K + 65) decoded at 4.93 ms per token, one of
-    # 32,896 at 3.42 (GQA 8:2, batch 8; docs/tpu.md)
+    # whole 128-slot lanes: on a v5e chip generate took 4.93 ms per token with a cache of 32,833 slots (32K + 65),
+    # 3.35 with one of 32,896 (GQA 8:2, batch 8; docs/tpu.md)
     multiple = math.lcm(cache_multiple(c, mesh), NUM_LANES)
     if bucket and concrete:
         max_len = bucket_length(longest + max_new_tokens, multiple)
