@@ -52,12 +52,14 @@ def run_case(name, mesh, n, *, S, heads, kv_heads, d, layout, mask, segments, pe
         seg_np = np.repeat(np.arange(4, dtype=np.int32), S // 4)
         seg = rs.SegmentIds(q=jnp.asarray(seg_np), kv=jnp.asarray(seg_np))
 
-    # reference on original order, on this process's local devices
+    # reference on original order, on this process's local devices: output and gradients in one
+    # jitted program (run eagerly, each of its operations would compile on its own)
     def ref_loss(q, k, v):
-        return jnp.sum(rs.reference_attention(q, k, v, mask, segment_ids=seg) * d_out)
+        out = rs.reference_attention(q, k, v, mask, segment_ids=seg)
+        return jnp.sum(out * d_out), out
 
-    ref_out = np.asarray(rs.reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, segment_ids=seg))
-    ref_grads = [np.asarray(g) for g in jax.grad(ref_loss, (0, 1, 2))(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))]
+    (_, ref_out), ref_grads = jax.jit(jax.value_and_grad(ref_loss, (0, 1, 2), has_aux=True))(q, k, v)
+    ref_out, ref_grads = np.asarray(ref_out), [np.asarray(g) for g in ref_grads]
 
     perm = rs.layouts.permutation(layout, S, n)
     lay = lambda x: np.ascontiguousarray(x[:, perm])
