@@ -88,16 +88,18 @@ def cache_bytes(config, batch: int, max_len: int) -> int:
 
 
 @functools.cache
-def generate_program(per_call: int, batch: int):
+def generate_program(per_call: int, batch: int, max_len: int):
     """What ``generate`` launches per call, greedy, the cache donated: ``generate._steps`` with ``per_call``
-    steps (1: ``decode_step``; more: ``decode_steps``). Returns ``(model, cache, token) -> (last token, cache)``
+    steps (1: ``decode_step``; more: ``decode_steps``) on a cache of ``max_len`` slots, its arguments shaped as
+    ``generate`` shapes them (``max_len + per_call`` keys): ``generate`` with a cache of as many slots then runs
+    this compiled program rather than compiling its own. Returns ``(model, cache, token) -> (last token, cache)``
     and the jitted function (for its compile cache)."""
     import jax
     import jax.numpy as jnp
 
     gen = importlib.import_module("ringsplash.inference.generate")
     settings = dict(temperature=0.0, top_k=None, top_p=None, stop=())
-    keys = jax.random.split(jax.random.key(0), 1 + per_call)
+    keys = jax.random.split(jax.random.key(0), max_len + per_call)
     flags = jnp.zeros((batch,), bool), jnp.full((batch,), -1, jnp.int32), jnp.int32(1)  # done, nonfinite, index
     total = jnp.int32(2**31 - 1)
 
@@ -149,7 +151,7 @@ def measure(model, config, batch: int, prompt: int, args, counter, per_call: int
     row = Row()
     max_len = -(-(prompt + args.room) // LANES) * LANES
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32)
-    step, jitted = generate_program(per_call, batch)
+    step, jitted = generate_program(per_call, batch, max_len)
     stage = "prefill"
     try:
         before = prefill_module._prefill_jit._cache_size()
