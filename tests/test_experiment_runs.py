@@ -6,10 +6,12 @@ take the dtype / backend / block flags into the model's config.
 
 (The main job's kill-and-resume test is tests/test_scripts.py's.)"""
 
+import contextlib
 import glob
 import importlib.util
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -46,6 +48,42 @@ def _killed(script, args, step):
     return result
 
 
+@contextlib.contextmanager
+def _one_process(script, out_dir, timeout=400):
+    """``run(args)``: ``script args`` as from the command line, each run in turn in one process of the
+    script's own (tests/support/script_runs.py), a later run reusing what an earlier one compiled;
+    the run's stdout and stderr, as a process of its own would have printed them (its exit status 0)."""
+    out_dir.mkdir()
+    with open(out_dir / "process.err", "w") as err:
+        process = subprocess.Popen([sys.executable, "tests/support/script_runs.py", script, str(out_dir)], cwd=ROOT,
+                                   env=_user_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                   text=True)
+    runs = []
+
+    def run(args):
+        process.stdin.write(json.dumps(args) + "\n")
+        process.stdin.flush()
+        done, _, _ = select.select([process.stdout], [], [], timeout)  # its exit status, a line once the run ends
+        assert done, f"{script} {args}: not done within {timeout} s"
+        reply = process.stdout.readline()
+        output = [f.read_text() if (f := out_dir / f"{len(runs)}.{kind}").exists() else "" for kind in ("out", "err")]
+        assert reply, f"{script} {args}: the process ended\n" + output[1] + (out_dir / "process.err").read_text()
+        runs.append(subprocess.CompletedProcess([script, *args], int(reply), *output))
+        assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
+        return runs[-1]
+
+    try:
+        yield run
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+
+
 def _records(path, split="train"):
     with open(path) as f:
         return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s")}
@@ -78,13 +116,6 @@ def corpora(tmp_path_factory):
 # ------------------------------------------------------------------------------------ kill, resume, continue
 
 
-def _run(script, args):
-    result = subprocess.run([sys.executable, f"experiments/{script}.py", *args], cwd=ROOT, env=_user_env(),
-                            capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
 def _table(stdout):
     """The held-out loss-by-position table byte_lm prints."""
     lines = stdout.splitlines()
@@ -95,29 +126,32 @@ def _table(stdout):
 
 @pytest.mark.e2e
 def test_byte_lm_killed_resumes_to_the_uninterrupted_state_and_continues(corpora, tmp_path):
-    # every run a process of its own, as a user runs them (the test session compiles some programs
-    # with other XLA:CPU options than a script does: tests/conftest.py)
+    # as a user runs them, from the command line in processes of the script's own (the test session compiles
+    # some programs with other XLA:CPU options than a script does: tests/conftest.py): the killed run and the
+    # refused one each alone; the resumed, uninterrupted and continued runs one after another in one process
+    # (the resumed run first, so it resumes in a fresh process; the others reuse its compiled programs)
     train_path, heldout_path = corpora
     tiny = ["--data", train_path, "--heldout", heldout_path, "--seq-len", "256", "--d-model", "32", "--num-layers",
             "1", "--num-heads", "2", "--attention", "ring", "--context-parallel", "2", "--steps", "4",
             "--batch-size", "2", "--warmup-steps", "1", "--eval-batches", "1", "--checkpoint-every", "2",
             "--log-every", "1", "--no-progress"]
     run = lambda name: [*tiny, "--run-dir", str(tmp_path / name)]
-    full = _run("byte_lm", run("full"))
     cut = _killed("byte_lm", run("cut"), step=3)  # after the step-2 checkpoint
     assert "devices: 2 x cpu (platform cpu, 1 process)" in cut.stdout
     assert "libtpu" not in cut.stderr and "TPU_WORKER_HOSTNAMES" not in cut.stderr, cut.stderr
     assert [r["step"] for r in _records(tmp_path / "cut" / "metrics.jsonl")] == [1, 2]
 
-    resumed = _run("byte_lm", run("cut"))
-    assert "(resuming from its checkpoint); step 2 of 4" in resumed.stdout
-    _no_orbax_data_warning_in(resumed.stderr)  # the data iterator's state is restored; orbax's warning about it gone
-    # parameters, optimiser state and step bit for bit; each step's loss; the held-out loss by position
-    assert _checksums(tmp_path / "cut" / "checkpoints") == _checksums(tmp_path / "full" / "checkpoints")
-    assert _records(tmp_path / "cut" / "metrics.jsonl") == _records(tmp_path / "full" / "metrics.jsonl")
-    assert _table(resumed.stdout) == _table(full.stdout) and len(_table(full.stdout)) > 2
+    with _one_process("byte_lm", tmp_path / "runs") as one_process:
+        resumed = one_process(run("cut"))
+        full = one_process(run("full"))
+        assert "(resuming from its checkpoint); step 2 of 4" in resumed.stdout
+        _no_orbax_data_warning_in(resumed.stderr)  # the data iterator's state is restored; orbax's warning gone
+        # parameters, optimiser state and step bit for bit; each step's loss; the held-out loss by position
+        assert _checksums(tmp_path / "cut" / "checkpoints") == _checksums(tmp_path / "full" / "checkpoints")
+        assert _records(tmp_path / "cut" / "metrics.jsonl") == _records(tmp_path / "full" / "metrics.jsonl")
+        assert _table(resumed.stdout) == _table(full.stdout) and len(_table(full.stdout)) > 2
 
-    more = _run("byte_lm", [*run("cut"), "--steps", "6"])
+        more = one_process([*run("cut"), "--steps", "6"])
     assert "continuing from step 4 to 6 steps" in more.stdout
     assert [r["step"] for r in _records(tmp_path / "cut" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert os.path.isdir(tmp_path / "cut" / "checkpoints" / "6")
@@ -129,8 +163,11 @@ def test_byte_lm_killed_resumes_to_the_uninterrupted_state_and_continues(corpora
 
 @pytest.mark.e2e
 def test_extend_context_killed_resumes_to_the_uninterrupted_results_and_continues(corpora, tmp_path):
-    # every run a process of its own: the base and the evaluations are one-device programs, which the
-    # test session compiles with other XLA:CPU emitters than a script does (tests/conftest.py)
+    # as a user runs them, from the command line in processes of the script's own (the base and the
+    # evaluations are one-device programs, which the test session compiles with other XLA:CPU emitters
+    # than a script does: tests/conftest.py): the killed run alone; the resumed, uninterrupted and
+    # continued runs one after another in one process (the resumed run first, so it resumes in a fresh
+    # process; a later run reuses the programs an earlier one compiled: the train steps, the evaluations)
     train_path, heldout_path = corpora
     tiny = ["--data", train_path, "--heldout", heldout_path, "--corpus-dir", str(tmp_path / "corpora"),
             "--base-len", "256", "--factor", "2", "--d-model", "32", "--num-layers", "1", "--num-heads", "2",
@@ -138,7 +175,6 @@ def test_extend_context_killed_resumes_to_the_uninterrupted_results_and_continue
             "--finetune-batch", "2", "--context-parallel", "2", "--eval-docs", "1", "--passkey-samples", "1",
             "--depths", "0.5", "--checkpoint-every", "2", "--no-progress"]
     run = lambda name: [*tiny, "--run-dir", str(tmp_path / name)]
-    _run("extend_context", run("full"))
     # killed at the finetune's step 3 (the base logs steps 1 and 2 only), after its step-2 checkpoint
     cut = _killed("extend_context", run("cut"), step=3)
     assert "devices: 2 x cpu (platform cpu, 1 process)" in cut.stdout
@@ -146,17 +182,21 @@ def test_extend_context_killed_resumes_to_the_uninterrupted_results_and_continue
     finetune = lambda name: tmp_path / name / "yarn" / "finetune"
     assert [r["step"] for r in _records(finetune("cut") / "metrics.jsonl")] == [1, 2]
 
-    resumed = _run("extend_context", run("cut"))
-    assert "resuming" in resumed.stdout
-    _no_orbax_data_warning_in(resumed.stderr)
-    results = lambda name: (tmp_path / name / "results.jsonl").read_text()
-    assert results("cut") == results("full")  # perplexity and passkey at every length, both phases
-    for part in ("base_model", "yarn/finetune"):  # each trained state bit for bit, each step's loss
-        assert _checksums(tmp_path / "cut" / part / "checkpoints") == _checksums(tmp_path / "full" / part / "checkpoints")
-        assert _records(tmp_path / "cut" / part / "metrics.jsonl") == _records(tmp_path / "full" / part / "metrics.jsonl")
+    with _one_process("extend_context", tmp_path / "runs") as one_process:
+        resumed = one_process(run("cut"))
+        one_process(run("full"))
+        assert "resuming" in resumed.stdout
+        _no_orbax_data_warning_in(resumed.stderr)
+        results = lambda name: (tmp_path / name / "results.jsonl").read_text()
+        assert results("cut") == results("full")  # perplexity and passkey at every length, both phases
+        for part in ("base_model", "yarn/finetune"):  # each trained state bit for bit, each step's loss
+            assert _checksums(tmp_path / "cut" / part / "checkpoints") == \
+                _checksums(tmp_path / "full" / part / "checkpoints")
+            assert _records(tmp_path / "cut" / part / "metrics.jsonl") == \
+                _records(tmp_path / "full" / part / "metrics.jsonl")
 
-    # a larger --base-steps continues the base; the finetune then starts again from it (the old one kept)
-    more = _run("extend_context", [*run("cut"), "--base-steps", "3"])
+        # a larger --base-steps continues the base; the finetune then starts again from it (the old one kept)
+        more = one_process([*run("cut"), "--base-steps", "3"])
     assert "continuing from step 2 to 3 steps" in more.stdout and "finetuning again" in more.stdout
     assert os.path.isdir(tmp_path / "cut" / "yarn.base2" / "finetune" / "checkpoints" / "4")
     assert [r["step"] for r in _records(tmp_path / "cut" / "base_model" / "metrics.jsonl")] == [1, 2, 3]
