@@ -34,12 +34,14 @@ def runs(tmp_path_factory):
     job = _job()
     root = tmp_path_factory.mktemp("extend")
     corpora = str(root / "corpora")
-    # every method, "none" last: its ring train step is then still in the process's cache of train steps
-    # (train/loop.py::_train_step, the 4 newest) when the third run finetunes "none" from the same base
-    order = [m for m in job.METHODS if m != "none"] + ["none"]
+    # The second run (yarn alone) before the first (every method, yarn first, "none" last): the base's and
+    # yarn's train steps are then still in the process's cache of train steps (train/loop.py::_train_step,
+    # the 4 newest) when the first run trains the same base and finetunes yarn, and "none"'s when the third
+    # run finetunes "none" from the same base
+    second = job.main(job.Config(**TINY, methods="yarn", corpus_dir=corpora, run_dir=str(root / "second")))
+    order = ["yarn"] + [m for m in job.METHODS if m not in ("yarn", "none")] + ["none"]
     assert sorted(order) == sorted(job.METHODS)
     first = job.main(job.Config(**TINY, methods=",".join(order), corpus_dir=corpora, run_dir=str(root / "first")))
-    second = job.main(job.Config(**TINY, methods="yarn", corpus_dir=corpora, run_dir=str(root / "second")))
     # --init-from the first run's base (a ringsplash run directory, recall tokens in its vocabulary)
     resumed = job.main(job.Config(**{**TINY, "base_len": 0}, methods="none", init_from=str(root / "first" / "base_model"),
                                   corpus_dir=corpora, run_dir=str(root / "third")))
