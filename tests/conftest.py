@@ -126,12 +126,25 @@ def pytest_collection_modifyitems(config, items):
             names.add("slow")
         if "slow" not in names:
             item.add_marker(pytest.mark.fast)
+        if _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         r = 0 if names.intersection(EXPENSIVE_KINDS) else 1 if "slow" in names else 2
         rank[item.module.__name__] = min(rank.get(item.module.__name__, 2), r)
     # heaviest modules first, each contiguous (its fixtures set up once) and in its own order: xdist's
     # workers then end on short tests instead of one running a minute-long test alone at the end; a
     # stable sort, so every worker collects the same order
     items.sort(key=lambda item: rank[item.module.__name__])
+
+
+def _uses_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a module- (or package-) scoped fixture of its own module. Under ``--dist
+    loadgroup`` (pyproject.toml) such tests share an ``xdist_group``, so the fixture is set up on one
+    worker only (with ``worksteal`` the multi-process training fixtures ran on both: ~35 s each)."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = item.nodeid.split("::")[0]
+    return info is not None and any(
+        d.scope in ("module", "package") and d.baseid == module
+        for defs in info.name2fixturedefs.values() for d in defs)
 
 
 def pytest_runtest_logreport(report):
@@ -177,4 +190,7 @@ def key(request):
     """A fresh PRNG key per test, derived from the test's name (reproducible, never zeros)."""
     import zlib
 
-    return jax.random.key(zlib.crc32(request.node.nodeid.encode()))
+    nodeid = request.node.nodeid
+    if request.node.get_closest_marker("xdist_group"):  # xdist's loadgroup appends "@<group>" on its workers
+        nodeid = nodeid.rsplit("@", 1)[0]
+    return jax.random.key(zlib.crc32(nodeid.encode()))
