@@ -102,14 +102,17 @@ def test_aot_preflight_search_finds_the_largest_value_that_fits():
 def test_aot_preflight_finds_the_most_layers_for_one_v5e_chip():
     """--find-max-layers on v5e:1x1 (one chip): a model whose HBM use grows with its layers stops where the
     next layer no longer fits the 90% headroom; the report is printed at the most that fit."""
-    # ~4.3 GB of parameters and AdamW state per layer (d_model 4096, float32): 3 fit in 90% of 16 GiB, 4 do not
+    # ~4.3 GB of parameters and AdamW state per layer (d_model 4096, float32): 3 fit in 90% of 16 GiB, 4 do not.
+    # From 3 layers the search tries 3 (fits), 6 (the compiler refuses it at once: over HBM), then 4 (compiled,
+    # over the headroom): two full compiles of ~16 s, where from 2 layers it compiled 2, 4 and 3
     result = _run(["scripts/aot_preflight.py", "--topology", "v5e:1x1", "--seq-len", "1024", "--d-model", "4096",
-                   "--num-heads", "32", "--num-kv-heads", "32", "--vocab-size", "512", "--num-layers", "2",
+                   "--num-heads", "32", "--num-kv-heads", "32", "--vocab-size", "512", "--num-layers", "3",
                    "--context-parallel", "1", "--no-fsdp", "--find-max-layers"], timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     most = int(re.search(r"most layers that fit: (\d+)", out).group(1))
     assert most == 3 and f"num_layers {most:>9d}: fits" in out and f"num_layers {most + 1:>9d}: does not fit" in out, out
+    assert re.search(r"num_layers +6: does not fit \(-; RESOURCE_EXHAUSTED", out), out  # the compiler's own refusal
     assert "topology v5e:1x1 (TPU v5 lite, 1 devices)" in out and out.strip().endswith("FITS")
 
 
