@@ -130,7 +130,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         r = 0 if names.intersection(EXPENSIVE_KINDS) else 1 if "slow" in names else 2
         rank[item.module.__name__] = min(rank.get(item.module.__name__, 2), r)
-    # heaviest modules first, each contiguous (its fixtures set up once) and in its own order: xdist's
+    # heaviest modules first, each contiguous and in its own order (a module fixture's tests: one xdist group): xdist's
     # workers then end on short tests instead of one running a minute-long test alone at the end; a
     # stable sort, so every worker collects the same order
     items.sort(key=lambda item: rank[item.module.__name__])
