@@ -240,16 +240,16 @@ def test_generate_in_programs_of_several_steps_equals_one_step_per_program(monke
     free = np.asarray(generate(model, prompts, 11, prompt_lengths=lengths))
     runs = [dict(n=11, stop_tokens=(int(free[0, 6]),)), dict(n=6, temperature=1.5, top_k=20, key=jax.random.key(1)),
             dict(n=9)]
-    multi, compiled = [free], []
+    multi = [free]
     for r in runs:
-        compiled.append(module._steps._cache_size())
+        before_run = module._steps._cache_size()
         multi.append(np.asarray(generate(model, prompts, r["n"], prompt_lengths=lengths,
                                          **{k: v for k, v in r.items() if k != "n"})))
     assert module.STEPS_PER_PROGRAM == 4
     # greedy, stop, sampled: at most one program each (fewer where an earlier test in this process compiled one)
     assert module._steps._cache_size() - before <= 3
-    # greedy of 9 tokens runs greedy of 11's program: the same cache, no compile
-    assert bucket_length(9 + 9) == bucket_length(9 + 11) and module._steps._cache_size() == compiled[-1]
+    # greedy of 9 tokens (the last run) runs greedy of 11's program: the same cache, no compile
+    assert bucket_length(9 + 9) == bucket_length(9 + 11) and module._steps._cache_size() == before_run
     monkeypatch.setattr(module, "STEPS_PER_PROGRAM", 1)
     runs = [dict(n=11)] + runs
     single = [np.asarray(generate(model, prompts, r["n"], prompt_lengths=lengths,
