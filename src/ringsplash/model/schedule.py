@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from ringsplash.model.config import TransformerConfig
 from ringsplash.parallel.heads import local_head_mask, ulysses_heads
 from ringsplash.parallel.ring_plan import RingSchedule, ring_schedule
+from ringsplash.parallel.usp import usp_ring_config
 
 __all__ = ["model_ring_schedule", "schedule_bytes_per_device", "schedule_specs", "uses_ring_schedule"]
 
@@ -29,7 +30,8 @@ def uses_ring_schedule(config: TransformerConfig) -> bool:
 
 
 def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.sharding.Mesh, *,
-                        shapes_only: bool = False) -> RingSchedule | dict[str, RingSchedule] | None:
+                        shapes_only: bool = False,
+                        segment_ids: bool = False) -> RingSchedule | dict[str, RingSchedule] | None:
     """The (cached) ring schedule of ``config``'s attention at ``seq_len`` tokens on ``mesh``:
     global arrays sharded ``P(None, ring axis)`` (``shapes_only``: ``ShapeDtypeStruct`` s for AOT
     lowering); a dict ``{layer type: RingSchedule}`` when ``config.features.layer_types`` is set; None for
@@ -40,12 +42,15 @@ def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.shard
         seq_len: the global sequence length S of the batch.
         mesh: the trainer's mesh; its ring axis is ``config.context_parallel.ring_axis``.
         shapes_only: shapes and shardings only, no arrays.
+        segment_ids: whether the batches carry segment ids (packed documents): the ring's blocks
+            left at None are tuned for sparse calls then (``parallel.ring_plan.ring_config``).
     """
     if not uses_ring_schedule(config):
         return None
     if config.features.layer_types is None:
-        return _cached(config, int(seq_len), mesh, bool(shapes_only), None)
-    return {kind: _cached(config, int(seq_len), mesh, bool(shapes_only), kind) for kind in config.attention_kinds}
+        return _cached(config, int(seq_len), mesh, bool(shapes_only), None, bool(segment_ids))
+    return {kind: _cached(config, int(seq_len), mesh, bool(shapes_only), kind, bool(segment_ids))
+            for kind in config.attention_kinds}
 
 
 def schedule_specs(schedule: RingSchedule | dict[str, RingSchedule] | None, axis_name: str | None):
@@ -62,12 +67,16 @@ def schedule_bytes_per_device(schedule: RingSchedule | dict[str, RingSchedule] |
 
 
 @functools.lru_cache(maxsize=8)  # small: each entry holds device arrays (1/N of the schedule per device)
-def _cached(config: TransformerConfig, seq_len: int, mesh, shapes_only: bool, layer_type) -> RingSchedule:
+def _cached(config: TransformerConfig, seq_len: int, mesh, shapes_only: bool, layer_type,
+            segment_ids: bool) -> RingSchedule:
     mask = config.make_mask(seq_len, layer_type)
     heads, kv_heads = config.num_heads, config.num_kv_heads
     cp = config.context_parallel
-    if "ulysses" in cp.roles:  # USP: the inner ring sees the Ulysses rank's heads (usp_attention)
+    splash = config.splash
+    if "ulysses" in cp.roles:  # USP: the inner ring sees the Ulysses rank's heads and config (usp_attention)
         split = ulysses_heads(heads, kv_heads, cp.ulysses_size, cp.ulysses_axis)
         heads, kv_heads, mask = split.q_local, split.kv_local, local_head_mask(mask, split)
-    return ring_schedule(mask, cp.ring_size, cp.layout, config.splash, heads=heads, kv_heads=kv_heads,
-                         mesh=mesh, axis_name=cp.ring_axis, shapes_only=shapes_only)
+        splash = usp_ring_config(splash, cp.ring_size)
+    return ring_schedule(mask, cp.ring_size, cp.layout, splash, heads=heads, kv_heads=kv_heads,
+                         mesh=mesh, axis_name=cp.ring_axis, shapes_only=shapes_only, head_dim=config.head_dim,
+                         dtype=config.compute_dtype, segment_ids=segment_ids)

@@ -49,13 +49,15 @@ def check_local_inputs(q, k, v, mask, segment_ids, sinks, config, *, shards: int
     return call.heads, call.kv_heads, call.q_len, call.head_dim, call.segment_ids
 
 
-def fit_gathered_blocks(config: SplashConfig, *, q_len: int, kv_len: int, seq_multiple: int, what: str) -> Blocks:
+def fit_gathered_blocks(config: SplashConfig, *, q_len: int, kv_len: int, seq_multiple: int, what: str,
+                        head_dim: int | None = None, dtype=None, sparse: bool = False) -> Blocks:
     """The blocks all-gather and Ulysses run with: the rule of every path (``splash/blocks.py``),
     for kernels that see whole arrays of ``q_len`` queries and ``kv_len`` keys; an S divisible
-    by ``seq_multiple`` always fits."""
+    by ``seq_multiple`` always fits. ``head_dim``, ``dtype`` and ``sparse`` pick the tuned rows
+    as for ``splash_attention`` (``splash.blocks.is_sparse``)."""
     return fit_blocks(config, q=Extent(q_len, q_len, "q_len" if q_len == kv_len else "per-device q_len"),
                       kv=Extent(kv_len, kv_len, "kv_len"), what=what,
-                      length_hint=f"use S divisible by {seq_multiple}")
+                      length_hint=f"use S divisible by {seq_multiple}", head_dim=head_dim, dtype=dtype, sparse=sparse)
 
 
 def cpu_client_threads() -> int:

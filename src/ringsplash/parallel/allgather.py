@@ -40,7 +40,9 @@ from ringsplash.parallel._common import (
     run_sharded,
 )
 from ringsplash.splash.attention import splash_info_attention
+from ringsplash.splash.blocks import is_sparse
 from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.partial_tiles import partial_mode
 
 __all__ = ["allgather_attention", "allgather_attention_sharded"]
 
@@ -101,9 +103,11 @@ def allgather_attention(
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     blocks = fit_gathered_blocks(config, q_len=q_len, kv_len=seq_len, seq_multiple=n * NUM_LANES,
-                                 what="allgather_attention")
+                                 what="allgather_attention", head_dim=q.shape[-1], dtype=q.dtype,
+                                 sparse=is_sparse(mask, segment_ids is not None))
     config = interpreter_for_mesh(blocks.config, "allgather_attention")
-    common = {"q_shards": n, "kv_shards": 1, "q_positions": perm, "kv_positions": perm}
+    common = {"q_shards": n, "kv_shards": 1, "q_positions": perm, "kv_positions": perm,
+              "partial_mode": partial_mode(mask, config.backend, config.partial_tiles)}
     info = build_mask_info(mask, blocks.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True,
                                                                    **common)

@@ -34,6 +34,7 @@ from ringsplash.parallel.ring_plan import (
     ScheduleKey,
     check_schedule,
     fit_ring_blocks,
+    ring_config,
     ring_plan,
     ring_schedule,
 )
@@ -42,7 +43,8 @@ from ringsplash.splash.config import SplashConfig
 
 # the host plan's public names, importable from here too
 __all__ = ["RingAttention", "RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "fit_ring_blocks",
-           "make_ring_attention", "ring_attention", "ring_attention_sharded", "ring_plan", "ring_schedule"]
+           "make_ring_attention", "ring_attention", "ring_attention_sharded", "ring_config", "ring_plan",
+           "ring_schedule"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,7 +116,8 @@ class RingAttention:
 
 def make_ring_attention(mask: masks_lib.AnyMask, *, num_shards: int, layout: layouts.Layout = "contiguous",
                         config: SplashConfig = SplashConfig(),
-                        q_shard_rows: tuple[int, ...] | None = None) -> RingAttention:
+                        q_shard_rows: tuple[int, ...] | None = None, head_dim: int | None = None, dtype=None,
+                        segment_ids: bool = False) -> RingAttention:
     """Build the host plan of ring attention under ``mask`` over ``num_shards`` devices once.
 
     Args:
@@ -124,6 +127,9 @@ def make_ring_attention(mask: masks_lib.AnyMask, *, num_shards: int, layout: lay
         config: ``SplashConfig``; blocks shrink to fit the shards (:func:`fit_ring_blocks`).
         q_shard_rows: None, or the q shards whose work lists the plan expands (``()``: none, for
             calls that always pass a per-device ``schedule`` on a multi-host slice).
+        head_dim, dtype, segment_ids: q's head size and dtype and whether the calls pass segment
+            ids, which pick the tuned blocks of blocks left at None, for a kernel over one shard
+            (None: 128, bfloat16), as ``make_splash_attention`` does.
 
     Raises:
         TypeError / ValueError: naming the argument, when one is not what is expected or no
@@ -136,6 +142,7 @@ def make_ring_attention(mask: masks_lib.AnyMask, *, num_shards: int, layout: lay
         raise TypeError(f"make_ring_attention: config must be a SplashConfig, got {type(config).__name__} {config!r}")
     num_shards = check_positive_int("num_shards", num_shards)
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
+    config = ring_config(config, mask, num_shards, head_dim=head_dim, dtype=dtype, segment_ids=segment_ids)
     blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
     plan = ring_plan(mask, num_shards, layout, config, q_shard_rows=q_shard_rows)
     return RingAttention(mask, num_shards, layout, config, blocks, plan)
@@ -208,6 +215,7 @@ def ring_attention(
     # With a per-device schedule on a multi-host slice the ring needs no list of the plan (only
     # its shapes, partial blocks and `active`): a plan without rows keeps each host's work to its own.
     rows = () if schedule is not None and jax.process_count() > 1 else None
+    config = ring_config(config, mask, n, head_dim=q.shape[-1], dtype=q.dtype, segment_ids=call.segment_ids is not None)
     attn = factories.get(("ring", mask, n, layout, config, rows),
                          lambda: make_ring_attention(mask, num_shards=n, layout=layout, config=config,
                                                      q_shard_rows=rows))
@@ -293,6 +301,7 @@ def ring_attention_sharded(
     if axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}, no axis_name={axis_name!r}")
     n = mesh.shape[axis_name]
+    config = ring_config(config, mask, n, head_dim=q.shape[-1], dtype=q.dtype, segment_ids=segment_ids is not None)
     fit_ring_blocks(call.q_len, n, layout, config)
     segment_ids = call.segment_ids  # int32, renumbered exactly if wider ids were given
     seq = P(None, axis_name)

@@ -11,26 +11,28 @@ from ringsplash.splash.segment_blocks import block_segments, refined_kinds
 __all__ = ["block_backward", "block_forward", "shares_segment"]
 
 
-def block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, max_logits=False, sched=None):
-    """Sink-free ``(o float32, lse float32)`` of q shard ``a`` against kv shard ``b`` (and the
-    pair's per-head max logits with ``max_logits``); ``sched``: this device's ring schedule."""
+def block_forward(q, k, v, plan, a, b, q_seg, kv_seg, *, scale, cap, config, max_logits=False, sched=None,
+                  out_dtype=jnp.float32):
+    """Sink-free ``(o, lse float32)`` of q shard ``a`` against kv shard ``b`` (and the pair's
+    per-head max logits with ``max_logits``), ``o`` in ``out_dtype``; ``sched``: this device's ring
+    schedule."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
     pieces = None if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)[0]
     return splash_forward(
         q, k, v, plan.info, q_shard=a, kv_shard=b, q_positions=pos[a], kv_positions=pos[b],
-        segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config, out_dtype=jnp.float32,
+        segment_ids=seg, scale=scale, logit_soft_cap=cap, config=config, out_dtype=out_dtype,
         return_max_logits=max_logits, pieces=pieces,
     )
 
 
 def block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, scale, cap, config, sched=None,
-                    accumulate=None, parts=("dq", "dkv")):
-    """Float32 ``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b`` (added into
-    ``accumulate``'s, piece by piece, when given). The ring runs the split backward (dq and dK/dV
-    kernels), not the fused one: with the fused kernel, compiled for v5p, XLA scheduled the
-    forward loop's K/V transfers after its kernel instead of behind it (tests/test_parallel_tpu_compile.py,
-    USP), a loss of overlap not yet understood."""
+                   accumulate=None, parts=("dq", "dkv"), grad_dtype=jnp.float32):
+    """``(dq, dk, dv)`` of q shard ``a`` against kv shard ``b`` (float32 added into ``accumulate``'s,
+    piece by piece, when given; else in ``grad_dtype``). All three ``parts`` run the fused kernel, as
+    single-device Splash does (the dK/dV kernel adds each tile's dq into the ring's float32 dq, aliased
+    in place: 5 matmuls per tile instead of the split kernels' 7); one part runs its own kernel (the
+    ring's last step, ``ring_loop``)."""
     pos = jnp.asarray(plan.positions)
     seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
     pieces, pieces_dkv = (None, None) if sched is None else sched.pair(plan.info, plan.info_dkv, a, b)
@@ -38,7 +40,7 @@ def block_backward(q, k, v, d_out, lse, delta, plan, a, b, q_seg, kv_seg, *, sca
         q, k, v, d_out, lse, delta, plan.info, plan.info_dkv, q_shard=a, kv_shard=b,
         q_positions=pos[a], kv_positions=pos[b], segment_ids=seg, scale=scale,
         logit_soft_cap=cap, config=config, pieces=pieces, pieces_dkv=pieces_dkv, accumulate=accumulate,
-        parts=parts, fused=False,
+        parts=parts, fused=config.fused_backward, grad_dtype=grad_dtype,
     )
 
 

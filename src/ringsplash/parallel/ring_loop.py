@@ -133,28 +133,36 @@ def _ring_forward(st: RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
     me = lax.axis_index(axis_name)
     active = jnp.asarray(plan.active)
 
-    def step(carry, t, *, last):
+    def step(carry, t, *, last, first=False):
         k_t, v_t, seg_t, o, lse, mx = carry
         nxt = (k_t, v_t, seg_t) if last else st.send((k_t, v_t, seg_t))  # issued before compute
         src = st.visiting(me, t)
 
         def compute(o, lse, mx):
             o_t, lse_t, *mx_t = block_forward(q, k_t, v_t, plan, me, src, q_seg, seg_t, **st.kw,
-                                               max_logits=max_logits, sched=sched)
-            o, lse = _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
+                                               max_logits=max_logits, sched=sched, out_dtype=o.dtype)
+            # a one-step ring's state is empty: the kernel's result is the state (no merge pass)
+            o, lse = (o_t, lse_t) if first else _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
             return o, lse, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
 
         pred = active[me, src] & shares_segment(plan, me, src, q_seg, seg_t, st.config, sched)
         o, lse, mx = st.when_active(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
         return (*nxt, o, lse, mx), None
 
-    o = varying(jnp.zeros((*q.shape[:2], v.shape[-1]), jnp.float32), axis_name)  # v's head size
+    # A one-step ring merges nothing: its kernel writes q's dtype and its (out, lse) are the
+    # result, as in single-device Splash; otherwise the state is float32 (the partial outputs
+    # are merged unrounded).
+    o_dtype = q.dtype if n == 1 else jnp.float32
+    o = varying(jnp.zeros((*q.shape[:2], v.shape[-1]), o_dtype), axis_name)  # v's head size
     lse = varying(jnp.full(q.shape[:2], MASKED_LSE, jnp.float32), axis_name)
     mx = varying(jnp.full(q.shape[:1], -jnp.inf, jnp.float32), axis_name)  # max logits (max_logits)
     carry = (k, v, kv_seg, o, lse, mx)
-    if n > 1:  # steps 0 .. N-2 send K/V on; the last step only computes
+    # Steps 0 .. N-2 send K/V on; the last step only computes. Step 0 stays in the scan (peeled,
+    # to skip its merge, it left the loop two steps at N = 4, and XLA then scheduled USP's forward
+    # K/V transfers after the kernels on v5p: tests/test_parallel_tpu_compile.py).
+    if n > 1:
         carry, _ = lax.scan(functools.partial(step, last=False), carry, jnp.arange(n - 1), unroll=st.unroll)
-    (_, _, _, o, lse, mx), _ = step(carry, n - 1, last=True)
+    (_, _, _, o, lse, mx), _ = step(carry, n - 1, last=True, first=n == 1)
     lse = jnp.maximum(lse, MASKED_LSE)  # logaddexp of empty states stays MASKED_LSE
     o, lse = _softmax.fold_sinks(o, lse, sinks)  # the sink joins each row's denominator once
     # named for remat policies (model.attention.ATTENTION_OUT / ATTENTION_LSE): saving them
@@ -183,13 +191,14 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
         both = st.send(jnp.concatenate([dk, dv], axis=-1))
         return both[..., : dk.shape[-1]], both[..., dk.shape[-1]:]
 
-    def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv")):
+    def contribution(k_t, v_t, seg_t, src, dq, dk, dv, *, parts=("dq", "dkv"), first=False):
         """(dq, dK, dV) plus this step's contributions for kv shard `src`; unchanged for an
         empty pair (computed, adding zeros, on the interpret backend). ``parts`` keeps only
         the sums that are needed (only their kernel runs). Where no pair is skipped the
         kernels' pieces are added into the accumulators as they are produced (no
         whole-shard gradient temporaries); under a cond the received accumulators are added
-        outside it instead, so their transfer only has to land after the kernel."""
+        outside it instead, so their transfer only has to land after the kernel. ``first``: the
+        accumulators are still zero, so the kernels' gradients become them (no adding pass)."""
         keep = lambda new, old: tuple(n if p in parts else o for n, o, p in zip(new, old, ("dq", "dkv", "dkv")))
 
         def compute(dq, dk, dv):
@@ -198,7 +207,18 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
             return keep(new, (dq, dk, dv))
 
         shares = shares_segment(plan, me, src, q_seg, seg_t, config, sched)
-        if not st.skip_inactive or (st.all_active and shares is True):  # no cond left: accumulate in place
+        no_cond = not st.skip_inactive or (st.all_active and shares is True)
+        if first and parts == ("dq", "dkv"):
+            # a one-step ring's gradients are final: written in the inputs' dtype, as single-device
+            # Splash writes them (a K/V exchange sums them first: float32)
+            dtype = k.dtype if n == 1 and st.kv_exchange is None else jnp.float32
+            fresh = lambda: block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
+                                           sched=sched, grad_dtype=dtype)
+            if no_cond:
+                return fresh()
+            none = lambda: tuple(varying(jnp.zeros(x.shape, dtype), axis_name) for x in (q, k_t, v_t))
+            return lax.cond(active[me, src] & shares, fresh, none)
+        if no_cond:  # accumulate in place
             return compute(dq, dk, dv)
         zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
         dq, dk_t, dv_t = lax.cond(active[me, src] & shares, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
@@ -220,7 +240,7 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
 
     # step 0: own kv shard; its accumulators start here
     nxt = st.send((k, v, kv_seg)) if n > 1 else (k, v, kv_seg)
-    dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q), zeros(k), zeros(v))
+    dq, dk, dv = contribution(k, v, kv_seg, me, zeros(q), zeros(k), zeros(v), first=True)
     if n > 1:
         carry = (*nxt, dq, dk, dv)
         if n > 2:

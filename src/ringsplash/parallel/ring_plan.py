@@ -35,12 +35,13 @@ from ringsplash._caches import factories
 from ringsplash._scalar_checks import check_divides, check_positive_int
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
-from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
+from ringsplash.splash.blocks import Blocks, Extent, fit_blocks, tuned_for_call
 from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.partial_tiles import partial_mode
 from ringsplash.splash.work_pieces import Piece, SplitLists
 
 __all__ = ["RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "check_schedule", "critical_path",
-           "fit_ring_blocks", "process_rows", "ring_plan", "ring_schedule", "ring_work", "rows_schedule",
+           "fit_ring_blocks", "process_rows", "ring_config", "ring_plan", "ring_schedule", "ring_work", "rows_schedule",
            "schedule_arrays", "schedule_from_splits", "schedule_shapes"]
 
 
@@ -58,6 +59,18 @@ class RingPlan:
 
 #: the ring's fitted blocks (``splash/blocks.py``: the rule every path follows)
 RingBlocks = Blocks
+
+
+def ring_config(config: SplashConfig, mask: masks_lib.AnyMask, num_shards: int, *, head_dim: int | None = None,
+                dtype=None, segment_ids: bool = False) -> SplashConfig:
+    """``config`` with the blocks left at None tuned as ``splash_attention`` tunes them for the
+    kernel calls of a ring over ``num_shards`` devices: each sees one shard of ``S / N`` keys,
+    q's ``head_dim`` / ``dtype`` (None: 128, bfloat16), and is sparse with ``segment_ids`` or a
+    banded mask (``splash.blocks.tuned_for_call``). Every ring entry point (and
+    :func:`ring_schedule`) resolves its config through this, so plan, schedule and kernels agree."""
+    seq_len = masks_lib.head_masks(mask)[0].shape[0]
+    return tuned_for_call(config, kv_len=max(seq_len // int(num_shards), 1), head_dim=head_dim, dtype=dtype,
+                          mask=mask, segment_ids=segment_ids)
 
 
 def fit_ring_blocks(seq_len: int, num_shards: int, layout: layouts.Layout, config: SplashConfig) -> RingBlocks:
@@ -107,7 +120,8 @@ def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, 
     blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
     dkv = None if config.backend == "xla" else blocks.block_shape_dkv
     rows = None if q_shard_rows is None else tuple(int(r) for r in q_shard_rows)
-    key = (mask, int(num_shards), layout, blocks.block_shape, dkv)
+    mode = partial_mode(mask, config.backend, config.partial_tiles)
+    key = (mask, int(num_shards), layout, blocks.block_shape, dkv, mode)
     plan = factories.get(("ring_plan", *key, rows), lambda: _ring_plan(*key, rows))
     if rows:  # a rows plan holds all a list-less one does (ring_attention's): keep it, no second build
         factories.get(("ring_plan", *key, ()), lambda: _listless(plan))
@@ -125,11 +139,12 @@ def _listless(plan: RingPlan) -> RingPlan:
     return dataclasses.replace(plan, info=cut(plan.info), info_dkv=cut(plan.info_dkv))
 
 
-def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv, rows=None) -> RingPlan:
+def _ring_plan(mask, num_shards: int, layout: str, block_shape, block_shape_dkv, mode: str, rows=None) -> RingPlan:
     seq_len = masks_lib.head_masks(mask)[0].shape[0]
     perm = layouts.permutation(layout, seq_len, num_shards)
+    # banded masks' partial tiles come from positions, as in single-device Splash (splash/partial_tiles.py)
     common = {"q_shards": num_shards, "kv_shards": num_shards, "q_positions": perm, "kv_positions": perm,
-              "q_shard_rows": rows}
+              "q_shard_rows": rows, "partial_mode": mode}
     if block_shape_dkv is None:
         info, info_dkv = build_mask_info(mask, block_shape, **common), None
     else:  # the two views are independent numpy work (mostly GIL-free): build them side by side
@@ -174,6 +189,7 @@ class ScheduleKey(NamedTuple):
     block_shape_dkv: tuple[int, int] | None  # fitted dK/dV blocks; None: the xla backend (no dK/dV view)
     heads: int
     kv_heads: int
+    partial_tiles: str = "auto"  # SplashConfig.partial_tiles: stored partial blocks name other list entries
 
     @classmethod
     def of(cls, mask, num_shards: int, layout: str, config: SplashConfig, heads: int, kv_heads: int) -> "ScheduleKey":
@@ -181,7 +197,8 @@ class ScheduleKey(NamedTuple):
         seq_len = masks_lib.head_masks(mask)[0].shape[0]
         blocks = fit_ring_blocks(seq_len, num_shards, layout, config)
         dkv = None if config.backend == "xla" else tuple(blocks.block_shape_dkv)
-        return cls(mask, int(num_shards), str(layout), tuple(blocks.block_shape), dkv, int(heads), int(kv_heads))
+        return cls(mask, int(num_shards), str(layout), tuple(blocks.block_shape), dkv, int(heads), int(kv_heads),
+                   config.partial_tiles)
 
     def differences(self, other: "ScheduleKey") -> list[str]:
         """``"field: built for X, this call has Y"`` for every field that differs."""
@@ -300,7 +317,8 @@ def schedule_shapes(whole: RingSchedule, mesh, axis_name) -> RingSchedule:
 
 def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, config: SplashConfig, *,
                   heads: int, kv_heads: int, device_kind: str | None = None, mesh: jax.sharding.Mesh | None = None,
-                  axis_name=None, shapes_only: bool = False) -> RingSchedule:
+                  axis_name=None, shapes_only: bool = False, head_dim: int | None = None, dtype=None,
+                  segment_ids: bool = False) -> RingSchedule:
     """The ring's work lists in SMEM-sized pieces, per q shard (see the module docstring).
 
     Pass the result to ``ring_attention(..., schedule=)`` as a ``shard_map`` operand sharded
@@ -320,10 +338,14 @@ def ring_schedule(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layo
             building only the rows of this process's devices; None = numpy arrays, all rows.
         axis_name: the ring axis of ``mesh``.
         shapes_only: with ``mesh``: ``jax.ShapeDtypeStruct`` s (for AOT lowering), no arrays.
+        head_dim, dtype, segment_ids: the calls' q head size and dtype (None: 128, bfloat16) and
+            whether they pass segment ids: the blocks left at None are tuned for them
+            (:func:`ring_config`), as the ring calls tune theirs.
     """
     num_shards, heads, kv_heads = (check_positive_int(n, x) for n, x in
                                    (("num_shards", num_shards), ("heads", heads), ("kv_heads", kv_heads)))
     check_divides("kv_heads", kv_heads, "heads", heads, hint="GQA groups")
+    config = ring_config(config, mask, num_shards, head_dim=head_dim, dtype=dtype, segment_ids=segment_ids)
     if device_kind is None and mesh is not None:
         device_kind = mesh.devices.flat[0].device_kind
     rows = None if mesh is None else process_rows(mesh, axis_name)
@@ -399,7 +421,8 @@ def check_schedule(schedule, plan: RingPlan, n: int, key: ScheduleKey) -> None:
         raise ValueError(
             "schedule was built for another ring call (its work lists would run another mask): "
             + "; ".join(schedule.key.differences(key))
-            + ". Build it with ring_schedule(...) for this call's mask, layout, shards, config and heads"
+            + ". Build it with ring_schedule(...) for this call's mask, layout, shards, config and heads (and its "
+              "head_dim, dtype and segment_ids, which pick the tuned blocks)"
         )
     views = [(schedule.fwd, schedule.fwd_pieces, plan.info)]
     if plan.info_dkv is not None:

@@ -45,7 +45,9 @@ from ringsplash.parallel._common import (
 )
 from ringsplash.parallel.heads import UlyssesHeads, local_head_mask, ulysses_heads
 from ringsplash.splash.attention import splash_info_attention
+from ringsplash.splash.blocks import is_sparse
 from ringsplash.splash.config import NUM_LANES, SplashConfig
+from ringsplash.splash.partial_tiles import partial_mode
 
 __all__ = ["KvToHeads", "gather_head_maxima", "heads_to_sequence", "sequence_to_heads", "ulysses_attention",
            "ulysses_attention_sharded"]
@@ -148,12 +150,14 @@ def ulysses_attention(
     seq_len = q_len * n
     perm = layouts.permutation(layout, seq_len, n)
     blocks = fit_gathered_blocks(config, q_len=seq_len, kv_len=seq_len, seq_multiple=math.lcm(n, NUM_LANES),
-                                 what="ulysses_attention")
+                                 what="ulysses_attention", head_dim=q.shape[-1], dtype=q.dtype,
+                                 sparse=is_sparse(mask, segment_ids is not None))
     config = interpreter_for_mesh(blocks.config, "ulysses_attention")
     local_mask = local_head_mask(mask, split)
     # K / V go to heads inside the Splash call's custom VJP (KvToHeads: float32 sum of repeated heads' dK / dV)
     q, _, _, segment_ids, sinks = sequence_to_heads(q, None, None, segment_ids, sinks, split, axis_name)
-    common = {"q_positions": perm, "kv_positions": perm}
+    common = {"q_positions": perm, "kv_positions": perm,
+              "partial_mode": partial_mode(local_mask, config.backend, config.partial_tiles)}
     info = build_mask_info(local_mask, blocks.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, blocks.block_shape_dkv,
                                                                    transpose=True, **common)

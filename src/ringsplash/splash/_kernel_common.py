@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash.splash.config import NUM_LANES
 
@@ -166,11 +167,16 @@ def optional_specs(pairs):
     return specs, operands, present
 
 
-def mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv):
+#: a whole small operand in scalar memory (a table of block starts, ``tile_masks.RunColumn``)
+SMEM_SPEC = pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv, *, q_pos_starts: bool = False):
     """``optional_specs`` of the forward / dq kernels' positions, segment ids and partial
-    blocks, ``(q, kv)`` tiles: q side lane-replicated ``(bq, 128)`` columns, kv side ``(1, bkv)`` rows."""
+    blocks, ``(q, kv)`` tiles: q side lane-replicated ``(bq, 128)`` columns, kv side ``(1, bkv)`` rows;
+    ``q_pos_starts``: ``q_pos`` is the int32 ``[q_blocks]`` table of each q block's first position, in SMEM."""
     return optional_specs([
-        (q_pos, pl.BlockSpec((bq, NUM_LANES), q_col_map)),
+        (q_pos, SMEM_SPEC if q_pos_starts else pl.BlockSpec((bq, NUM_LANES), q_col_map)),
         (kv_pos, pl.BlockSpec((1, bkv), kv_row_map)),
         (q_seg, pl.BlockSpec((bq, NUM_LANES), q_col_map)),
         (kv_seg, pl.BlockSpec((1, bkv), kv_row_map)),

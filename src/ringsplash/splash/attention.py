@@ -104,8 +104,9 @@ def splash_backward(
     accumulate: tuple | None = None,
     parts: tuple = ("dq", "dkv"),
     fused: bool = True,
+    grad_dtype=jnp.float32,
 ) -> tuple[Float[Array, "heads q_shard d"], Float[Array, "kv_heads kv_shard d"], Float[Array, "kv_heads kv_shard dv"]]:
-    """float32 ``(dq, dk, dv)`` of one shard pair.
+    """``(dq, dk, dv)`` of one shard pair, float32 by default.
 
     Args:
         q, k, v: the local shards, as in :func:`splash_forward`.
@@ -126,9 +127,12 @@ def splash_backward(
             parts not asked for are returned as ``accumulate``'s (zeros without it).
         fused: the Pallas backends compute all three in one fused kernel (default) or, False, in the
             dq and dK/dV kernels (the ring: see ``parallel/ring_blocks.py::block_backward``).
+        grad_dtype: the gradients' dtype without ``accumulate`` (float32: unrounded partials; a one-step
+            ring writes its inputs' dtype directly, as single-device Splash does).
 
     Returns:
-        float32 ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])``.
+        ``(dq [heads, q_shard, d], dk [kv_heads, kv_shard, d], dv [kv_heads, kv_shard, dv])`` in
+        ``grad_dtype`` (float32 with ``accumulate``).
     """
     call = check_attention_call(q, k, v, segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap,
                                 config=config, config_type=SplashConfig)
@@ -138,7 +142,7 @@ def splash_backward(
     return pair_backward(BackendStatic(info, info_dkv, call.scale, call.logit_soft_cap, config), q, k, v, d_out, lse,
                          delta, *segments_of(call.segment_ids), q_shard=q_shard, kv_shard=kv_shard,
                          q_positions=q_positions, kv_positions=kv_positions, pieces=pieces, pieces_dkv=pieces_dkv,
-                         accumulate=accumulate, parts=parts, fused=fused)
+                         accumulate=accumulate, parts=parts, fused=fused, grad_dtype=grad_dtype)
 
 
 def _check_info(info, q_len, kv_len, *, transpose):
@@ -208,7 +212,8 @@ def _attention_bwd(static: _VjpStatic, residuals, g):
     delta = _softmax.delta(d_out, out, g[1] if static.return_residuals else None)
     grad_dtype = q.dtype if static.partial_dtype is None else static.partial_dtype
     dq, dk, dv = pair_backward(static.backend, q, k, v, d_out, lse, delta, q_seg, kv_seg,
-                               q_shard=static.q_shard if q_shard is None else q_shard, grad_dtype=grad_dtype)
+                               q_shard=static.q_shard if q_shard is None else q_shard, grad_dtype=grad_dtype,
+                               fused=static.backend.config.fused_backward)
     d_sinks = None
     if sinks is not None:  # over the local rows; other rows' devices add theirs
         d_sinks = _softmax.sinks_grad(sinks, lse, delta)

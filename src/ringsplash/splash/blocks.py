@@ -20,9 +20,10 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+from ringsplash import masks as masks_lib
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 
-__all__ = ["Blocks", "Extent", "fit_block", "fit_blocks"]
+__all__ = ["Blocks", "Extent", "fit_block", "fit_blocks", "is_sparse", "tuned_for_call"]
 
 _FIELDS = (("block_q", "q"), ("block_kv", "kv"), ("block_q_dkv", "q"), ("block_kv_dkv", "kv"))
 
@@ -72,7 +73,8 @@ def fit_blocks(config: SplashConfig, *, q: Extent, kv: Extent, what: str, length
         ValueError: naming the field, the part it cannot tile and, where one exists, a
             ``SplashConfig`` that works, then ``length_hint``.
     """
-    config = config.with_tuned_blocks(kv_len=kv.part, head_dim=head_dim, dtype=dtype, sparse=sparse)
+    # keyed on the kv length one kernel call sees (the whole array: a ring's shard, not its zigzag half)
+    config = config.with_tuned_blocks(kv_len=kv.whole, head_dim=head_dim, dtype=dtype, sparse=sparse)
     fitted = {}
     for name, side in _FIELDS:
         extent = q if side == "q" else kv
@@ -86,6 +88,23 @@ def fit_blocks(config: SplashConfig, *, q: Extent, kv: Extent, what: str, length
         # slices of the fitted kv block: a multiple of 128 dividing it, else the whole block
         config = dataclasses.replace(config, block_kv_compute=compute if compute % NUM_LANES == 0 else config.block_kv)
     return Blocks((fitted["block_q"], bkv), (fitted["block_q_dkv"], fitted["block_kv_dkv"]), config)
+
+
+def is_sparse(mask, segment_ids: bool) -> bool:
+    """Whether a call takes the tuned table's ``sparse`` rows: it has segment ids, or some head's mask
+    is neither causal nor full (mostly partial tiles)."""
+    heads = mask.masks if isinstance(mask, masks_lib.MultiHeadMask) else (mask,)
+    return bool(segment_ids) or not all(type(m) in (masks_lib.CausalMask, masks_lib.FullMask) for m in heads)
+
+
+def tuned_for_call(config: SplashConfig, *, kv_len: int, head_dim: int | None, dtype, mask,
+                   segment_ids: bool) -> SplashConfig:
+    """``config`` with its blocks left at None filled from the tuned table for a kernel that sees
+    ``kv_len`` keys (``SplashConfig.with_tuned_blocks``), as ``splash_attention`` tunes them: every
+    context-parallel strategy resolves its config this way once, at its entry point, so its plan,
+    schedule and kernels run the blocks single-device Splash would run on the same kernel call."""
+    return config.with_tuned_blocks(kv_len=int(kv_len), head_dim=head_dim, dtype=dtype,
+                                    sparse=is_sparse(mask, segment_ids))
 
 
 def _refusal(what: str, name: str, block: int, extent: Extent, length_hint: str) -> str:

@@ -30,6 +30,8 @@ BACKENDS: tuple[str, ...] = literal_choices(Backend)
 ProbsDtype = Literal["input", "float32"]
 Precision = Literal["auto", "default", "highest"]
 PRECISIONS: tuple[str, ...] = literal_choices(Precision)
+PartialTiles = Literal["auto", "stored"]
+PARTIAL_TILES: tuple[str, ...] = literal_choices(PartialTiles)
 GENERIC_INTERPRETER = "generic"
 PROBS_DTYPES: tuple[str, ...] = literal_choices(ProbsDtype)
 
@@ -96,6 +98,13 @@ class SplashConfig:
     contiguous positions; False computes every partial tile whole (for comparison; results are equal up to
     the rounding of smaller matmuls). On a v5e chip it made the window-4096 forward 5-6% faster at 16K-64K
     (docs/tpu.md).
+
+    ``partial_tiles`` (default ``"auto"``): the Pallas kernels build a banded mask's partial tiles
+    (causal, sliding window) from positions, one compare per score (``splash/partial_tiles.py``), on
+    every path; ``"stored"`` reads every partial tile from a stored int8 block. ``fused_backward``
+    (default True): the Pallas backward computes dq inside the dK/dV kernel (5 matmuls per tile);
+    False runs separate dq and dK/dV kernels (7). USP over a ring of more than one device runs both
+    the other way (``parallel/usp.py`` says why); results are equal either way.
     """
 
     block_q: int | None = None
@@ -113,6 +122,8 @@ class SplashConfig:
     #: bytes of scalar memory one kernel call's work list may take (longer lists run in pieces,
     #: ``splash/work_pieces.py``); None = from the chip generation (kernel backends) / unlimited (xla)
     smem_budget_bytes: int | None = None
+    partial_tiles: PartialTiles = "auto"
+    fused_backward: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv"):
@@ -137,7 +148,8 @@ class SplashConfig:
                 or isinstance(self.interpret_params, pltpu.InterpretParams)):
             raise TypeError(f"interpret_params must be None, {GENERIC_INTERPRETER!r} or a "
                             f"jax.experimental.pallas.tpu.InterpretParams, got {self.interpret_params!r}")
-        for name in ("segment_skipping", "skip_empty_quadrants"):
+        check_choice("partial_tiles", self.partial_tiles, PARTIAL_TILES)
+        for name in ("segment_skipping", "skip_empty_quadrants", "fused_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         if self.smem_budget_bytes is not None:

@@ -19,17 +19,11 @@ from ringsplash._types import Array, AttentionOutput, Float, Outputs, outputs
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_info_attention
-from ringsplash.splash.blocks import Extent, fit_blocks
+from ringsplash.splash.blocks import Extent, fit_blocks, is_sparse
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 from ringsplash.splash.partial_tiles import partial_mode
 
 __all__ = ["SplashAttention", "make_splash_attention", "splash_attention"]
-
-
-def _dense(mask) -> bool:
-    """Whether ``mask`` (or every head of a ``MultiHeadMask``) is causal or full: few partial tiles."""
-    heads = mask.masks if isinstance(mask, masks_lib.MultiHeadMask) else (mask,)
-    return all(type(m) in (masks_lib.CausalMask, masks_lib.FullMask) for m in heads)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -125,13 +119,13 @@ def make_splash_attention(
             raise TypeError(f"make_splash_attention: dtype must be a floating dtype or None, got {dtype!r}") from None
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"make_splash_attention: dtype must be a floating dtype or None, got {dtype}")
-    sparse = check_bool("segment_ids", segment_ids) or not _dense(mask)
+    sparse = is_sparse(mask, check_bool("segment_ids", segment_ids))
     q_len, kv_len = masks_lib.head_masks(mask)[0].shape
     blocks = fit_blocks(config, q=Extent(q_len, q_len, "q_len"), kv=Extent(kv_len, kv_len, "kv_len"),
                         what="splash_attention", length_hint=f"lengths divisible by {NUM_LANES}",
                         head_dim=head_dim, dtype=dtype, sparse=sparse)
     config = blocks.config
-    mode = partial_mode(mask, config.backend)
+    mode = partial_mode(mask, config.backend, config.partial_tiles)
     info = build_mask_info(mask, blocks.block_shape, partial_mode=mode)
     info_dkv = None if config.backend == "xla" else build_mask_info(mask, blocks.block_shape_dkv, transpose=True,
                                                                     partial_mode=mode)

@@ -42,6 +42,7 @@ from ringsplash.splash._kernel_common import (
     LOG2E,
     NN_DIMS,
     NT_DIMS,
+    SMEM_SPEC,
     TN_DIMS,
     count_map,
     dispatch_kinds,
@@ -77,7 +78,7 @@ from ringsplash.splash.dkv_grid import (
 )
 from ringsplash.splash.dq_accumulator import DqAccumulator
 from ringsplash.splash.quadrants import by_quadrants
-from ringsplash.splash.tile_masks import attended_only, scores_and_tanh, tile_mask
+from ringsplash.splash.tile_masks import RunColumn, attended_only, scores_and_tanh, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 # ----------------------------------------------------------------------------------------
@@ -106,13 +107,15 @@ def _dq_kernel(
     # scratch
     dq_scr, lse_scr, delta_scr,
     *,
-    scale, logit_soft_cap, masks, num_steps, probs_dtype, precision, column_check,
+    scale, logit_soft_cap, masks, num_steps, probs_dtype, precision, column_check, q_pos_starts,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
     kind = kind_of(kinds_ref[lst, i])
     first, last = run_edges(blocks_ref, lst, i, num_steps, q_block_of)
     bq = q_ref.shape[0]
+    if q_pos_starts:  # the q block's positions: a run from its start (tile_masks.RunColumn)
+        q_pos_ref = RunColumn(q_pos_ref[q_block_of(blocks_ref[lst, i])], bq)
 
     @pl.when(first)
     def _init():
@@ -160,11 +163,14 @@ def _dkv_kernel(
     dk_scr, dv_scr, dq_slots, dq_sems, dq_state,
     *,
     scale, logit_soft_cap, masks, num_steps, group, inner, probs_dtype, precision, column_check, quadrant_band,
+    kv_pos_starts,
 ):
     del dq_init_ref  # aliased to dq_hbm
     g, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row, h, lst = dkv_entry(g, i, j, q_head_ref, list_ref, group=group)
     word = blocks_ref[row, i]
+    if kv_pos_starts:  # the kv block's positions: a run from its start (tile_masks.RunColumn)
+        kv_pos_ref = RunColumn(kv_pos_ref[kv_block_of(word)], k_ref.shape[0])
     kind = kind_of(kinds_ref[row, i])
     # a kv block's run: consecutive steps naming it, each over the `inner` q heads
     first, last = run_edges(blocks_ref, row, i, num_steps, kv_block_of)
@@ -254,7 +260,7 @@ def splash_dq_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
-    column_check="scores",
+    column_check="scores", q_pos_starts=False,
 ):
     """dq over the forward work list. ``lse, delta: [heads, q_len]`` float32; the other
     arguments as in ``splash_forward_kernel`` (``probs_dtype``: operand dtype of ``dS @ K``).
@@ -281,7 +287,8 @@ def splash_dq_kernel(
         pl.BlockSpec((None, 1, bq), row_map),
         pl.BlockSpec((None, 1, bq), row_map),
     ]
-    specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv)
+    specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv,
+                                                  q_pos_starts=q_pos_starts)
     out_shape = [sds(q, (heads, q_len, d), out_dtype)]
     out_specs = [pl.BlockSpec((None, bq, d), q_map)]
     if count_steps:
@@ -291,7 +298,7 @@ def splash_dq_kernel(
     body = functools.partial(
         _dq_kernel, scale=scale, logit_soft_cap=logit_soft_cap, masks=tuple(masks), num_steps=num_steps,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
-        column_check=column_check,
+        column_check=column_check, q_pos_starts=q_pos_starts and q_pos is not None,
     )
     kernel = lambda *refs: body(*unpack_refs(refs, 3, 6, present, 1, count_steps))
     results = pl.pallas_call(
@@ -326,7 +333,7 @@ def splash_dkv_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks_t=None,
     masks, block_shape, scale, logit_soft_cap=None, out_dtype=jnp.float32,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False, dq_init=None,
-    column_check="scores", quadrant_band=None,
+    column_check="scores", quadrant_band=None, kv_pos_starts=False,
 ):
     """dK, dV over the transposed work list (``block_shape = (bq_dkv, bkv_dkv)``), and with
     ``dq_init`` also dq (the fused backward).
@@ -334,7 +341,8 @@ def splash_dkv_kernel(
     ``head_to_list`` (``[heads]``) must be concrete: it picks, statically, the uniform-group
     walk (prefetched list ``[lists, steps]``) or the merged one (``[kv_heads, group *
     steps]``, for groups whose heads have different masks). Positions / segment ids: q side
-    int32 ``[1, q_len]`` rows, kv side lane-replicated ``[kv_len, 128]`` columns. ``mask_blocks_t`` holds the
+    int32 ``[1, q_len]`` rows, kv side lane-replicated ``[kv_len, 128]`` columns (``kv_pos_starts``: ``kv_pos``
+    is the int32 ``[kv_blocks]`` first position of each kv block, every block a run). ``mask_blocks_t`` holds the
     partial blocks transposed, int8 ``[num_partials, bkv, bq]``. ``probs_dtype`` (None = q's
     dtype) is the operand dtype of ``P.T @ dO``, ``dS.T @ Q`` and ``dS @ K``; ``precision``
     that of every matmul. Returns ``dk [kv_heads, kv_len, d]`` and ``dv [kv_heads, kv_len,
@@ -381,7 +389,7 @@ def splash_dkv_kernel(
     ]
     specs, operands, present = optional_specs([
         (q_pos, pl.BlockSpec((1, bq), maps["q_row"])),
-        (kv_pos, pl.BlockSpec((bkv, NUM_LANES), maps["kv_col"])),
+        (kv_pos, SMEM_SPEC if kv_pos_starts else pl.BlockSpec((bkv, NUM_LANES), maps["kv_col"])),
         (q_seg, pl.BlockSpec((1, bq), maps["q_row"])),
         (kv_seg, pl.BlockSpec((bkv, NUM_LANES), maps["kv_col"])),
         (mask_blocks_t, pl.BlockSpec((1, bkv, bq), maps["mask"])),
@@ -407,6 +415,7 @@ def splash_dkv_kernel(
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
         column_check=column_check,
         quadrant_band=quadrant_band if bq % (2 * NUM_LANES) == 0 and bkv % (2 * NUM_SUBLANES) == 0 else None,
+        kv_pos_starts=kv_pos_starts and kv_pos is not None,
     )
     num_prefetch = len(prefetched)
 

@@ -46,7 +46,7 @@ from ringsplash.splash._kernel_common import (
     unpack_refs,
 )
 from ringsplash.splash.quadrants import by_row_halves
-from ringsplash.splash.tile_masks import attended_only, lane_tile, tile_mask
+from ringsplash.splash.tile_masks import RunColumn, attended_only, lane_tile, tile_mask
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 #: the running row max starts here: above MASK_VALUE (masked scores), below any real score
@@ -67,11 +67,13 @@ def _forward_kernel(
     q_scr, m_scr, l_scr, acc_scr, raw_scr,
     *,
     scale, logit_soft_cap, masks, block_kv_compute, num_steps, probs_dtype, precision, column_check,
-    quadrant_band,
+    quadrant_band, q_pos_starts,
 ):
     h, i = pl.program_id(0), pl.program_id(1)
     lst = list_ref[h]
     kind = kind_of(kinds_ref[lst, i])
+    if q_pos_starts:  # the q block's positions: a run from its start (tile_masks.RunColumn)
+        q_pos_ref = RunColumn(q_pos_ref[q_block_of(blocks_ref[lst, i])], q_ref.shape[0])
     first, last = run_edges(blocks_ref, lst, i, num_steps, q_block_of)
     dv = acc_scr.shape[1]
 
@@ -178,7 +180,7 @@ def splash_forward_kernel(
     q_pos=None, kv_pos=None, q_seg=None, kv_seg=None, mask_blocks=None,
     masks, block_shape, block_kv_compute, scale, logit_soft_cap=None, out_dtype=None,
     probs_dtype=None, precision=None, interpret=False, vmem_limit_bytes=None, count_steps=False,
-    return_max_logits=False, column_check="scores", quadrant_band=None,
+    return_max_logits=False, column_check="scores", quadrant_band=None, q_pos_starts=False,
 ):
     """Run the forward kernel on one shard pair.
 
@@ -187,7 +189,8 @@ def splash_forward_kernel(
     ``q_block, kv_block, kind, partial_index`` of shape ``[lists, max_steps]``;
     ``head_to_list`` is int32 ``[heads]``. ``q_pos / q_seg`` are int32 ``[q_len, 128]`` (lane-replicated),
     ``kv_pos / kv_seg`` int32 ``[1, kv_len]`` (pass positions only when ``masks`` has a
-    mask to evaluate in kernel). ``mask_blocks`` is int8 ``[num_partials, bq, bkv]`` or
+    mask to evaluate in kernel; ``q_pos_starts``: ``q_pos`` is instead the int32 ``[q_blocks]`` first position
+    of each q block, every block a run of consecutive positions). ``mask_blocks`` is int8 ``[num_partials, bq, bkv]`` or
     None. ``masks``: per list, the mask whose ``mask_function`` the kernel may evaluate, or
     None. Returns ``out [heads, q_len, dv]`` (``out_dtype``, default q's), ``lse [heads,
     q_len]`` float32 and, with ``count_steps``, the number of computing steps per head
@@ -219,7 +222,8 @@ def splash_forward_kernel(
         pl.BlockSpec((None, bkv, d), kv_map_g),
         pl.BlockSpec((None, bkv, dv), kv_map_g),
     ]
-    specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv)
+    specs, operands, present = mask_operand_specs(q_pos, kv_pos, q_seg, kv_seg, mask_blocks, bq, bkv,
+                                                  q_pos_starts=q_pos_starts)
 
     out_shape = [
         sds(q, (heads, q_len, dv), out_dtype),
@@ -240,6 +244,7 @@ def splash_forward_kernel(
         block_kv_compute=block_kv_compute, num_steps=num_steps,
         probs_dtype=q.dtype if probs_dtype is None else probs_dtype, precision=precision,
         column_check=column_check, quadrant_band=quadrant_band if (bq // 2) % NUM_SUBLANES == 0 else None,
+        q_pos_starts=q_pos_starts and q_pos is not None,
     )
 
     def kernel(*refs):

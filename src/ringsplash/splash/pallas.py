@@ -41,6 +41,14 @@ class StaticOperands(NamedTuple):
     blocks_t: np.ndarray | None  # the same transposed, [num_partials, bkv, bq] (dK/dV kernel)
     column_check: str | tuple  # how partial tiles find unattended kv columns (partial_tiles.py)
     quadrant_band: tuple | None  # the band whose empty tile parts the kernels may skip (partial_tiles.py)
+    q_runs: bool  # every q block (forward view's blocks) holds consecutive positions: a start table replaces its column
+    kv_runs: bool  # likewise for every kv block
+
+
+def _runs(positions, block: int) -> bool:
+    """Whether every ``block``-token block of ``positions`` is a run ``start, start + 1, ...``."""
+    pos = np.asarray(positions).reshape(-1, block)
+    return bool(np.array_equal(pos, pos[:, :1] + np.arange(block)))
 
 
 _STATIC_CACHE: "weakref.WeakKeyDictionary[MaskInfo, StaticOperands]" = weakref.WeakKeyDictionary()
@@ -59,6 +67,8 @@ def _static_operands(info: MaskInfo) -> StaticOperands:
         blocks_t=None if blocks is None else np.ascontiguousarray(np.swapaxes(blocks, 1, 2)),
         column_check=partial_column_check(info),
         quadrant_band=quadrant_band(info),
+        q_runs=_runs(info.q_positions, info.block_shape[0]),
+        kv_runs=_runs(info.kv_positions, info.block_shape[1]),
     )
     _STATIC_CACHE[info] = ops
     return ops
@@ -99,15 +109,23 @@ def _as_row(x):
     return None if x is None else jnp.asarray(x, jnp.int32)[None, :]
 
 
-def _mask_operands(ops: StaticOperands, q_pos, kv_pos, q_seg, kv_seg, *, transposed: bool) -> dict:
+def _mask_operands(ops: StaticOperands, q_pos, kv_pos, q_seg, kv_seg, *, transposed: bool, block: int) -> dict:
     """Keyword operands of a kernel wrapper: positions (only where the kernel evaluates a
     mask_function), segment ids and partial blocks, laid out for ``(q, kv)`` tiles or, when
-    ``transposed``, ``(kv, q)`` tiles."""
+    ``transposed``, ``(kv, q)`` tiles. The column side's positions (q, or kv when ``transposed``;
+    ``block`` tokens a block) go as a table of block starts when every block is a run
+    (``tile_masks.RunColumn``), else as a lane-replicated column."""
     q_side, kv_side = (_as_row, _as_col) if transposed else (_as_col, _as_row)
+    starts = ops.kv_runs if transposed else ops.q_runs
+    q_pos_side, kv_pos_side = q_side, kv_side
+    if starts:
+        as_starts = lambda x: jnp.asarray(x, jnp.int32)[::block]
+        q_pos_side, kv_pos_side = (_as_row, as_starts) if transposed else (as_starts, _as_row)
     blocks = ops.blocks_t if transposed else ops.blocks
     return {
-        "q_pos": q_side(q_pos) if ops.uses_fn else None,
-        "kv_pos": kv_side(kv_pos) if ops.uses_fn else None,
+        "kv_pos_starts" if transposed else "q_pos_starts": starts and ops.uses_fn,
+        "q_pos": q_pos_side(q_pos) if ops.uses_fn else None,
+        "kv_pos": kv_pos_side(kv_pos) if ops.uses_fn else None,
         "q_seg": q_side(q_seg),
         "kv_seg": kv_side(kv_seg),
         "mask_blocks_t" if transposed else "mask_blocks": None if blocks is None else jnp.asarray(blocks),
@@ -144,7 +162,7 @@ def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "int
     return kernel_forward.splash_forward_kernel(
         q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
         **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
-                         transposed=False),
+                         transposed=False, block=info.block_shape[0]),
         block_shape=info.block_shape, block_kv_compute=block_kv_compute,
         scale=static.scale, logit_soft_cap=static.logit_soft_cap, out_dtype=out_dtype,
         probs_dtype=config.matmul_dtype(q.dtype), precision=config.matmul_precision(q.dtype),
@@ -184,7 +202,8 @@ def backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "i
         guarded = vmem_guard(mosaic_tpu_guard(q), vmem) if backend == "mosaic_tpu" else q
         return fn(guarded, inputs.k, inputs.v, inputs.d_out, inputs.lse, inputs.delta, sched,
                   _heads_to_list(view, heads), **_mask_operands(_static_operands(view), *positions,
-                                                                transposed=transposed),
+                                                                transposed=transposed,
+                                                                block=view.block_shape[1 if transposed else 0]),
                   block_shape=view.block_shape, vmem_limit_bytes=vmem.limit, **common, **extra)
 
     if parts == ("dq",):

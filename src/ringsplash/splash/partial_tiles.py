@@ -5,11 +5,11 @@ Banded masks (``Mask.band``: causal, sliding window and their intersections) bui
 tile from the positions with one compare per score (``tile_masks.band_tile``), so their
 partial blocks are not stored (``partial_mode``): a stored block costs a DMA of the int8 block
 and its unpacking on every partial step. Other masks keep ``build_mask_info``'s ``"auto"``. The
-price is the position operands: lane-replicated int32 columns of ``(len, 128)`` (512 bytes per
-token on each side the kernels read as a column). Only single-device Splash
-(``make_splash_attention``) takes this path; the context-parallel strategies keep stored blocks:
-there the positions columns raised the all-gather's compiled temporaries past its budget and
-moved USP's ring transfers off the kernels they overlapped (``tests/test_parallel_tpu_compile.py``).
+price is the position operands: a ``(1, len)`` int32 row on the side the kernels read as a row,
+and on the column side a table of block starts in SMEM (``tile_masks.RunColumn``) where every block
+holds consecutive positions (contiguous and zigzag layouts), else a lane-replicated ``(len, 128)``
+column. Every path takes it (single-device Splash and every context-parallel strategy), except USP
+over a ring of more than one device (``parallel/usp.py``) and ``SplashConfig(partial_tiles="stored")``.
 
 A kv position that no query of a tile attends must not carry a NaN / Inf K or V into the tile's
 matmuls (the masked-values contract: ``tile_masks.drop_unattended`` zeroes such rows). Reading
@@ -44,10 +44,11 @@ from ringsplash.splash.tile_masks import band_of
 __all__ = ["partial_column_check", "partial_mode", "quadrant_band"]
 
 
-def partial_mode(mask, backend: str) -> str:
+def partial_mode(mask, backend: str, partial_tiles: str = "auto") -> str:
     """``build_mask_info``'s ``partial_mode`` for ``mask`` (a ``Mask`` or ``MultiHeadMask``) on
-    ``backend``: ``"function"`` when every head's mask is banded and a Pallas kernel runs it."""
-    if backend == "xla":
+    ``backend``: ``"function"`` when every head's mask is banded and a Pallas kernel runs it, unless
+    ``partial_tiles`` (``SplashConfig.partial_tiles``) is ``"stored"``."""
+    if backend == "xla" or partial_tiles == "stored":
         return "auto"
     return "function" if all(band_of(m) is not None for m in head_masks(mask)) else "auto"
 

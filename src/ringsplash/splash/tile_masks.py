@@ -108,6 +108,28 @@ def band_tile(band, col, row, *, transposed):
     return None
 
 
+class RunColumn:
+    """The lane-replicated ``(rows, 128)`` position column of a block whose tokens are a run of
+    consecutive positions ``start, start + 1, ...``, computed from ``start`` (a scalar) instead of
+    read from memory; indexed like the column ref it replaces (``[...]``, ``[rows, :]`` with a
+    slice or ``pl.ds``). The kernels take a table of block starts in SMEM where the host found every
+    block of that side to be such a run (``splash/pallas.py``): a ``[len, 128]`` int32 column in HBM
+    costs 512 bytes per token, and a ring's or all-gather's columns cost budget and overlap."""
+
+    def __init__(self, start, rows: int):
+        self.start = start
+        self.shape = (rows, NUM_LANES)
+
+    def __getitem__(self, index):
+        rows = index[0] if isinstance(index, tuple) else slice(None)
+        if isinstance(rows, slice):
+            first, stop, _ = rows.indices(self.shape[0])
+            size = stop - first
+        else:  # pl.ds: a (possibly traced) start and a static size
+            first, size = rows.start, rows.size
+        return self.start + first + lax.broadcasted_iota(jnp.int32, (size, NUM_LANES), 0)
+
+
 def pick_bool_tile(which, a, b):
     """``a`` where the scalar ``which`` holds, else ``b`` (bool tiles): Mosaic cannot legalise a
     select between bool vectors, so this picks with and / or under a predicate tile."""

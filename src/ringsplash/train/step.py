@@ -101,7 +101,8 @@ def batch_ring_schedule(model_config: TransformerConfig, mesh, batch: Batch):
     The step functions pass it into their ``jit`` as an argument, so each device holds 1/N of it."""
     tokens = batch.tokens
     return model_ring_schedule(model_config, tokens.shape[-1], mesh,
-                               shapes_only=isinstance(tokens, jax.ShapeDtypeStruct))
+                               shapes_only=isinstance(tokens, jax.ShapeDtypeStruct),
+                               segment_ids=batch.segment_ids is not None)
 
 
 def _schedule_spec(model_config: TransformerConfig, schedule):
