@@ -89,15 +89,16 @@ class Shape:
 
 
 def model_config(shape: Shape, seq_len: int, *, param_dtype: str, compute_dtype: str, remat: str = "none",
-                 splash=None):
-    """``TransformerConfig`` of ``shape`` with Splash attention (``splash``: a ``SplashConfig``, None = default)."""
+                 splash=None, strategy: str = "splash"):
+    """``TransformerConfig`` of ``shape`` with Splash attention (``splash``: a ``SplashConfig``, None = default)
+    under the context-parallel ``strategy`` (``"splash"``: one device; ``"ring"`` etc. over a 1-device axis)."""
     from ringsplash.model import ContextParallel, ModelFeatures, TransformerConfig
     from ringsplash.splash import SplashConfig
 
     return TransformerConfig(
         vocab_size=shape.vocab, d_model=shape.d_model, num_layers=shape.layers, num_heads=shape.heads,
         num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, features=ModelFeatures(intermediate_size=shape.mlp),
-        max_seq_len=seq_len, context_parallel=ContextParallel("splash"), splash=splash or SplashConfig(), remat=remat, param_dtype=param_dtype,
+        max_seq_len=seq_len, context_parallel=ContextParallel(strategy), splash=splash or SplashConfig(), remat=remat, param_dtype=param_dtype,
         compute_dtype=compute_dtype)
 
 

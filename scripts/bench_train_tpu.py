@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model_bench as mb
 
 ATTENTIONS = ("ringsplash", "ringsplash-noseg", "xla", "jax-splash")
+TRAIN_STRATEGIES = ("splash", "ring", "allgather", "ulysses")  # one mesh axis each (usp needs two)
 SMOKE_SHAPE = mb.Shape(layers=2, d_model=256, heads=2, kv_heads=2, head_dim=128, mlp=512, vocab=256)
 
 
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     p.add_argument("--seq-lens", default="16384", help="sequence lengths of rows (a) and (c), comma-separated")
     p.add_argument("--attention", default=",".join(ATTENTIONS), help=f"comma-separated, of {ATTENTIONS}")
+    p.add_argument("--strategies", default="splash",
+                   help="comma-separated context-parallel strategies of the model (ContextParallel(strategy): "
+                        "splash on one device, or ring / allgather / ulysses over the chip's one-device axis); "
+                        "each runs with the library's own attention (default %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="rows per step")
     p.add_argument("--layers", type=int, default=8, help="transformer layers (default %(default)s)")
     p.add_argument("--d-model", type=int, default=1024, help="model width (default %(default)s)")
@@ -265,7 +270,12 @@ def main(argv=None) -> None:
     unknown = set(attentions) - set(ATTENTIONS)
     if unknown:
         sys.exit(f"--attention {sorted(unknown)} not known: expected some of {ATTENTIONS}")
+    strategies = ["splash", *(x for x in args.strategies.split(",") if x and x != "splash")]
+    bad = set(strategies) - set(TRAIN_STRATEGIES)
+    if bad:
+        sys.exit(f"--strategies {sorted(bad)} not known: expected some of {TRAIN_STRATEGIES}")
     device = mb.start("bench_train_tpu.py", args.cpu_smoke)
+    from ringsplash.model import ContextParallel
     shape = mb.Shape(args.layers, args.d_model, args.heads, args.kv_heads, args.head_dim, args.mlp, args.vocab)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     find_lengths = [int(s) for s in args.find_lengths.split(",")]
@@ -293,6 +303,15 @@ def main(argv=None) -> None:
     with open(args.log, "a") as log:
         for s in seq_lens:
             cfg = config.replace(max_seq_len=s)
+            for strategy in strategies[1:]:  # the library's attention under another strategy, beside splash's rows
+                scfg = cfg.replace(context_parallel=ContextParallel(strategy))
+                res = run_step(scfg, "ringsplash", args, batch=args.batch, seq_len=s, timed=True)
+                cells = row_cells(scfg, counts, res, args.batch, s, peak)
+                mb.log_line(log, kind="train", device=device.device_kind, attention=f"ringsplash {strategy}",
+                            shape=shape.label, seq_len=s, batch=args.batch, step_s=res.step_s, loss=res.loss,
+                            error=res.error, flops=train_flops(scfg, counts, args.batch, s), peak_tflops=peak)
+                print(f"| (a) | ringsplash {strategy} | {shape.label} | {s} | {args.batch} | " + " | ".join(cells)
+                      + " |", flush=True)
             for attention in attentions:
                 prof = args.profile if attention == "ringsplash" and not profiled else None
                 res = run_step(cfg, attention, args, batch=args.batch, seq_len=s, timed=True, profile_dir=prof)
