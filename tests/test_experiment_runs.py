@@ -242,6 +242,20 @@ def test_a_bad_flag_is_one_line_naming_the_flag_the_value_and_what_is_accepted(s
     assert not os.listdir(tmp_path), "nothing is written before the flags are checked"
 
 
+def test_a_missing_package_is_one_line_naming_what_to_install(capsys, monkeypatch, tmp_path):
+    """byte_lm where Grain is missing (an environment installed before it was a core dependency): one line
+    on stderr saying what to install, exit status 1, no traceback (tests/test_optional.py: the extras)."""
+    monkeypatch.chdir(tmp_path)
+    job = _job("byte_lm")
+    monkeypatch.setitem(sys.modules, "grain", None)  # as if not installed
+    with pytest.raises(SystemExit) as exit_:
+        job.run_script(job.main, job.parse_args, ["--data", "mine", "--heldout", "other", "--no-progress"])
+    assert exit_.value.code == 1
+    lines = capsys.readouterr().err.splitlines()  # "<program>: error: ...", the program pytest's own here
+    assert len(lines) == 1 and lines[0].endswith(": error: ringsplash.data.Loader (tokenized corpora) needs grain: "
+                                                 "pip install -e ."), lines
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("script, flag, value", [BAD_FLAGS[0], BAD_FLAGS[5], BAD_FLAGS[10]],
                          ids=lambda x: x if isinstance(x, str) else None)

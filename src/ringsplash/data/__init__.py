@@ -9,8 +9,9 @@
 * ``packing.py`` — packing plans (concat-and-split, first fit, best fit) and packed rows.
 * ``loader.py`` — ``Loader``: packed, shuffled, mixed batches of tokenized corpora through Grain.
 
-``tokenize_corpus`` needs ``tokenizers`` for Hugging Face tokenizers and ``Loader`` needs
-``grain`` (the ``data`` extra); both are imported only when used.
+``tokenize_corpus`` needs ``tokenizers`` for Hugging Face tokenizers (the ``data`` extra,
+``pip install -e ".[data]"``), imported only when used; ``Loader`` reads through ``grain``, a
+core dependency.
 """
 
 from ringsplash.data.batch import Batch, check_token_ids

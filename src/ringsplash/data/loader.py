@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ringsplash._optional import require
 from ringsplash.data.batch import Batch
 from ringsplash.data.corpus import TokenizedCorpus
 from ringsplash.data.packing import LONG_DOCUMENTS, POLICIES, LongDocuments, PackingPolicy, pack_row, plan_packing
@@ -129,6 +130,11 @@ def _tagged(k: int, row: Batch) -> tuple[int, Batch]:
     return k, row
 
 
+def _grain():
+    """Grain: a core dependency; an environment installed before it was one is told to reinstall."""
+    return require("grain", extra=None, needed_for="ringsplash.data.Loader (tokenized corpora)")
+
+
 def _stack(rows: Sequence[Batch]) -> Batch:
     return Batch(*(np.stack(field) for field in zip(*rows, strict=True)))
 
@@ -140,7 +146,7 @@ class Loader:
     directory or a sequence of them (mixed by ``config.weights``)."""
 
     def __init__(self, paths: str | Sequence[str], config: LoaderConfig):
-        import grain
+        grain = _grain()
 
         self.paths = [paths] if isinstance(paths, str) else list(paths)
         if not self.paths:
@@ -191,7 +197,7 @@ class Loader:
         """This process's batches (rows ``rows`` of every batch, ascending steps) from ``step``: a
         Grain ``DatasetIterator`` reading ahead in background threads; ``get_state()`` /
         ``set_state()`` save and restore its position (``{"next_index": step}``)."""
-        import grain
+        grain = _grain()
 
         rows = np.asarray(rows, np.int64)
         if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= self.batch_size:
