@@ -105,17 +105,23 @@ def _one_line_argparse_errors():
 
 def run_script(main, parse_args, argv=None):
     """``main(parse_args(argv))`` from the command line: a bad flag or run directory is one line on
-    stderr (``<script>: error: ...``, exit status 2), never a traceback."""
+    stderr (``<script>: error: ...``, exit status 2), never a traceback; so is an optional package
+    the run needs and does not find (exit status 1, the line names the extra to install)."""
     prog = os.path.basename(sys.argv[0])
     with _one_line_argparse_errors():
         try:
             config = parse_args(argv)
         except (ValueError, TypeError) as e:  # the config's own checks (each names its flag)
             sys.exit(_one_line(prog, e))
+    from ringsplash._optional import MissingDependency
+
     try:
         return main(config)
     except (ValueError, FileNotFoundError) as e:  # bad input found while setting up (a config check, a path)
         sys.exit(_one_line(prog, e))
+    except MissingDependency as e:  # an optional package the run needs: one line naming what to install
+        _one_line(prog, e)
+        sys.exit(1)
 
 
 def _one_line(prog: str, error: BaseException) -> str:

@@ -1,11 +1,13 @@
 """Language model over any tokenized corpus, with the loss reported by position in context.
 
 Data: ``--data PATH``, a corpus directory written by ``scripts/tokenize_corpus.py`` (any
-tokenizer; the model's vocabulary is the corpus's), with ``--heldout PATH``, a corpus of other
-documents (tokenized apart, with the same tokenizer): the held-out loss is measured on documents
-the model never trained on. By default, a byte-level corpus of text every machine has: the
-Python standard library's own top-level ``.py`` files (``sysconfig``), one in ten held out by
-file name, tokenized once under ``--corpus-dir`` (re-running is a no-op).
+tokenizer; the model's vocabulary is the corpus's). The held-out loss is measured on documents
+the model never trained on: one in ten of ``--data``'s documents, chosen by a hash of each
+document's tokens (``ringsplash.data.is_held_out``) and never trained on; or, with ``--heldout
+PATH``, a corpus of other documents (tokenized apart, with the same tokenizer), and then every
+document of ``--data`` is trained on. By default, a byte-level corpus of text every machine has:
+the Python standard library's own top-level ``.py`` files (``sysconfig``), one in ten held out by
+file name (the same hash), tokenized once under ``--corpus-dir`` (re-running is a no-op).
 
 Training rows are packed by ``ringsplash.data.Loader`` (``--packing``) with segment ids, so
 attention never crosses documents, and positions restart per document piece. After training,
@@ -20,6 +22,7 @@ run would be), and a larger ``--steps`` continues a finished run further.
     python experiments/byte_lm.py --attention splash --context-parallel 1 --compute-dtype bfloat16
     python experiments/byte_lm.py --checkpoint-every 50 --run-dir runs/byte   # resumable: rerun it to resume
     python scripts/tokenize_corpus.py my_texts/ runs/corpora/mine --tokenizer tokenizer.json
+    python experiments/byte_lm.py --data runs/corpora/mine         # one in ten of its documents held out
     python scripts/tokenize_corpus.py my_heldout_texts/ runs/corpora/mine-heldout --tokenizer tokenizer.json
     python experiments/byte_lm.py --data runs/corpora/mine --heldout runs/corpora/mine-heldout
 """
@@ -30,7 +33,7 @@ import os
 import sys
 import sysconfig
 import time
-import zlib
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
 from _runtime import (
@@ -50,8 +53,8 @@ from ringsplash.cli import parse_config
 @dataclasses.dataclass(frozen=True)
 class Config:
     data: str = ""  # a tokenized corpus directory (scripts/tokenize_corpus.py); "" = the Python stdlib, bytes
-    #: the held-out corpus (other documents than --data's, same tokenizer; required with --data);
-    #: "" = the stdlib's held-out tenth
+    #: the held-out corpus (other documents than --data's, same tokenizer); "" = a tenth of --data's
+    #: documents, by a hash of each (never trained on); without --data, the stdlib's held-out tenth
     heldout: str = ""
     corpus_dir: str = "runs/corpora"  # where the default stdlib corpora are tokenized (once)
     packing: str = "best_fit"  # training rows: concat_split | first_fit | best_fit (ringsplash.data.packing)
@@ -105,11 +108,7 @@ class Config:
                               "steps", "batch_size", "eval_batches", "log_every"),
                     non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every", "context_parallel"))
         check_block(self)
-        if self.data and not self.heldout:
-            raise ValueError(f"--data {self.data!r} needs --heldout: a corpus of other documents (tokenized apart "
-                             f"with the same tokenizer), so that the held-out loss is measured on documents the "
-                             f"model never trained on")
-        if self.data and os.path.abspath(self.heldout) == os.path.abspath(self.data):
+        if self.data and self.heldout and os.path.abspath(self.heldout) == os.path.abspath(self.data):
             raise ValueError(f"--heldout {self.heldout!r} is --data itself: pass a corpus of other documents")
 
 
@@ -137,19 +136,21 @@ def model_config(config: Config, vocab_size: int = 256):
 
 def stdlib_files() -> tuple[list[str], list[str]]:
     """(train, held-out) paths: the stdlib's top-level .py files, one in ten held out by name."""
+    from ringsplash.data import is_held_out
+
     paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    train = [p for p in paths if zlib.crc32(os.path.basename(p).encode()) % 10]
-    heldout = [p for p in paths if not zlib.crc32(os.path.basename(p).encode()) % 10]
-    return train, heldout
+    held = [is_held_out(os.path.basename(p).encode()) for p in paths]
+    return [p for p, h in zip(paths, held) if not h], [p for p, h in zip(paths, held) if h]
 
 
 def corpora(config: Config) -> tuple[str, str]:
-    """(training corpus, held-out corpus) directories; the default stdlib ones are tokenized here
-    (a no-op when already done)."""
+    """(training corpus, held-out corpus) directories, the same one twice for ``--data`` alone (its
+    documents split by ``data.is_held_out``); the default stdlib ones are tokenized here (a no-op
+    when already done)."""
     from ringsplash import data
 
     if config.data:
-        return config.data, config.heldout
+        return config.data, config.heldout or config.data
     options = data.TokenizeOptions(errors="replace")
     out = []
     for name, files in zip(("stdlib-train", "stdlib-heldout"), stdlib_files(), strict=True):
@@ -157,6 +158,61 @@ def corpora(config: Config) -> tuple[str, str]:
         data.tokenize_corpus(files, path, options, progress=config.progress)
         out.append(path)
     return out[0], config.heldout or out[1]
+
+
+class Datasets(NamedTuple):
+    loader: Any  # data.Loader: the training rows
+    heldout: Any  # data.Loader: the held-out rows (documents cut at row ends)
+    unit: str  # "byte" or "token"
+    summary: str  # the line main prints: documents trained on, held out (how many, or which corpus)
+
+
+def datasets(config: Config) -> Datasets:
+    """The training and held-out loaders of ``config``. ``--data`` alone: one corpus, its documents
+    split by ``data.is_held_out`` (``LoaderConfig.documents`` "train" / "heldout"), so no held-out
+    document is ever in a training row; with ``--heldout``: every document of each corpus."""
+    from ringsplash import data
+
+    train_path, heldout_path = corpora(config)
+    split = heldout_path == train_path  # --data alone
+    loader = _loader("--data" if config.data else None, split, train_path, data.LoaderConfig(
+        seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed, packing=config.packing,
+        documents="train" if split else "all"))
+    # held out: documents cut at row ends (concat_split), so each piece starts its document's context
+    heldout_flag = "--heldout" if config.heldout else "--data" if split else None
+    heldout = _loader(heldout_flag, split, heldout_path, data.LoaderConfig(
+        seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed + 1, packing="concat_split",
+        documents="heldout" if split else "all"))
+    if not split and heldout.corpora[0].fingerprint == loader.corpora[0].fingerprint:
+        raise ValueError(f"--heldout {heldout_path!r} holds the same documents as --data {train_path!r}: pass a "
+                         f"corpus of other documents")
+    unit = "byte" if loader.corpora[0].manifest["tokenizer"]["kind"] == "bytes" else "token"
+    trained = loader.sources[0].documents
+    held_out = (f"held out: {len(heldout.sources[0].documents)} of its {len(loader.corpora[0])} documents (one in "
+                f"{data.HELD_OUT_EVERY}, by a hash of each document's tokens), never trained on" if split else
+                f"held out: {heldout_path} ({len(heldout.corpora[0])} other documents)")
+    summary = (f"corpus {train_path}: {len(trained)} documents trained on, "
+               f"{int(loader.corpora[0].lengths[trained].sum())} {unit}s, {loader.sources[0].plan.num_rows} packed "
+               f"rows ({config.packing}); {held_out}")
+    return Datasets(loader, heldout, unit, summary)
+
+
+def _loader(flag: str | None, split: bool, path: str, config):
+    """``data.Loader(path, config)``; an error naming ``flag`` (the corpus's; None: the default one)
+    when ``path`` is no corpus, or when ``--data`` split has no document on one side."""
+    from ringsplash import data
+
+    try:
+        return data.Loader(path, config)
+    except FileNotFoundError as e:
+        if flag is None:
+            raise
+        raise FileNotFoundError(f"{flag} {path!r} is not accepted: expected a tokenized corpus directory "
+                                f"({e})") from None
+    except ValueError as e:
+        if not split:
+            raise
+        raise ValueError(f"{flag} {path!r}: {e}; pass --heldout, a corpus of other documents") from None
 
 
 BUCKETS = (0, 8, 32, 128, 256, 512, 1024, 2048, 4096)
@@ -170,13 +226,12 @@ def main(config: Config, hooks=()) -> dict:
     import numpy as np
     import optax
 
-    from ringsplash import data, train
+    from ringsplash import train
 
     t0 = time.perf_counter()
     run_dir = config.run_dir or os.path.join("runs", "byte_lm", time.strftime("%Y%m%d-%H%M%S"))
-    train_path, heldout_path = corpora(config)
-    loader = data.Loader(train_path, data.LoaderConfig(seq_len=config.seq_len, batch_size=config.batch_size,
-                                                       seed=config.seed, packing=config.packing))
+    loader, heldout, unit, summary = datasets(config)
+    train_path = loader.paths[0]
     model_cfg = model_config(config, loader.vocab_size)
     tc = train.TrainConfig(
         steps=config.steps, batch_size=config.batch_size, learning_rate=config.learning_rate,
@@ -184,21 +239,12 @@ def main(config: Config, hooks=()) -> dict:
         seed=config.seed, progress=config.progress,
         checkpoint_every=config.checkpoint_every, log_every=config.log_every,
     )
-    # held out: documents cut at row ends (concat_split), so each piece starts its document's context
-    heldout = data.Loader(heldout_path, data.LoaderConfig(seq_len=config.seq_len, batch_size=config.batch_size,
-                                                          seed=config.seed + 1, packing="concat_split"))
     mesh = train.mesh_for(model_cfg, tc.data_parallel)
-    if heldout.corpora[0].fingerprint == loader.corpora[0].fingerprint:
-        raise ValueError(f"--heldout {heldout_path!r} holds the same documents as --data {train_path!r}: pass a "
-                         f"corpus of other documents")
-    unit = "byte" if loader.corpora[0].manifest["tokenizer"]["kind"] == "bytes" else "token"
     resumed_at = continue_to(run_dir, tc)
     print(f"run directory: {run_dir}" + (f" (resuming from its checkpoint); step {resumed_at} of {config.steps}"
                                          if resumed_at is not None else
                                          f" (rerun with --run-dir {run_dir} to resume it)"))
-    print(f"corpus {train_path}: {len(loader.corpora[0])} documents, {int(loader.corpora[0].lengths.sum())} "
-          f"{unit}s, {loader.sources[0].plan.num_rows} packed rows ({config.packing}); held out: {heldout_path} "
-          f"({len(heldout.corpora[0])} other documents)")
+    print(summary)
     print(distributed.device_line())
     print(f"{config.attention} over {model_cfg.context_parallel.shards} device(s), seq_len={config.seq_len}, backend="
           f"{config.backend}, blocks={config.block or 'auto'}, dtypes param={config.param_dtype} "

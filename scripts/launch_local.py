@@ -6,8 +6,16 @@ Each process joins the coordinator on localhost through ``python -m ringsplash.d
 (the entry point ``scripts/tpu/launch.py`` uses on a pod slice) with ``--devices`` simulated CPU
 devices and gloo collectives, so a mesh spans ``processes x devices`` devices across process
 boundaries. Output lines are forwarded with a ``[pN]`` prefix. When any process fails, the
-others are stopped and the launcher exits with that process's code; Ctrl-C stops them all. No
-process outlives the launcher.
+others are stopped and the launcher exits with that process's code.
+
+No process outlives the launcher: each worker leads a process group of its own (its children
+included), and on every way out (the workers done, one failing, ``--timeout``, SIGTERM as from
+``timeout`` or ``kill``, SIGINT / Ctrl-C, SIGHUP) the launcher sends SIGTERM to every group that
+still has a process, then SIGKILL to what is left after ``GRACE_S`` seconds, and exits (128 + the
+signal's number when a signal stopped it). Workers honour SIGTERM: ``ringsplash.distributed``
+turns off JAX's preemption service in a local launch, whose SIGTERM handler would otherwise
+record a preemption notice and keep running. (SIGKILL of the launcher itself cannot be caught:
+then stop the workers by their process groups, ``kill -- -PID``.)
 
 A process that dies or stops (killed, SIGSTOP, a hung host) stops sending heartbeats: after
 ``--heartbeat-timeout`` seconds (default 30) the coordination service declares it lost, and the
@@ -77,21 +85,43 @@ def _forward(stream, prefix: str, out) -> None:
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live process group, then SIGKILL what is still there after the grace."""
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a process (a zombie not yet reaped counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user took the id: not ours to signal
+        return False
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _stop(procs: list[subprocess.Popen], hurry=lambda: False) -> None:
+    """Stop every worker's process group (the worker and whatever it started): SIGTERM (and SIGCONT,
+    so a stopped process can act on it), then SIGKILL to the groups still there after ``GRACE_S``
+    seconds, or at once when ``hurry()`` turns true (a second signal to the launcher)."""
+    groups = [p.pid for p in procs]  # each worker leads a process group of its own id (launch)
     for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
+        p.poll()  # reap the workers that are done, so that their groups can empty
+    live = [g for g in groups if _group_alive(g)]
+    for g in live:
+        _signal_group(g, signal.SIGTERM)
+        _signal_group(g, signal.SIGCONT)
     deadline = time.monotonic() + GRACE_S
+    while live and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
+        for p in procs:
+            p.poll()
+        live = [g for g in live if _group_alive(g)]
+    for g in live:
+        _signal_group(g, signal.SIGKILL)
     for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        p.wait()
 
 
 def _is_stopped(pid: int) -> bool:
@@ -103,6 +133,20 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
+#: signals that stop the launcher and, through it, every worker (SIGKILL cannot be caught)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _record_stop_signals(received: list[int]) -> dict:
+    """From now on ``STOP_SIGNALS`` delivered to the launcher are appended to ``received`` (the loop
+    below acts on them) instead of ending it before it could stop its workers; the handlers they
+    replace (to restore). A handler that only records is safe at any point (never mid-``Popen``,
+    where an exception would lose a child). Signal handlers are the main thread's only."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, lambda signum, frame: received.append(signum)) for s in STOP_SIGNALS}
+
+
 def launch(args) -> int:
     port = free_port(args.port)
     coordinator = f"localhost:{port}"
@@ -111,11 +155,14 @@ def launch(args) -> int:
     # libtpu (the tpu extra) probes for TPU metadata on import; on a CPU host there is none
     env.setdefault("TPU_SKIP_MDS_QUERY", "1")
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    procs, threads = [], []
+    procs, threads, received = [], [], []
     print(f"[launch_local] {args.processes} processes x {args.devices} CPU devices, coordinator {coordinator}",
           flush=True)
+    previous = _record_stop_signals(received)
     try:
         for i in range(args.processes):
+            if received:
+                break
             penv = {**env, **local_launch_env(coordinator, args.processes, i, args.devices,
                                               heartbeat_timeout=args.heartbeat_timeout)}
             cmd = [sys.executable, "-m", "ringsplash.distributed", args.script, "--", *args.script_args]
@@ -128,6 +175,11 @@ def launch(args) -> int:
             threads.append(t)
         start = time.monotonic()
         while True:
+            if received:
+                print(f"[launch_local] {signal.Signals(received[0]).name} received; stopping every process",
+                      flush=True)
+                _stop(procs, hurry=lambda: len(received) > 1)
+                return 128 + received[0]
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -136,21 +188,23 @@ def launch(args) -> int:
                 print(f"[launch_local] process {i} exited with code {code}"
                       + (f" (process(es) {stopped} are stopped: SIGSTOP / suspended)" if stopped else "")
                       + "; stopping the others", flush=True)
-                _stop(procs)
+                _stop(procs, hurry=lambda: bool(received))
                 return code if code > 0 else 1
             if all(c == 0 for c in codes):
                 return 0
             if args.timeout is not None and time.monotonic() - start > args.timeout:
                 print(f"[launch_local] timeout after {args.timeout:.0f} s; stopping every process", flush=True)
-                _stop(procs)
+                _stop(procs, hurry=lambda: bool(received))
                 return 124
             time.sleep(0.05)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT where the handlers are not ours (launch() off the main thread)
         print("[launch_local] interrupted; stopping every process", flush=True)
         _stop(procs)
         return 130
     finally:
-        _stop(procs)
+        _stop(procs, hurry=lambda: bool(received))  # the normal exit too: a worker's children go with it
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for t in threads:
             t.join(timeout=1.0)
 

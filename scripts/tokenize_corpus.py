@@ -13,6 +13,7 @@ import json
 import sys
 
 from ringsplash import data
+from ringsplash._optional import MissingDependency
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +49,9 @@ def main(argv=None) -> dict:
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"tokenize_corpus: {e}", file=sys.stderr)
         sys.exit(2)
+    except MissingDependency as e:  # e.g. a tokenizer.json without tokenizers: what to install
+        print(f"tokenize_corpus: {e}", file=sys.stderr)
+        sys.exit(1)
     summary = {k: manifest[k] for k in ("num_documents", "num_tokens", "num_bytes", "vocab_size",
                                         "skipped_empty_documents", "replaced_documents", "fingerprint")}
     print(f"{output}: " + json.dumps(summary))

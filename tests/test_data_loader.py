@@ -1,6 +1,7 @@
 """Packing plans and the Grain ``Loader``: pieces cover every document once, targets never cross
 a document boundary, shuffles and mixtures by seed, process-local rows, resumable iterators."""
 
+import dataclasses
 import json
 import os
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from ringsplash import data
-from support.corpus import make_corpus
+from support.corpus import documents_in_rows, make_corpus
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +143,48 @@ def test_mixture_meets_its_ratio(tmp_path):
         assert letters <= set("qrstuvwx" if which[g] else "abcdefgh")
 
 
+def test_train_and_heldout_documents_split_a_corpus_by_a_hash_of_each_document(tmp_path):
+    """``documents="train"``: every document but the held-out share (one in ten by a hash of its tokens),
+    ``"heldout"``: only that share. Two epochs of training rows hold every other document and no held-out
+    one; the split is the documents' own, the same when they are tokenized in another order."""
+    c = make_corpus(str(tmp_path / "c"), np.random.default_rng(0), n=60, lo=2, hi=60)
+    docs = [np.asarray(c[i]).astype(np.uint8).tobytes() for i in range(len(c))]
+    held = data.held_out_documents(c)
+    heldout_docs = {d for d, h in zip(docs, held) if h}
+    assert 0 < len(heldout_docs) < len(c) and not heldout_docs & {d for d, h in zip(docs, held) if not h}
+    config = data.LoaderConfig(seq_len=64, batch_size=4, seed=3)
+    train = data.Loader(c.path, dataclasses.replace(config, documents="train"))
+    heldout = data.Loader(c.path, dataclasses.replace(config, documents="heldout"))
+    assert list(train.sources[0].documents) == list(np.flatnonzero(~held))
+    assert list(heldout.sources[0].documents) == list(np.flatnonzero(held))
+    assert documents_in_rows(train, 2 * train.sources[0].plan.num_rows) == set(docs) - heldout_docs
+    assert documents_in_rows(heldout, heldout.sources[0].plan.num_rows) == heldout_docs
+    assert train.describe()["config"]["documents"] == "train"
+    assert "documents" not in data.Loader(c.path, config).describe()["config"]  # "all": as before it existed
+    # the same documents, tokenized in the reverse order: the same ones held out
+    (tmp_path / "rev").mkdir()
+    for i, d in enumerate(reversed(docs)):
+        (tmp_path / "rev" / f"{i:04d}.txt").write_bytes(d)
+    data.tokenize_corpus([str(tmp_path / "rev")], str(tmp_path / "c_rev"), progress=False)
+    rev = data.TokenizedCorpus(str(tmp_path / "c_rev"))
+    assert {np.asarray(rev[int(i)]).astype(np.uint8).tobytes() for i in np.flatnonzero(data.held_out_documents(rev))} \
+        == heldout_docs
+
+
+def test_a_side_of_the_split_without_documents_is_named(tmp_path):
+    c = make_corpus(str(tmp_path / "c"), np.random.default_rng(0), n=1, lo=5, hi=6)
+    side = "heldout" if not data.held_out_documents(c)[0] else "train"
+    with pytest.raises(ValueError, match=rf"none of its 1 documents is .*documents='{side}'; one in 10 is held out"):
+        data.Loader(c.path, data.LoaderConfig(seq_len=64, batch_size=4, documents=side))
+
+
 def test_loader_config_rejects_bad_values(corpus):
     with pytest.raises((ValueError, jaxtyping.TypeCheckError), match=r"packing"):
         data.LoaderConfig(seq_len=64, batch_size=4, packing="greedy")
     with pytest.raises(ValueError, match=r"batch_size=0 must be a positive int"):
         data.LoaderConfig(seq_len=64, batch_size=0)
+    with pytest.raises((ValueError, jaxtyping.TypeCheckError), match=r"documents"):
+        data.LoaderConfig(seq_len=64, batch_size=4, documents="test")
     with pytest.raises(ValueError, match=r"weights=\(1\.0,\) must give one weight per source \(2 paths\)"):
         data.Loader([corpus.path, corpus.path], data.LoaderConfig(seq_len=64, batch_size=4, weights=(1,)))
     loader = data.Loader(corpus.path, data.LoaderConfig(seq_len=64, batch_size=4))

@@ -174,7 +174,9 @@ def test_byte_lm_builds_its_default_stdlib_corpora_once(tmp_path):
     stamp = os.stat(os.path.join(train_path, "manifest.json")).st_mtime_ns
     assert byte_lm.corpora(config) == (train_path, heldout_path)
     assert os.stat(os.path.join(train_path, "manifest.json")).st_mtime_ns == stamp
-    # a corpus of one's own is held out by a corpus of other documents, never by itself
+    # a corpus of one's own is held out by a corpus of other documents, never by itself, or by a share
+    # of its own documents (byte_lm.datasets splits them: tests/test_data_loader.py)
     assert byte_lm.corpora(byte_lm.Config(data="mine", heldout="other")) == ("mine", "other")
-    with pytest.raises(ValueError, match=r"--data 'mine' needs --heldout"):
-        byte_lm.Config(data="mine")
+    assert byte_lm.corpora(byte_lm.Config(data="mine")) == ("mine", "mine")
+    with pytest.raises(ValueError, match=r"--heldout 'mine' is --data itself"):
+        byte_lm.Config(data="mine", heldout="mine")

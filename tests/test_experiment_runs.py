@@ -242,6 +242,53 @@ def test_a_bad_flag_is_one_line_naming_the_flag_the_value_and_what_is_accepted(s
     assert not os.listdir(tmp_path), "nothing is written before the flags are checked"
 
 
+def test_byte_lm_data_alone_holds_out_a_tenth_never_trained_on_and_says_how_many(capsys, monkeypatch, tmp_path):
+    """``--data`` without ``--heldout``: one in ten of its documents (by a hash of each) is held out and never
+    in a training row (two epochs of the loader fit gets: fit is replaced, the run stops there), and the
+    run says how many before it trains."""
+    import numpy as np
+
+    from ringsplash import data, train
+    from support.corpus import documents_in_rows, make_corpus
+
+    corpus = make_corpus(str(tmp_path / "c"), np.random.default_rng(0), n=60, lo=2, hi=60)
+    docs = [np.asarray(corpus[i]).astype(np.uint8).tobytes() for i in range(len(corpus))]
+    held = data.held_out_documents(corpus)
+    heldout_docs = {d for d, h in zip(docs, held) if h}
+
+    class Trained(Exception):
+        pass
+
+    def fit(model_config, tc, loader, run_dir, **kwargs):
+        seen = documents_in_rows(loader, 2 * loader.sources[0].plan.num_rows)
+        assert seen == set(docs) - heldout_docs and not seen & heldout_docs
+        raise Trained
+
+    monkeypatch.setattr(train, "fit", fit)
+    job = _job("byte_lm")
+    with pytest.raises(Trained):
+        job.main(job.parse_args(["--data", corpus.path, "--seq-len", "64", "--batch-size", "4", "--attention",
+                                 "reference", "--no-progress", "--run-dir", str(tmp_path / "run")]))
+    out = capsys.readouterr().out
+    assert f"corpus {corpus.path}: {int((~held).sum())} documents trained on, " in out, out
+    assert f"; held out: {int(held.sum())} of its 60 documents (one in 10, by a hash of each document's tokens), " \
+           f"never trained on" in out, out
+
+
+def test_a_missing_package_is_one_line_naming_what_to_install(capsys, monkeypatch, tmp_path):
+    """byte_lm where Grain is missing (an environment installed before it was a core dependency): one line
+    on stderr saying what to install, exit status 1, no traceback (tests/test_optional.py: the extras)."""
+    monkeypatch.chdir(tmp_path)
+    job = _job("byte_lm")
+    monkeypatch.setitem(sys.modules, "grain", None)  # as if not installed
+    with pytest.raises(SystemExit) as exit_:
+        job.run_script(job.main, job.parse_args, ["--data", "mine", "--heldout", "other", "--no-progress"])
+    assert exit_.value.code == 1
+    lines = capsys.readouterr().err.splitlines()  # "<program>: error: ...", the program pytest's own here
+    assert len(lines) == 1 and lines[0].endswith(": error: ringsplash.data.Loader (tokenized corpora) needs grain: "
+                                                 "pip install -e ."), lines
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("script, flag, value", [BAD_FLAGS[0], BAD_FLAGS[5], BAD_FLAGS[10]],
                          ids=lambda x: x if isinstance(x, str) else None)

@@ -1,5 +1,6 @@
 """Several JAX processes on this machine (``scripts/launch_local.py``): the multi-host code paths."""
 
+import contextlib
 import json
 import os
 import re
@@ -320,3 +321,53 @@ def test_launcher_names_a_stopped_process(tmp_path):
     assert re.search(r"process 0 exited with code -?\d+ \(process\(es\) \[1\] are stopped", r.stdout), r.stdout[-3000:]
     with pytest.raises(ProcessLookupError):  # the launcher left nothing behind, stopped or not
         os.kill(int((tmp_path / "1.pid").read_text()), 0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_launcher_stopped_by_sigterm_stops_every_worker_and_their_children(tmp_path):
+    """SIGTERM to the launcher (``timeout``, ``kill``; SIGINT and SIGHUP take the same path): it exits
+    143, and every worker and every process a worker started are gone within 3 s of it, so the workers
+    honour SIGTERM (the launcher would SIGKILL only after its 5 s grace). Workers that only sleep:
+    the cost is starting them (two JAX processes, ~5 s on 2 cores, up to ~15 s when the machine is busy)."""
+    import signal
+
+    sig = "SIGTERM"
+
+    launcher = subprocess.Popen([sys.executable, LAUNCH, "--processes", "2", "--devices", "1",
+                                 os.path.join(WORKERS, "sleep_with_child.py")], cwd=ROOT,
+                                env=child_env(PID_DIR=str(tmp_path)), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 4 and time.monotonic() < deadline and launcher.poll() is None:
+            files = [tmp_path / f"{i}.pid" for i in (0, 1)]
+            if all(f.exists() for f in files):
+                pids = [int(p) for f in files for p in f.read_text().split()]
+            time.sleep(0.1)
+        assert len(pids) == 4, f"the workers did not start: {launcher.poll()=}"
+        assert all(_alive(pid) for pid in pids)
+        gone_by = time.monotonic() + 3.0
+        os.kill(launcher.pid, getattr(signal, sig))
+        while any(_alive(pid) for pid in pids) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        left = [pid for pid in pids if _alive(pid)]
+        code = launcher.wait(timeout=30)
+        out = launcher.stdout.read()
+        assert not left, f"still running 3 s after the {sig}: {left} of workers + children {pids}\n{out}"
+        assert code == 128 + getattr(signal, sig), out
+        assert f"[launch_local] {sig} received; stopping every process" in out, out
+    finally:
+        for pid in [launcher.pid, *pids[::2]]:  # the launcher's and each worker's process group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        launcher.wait()
+        launcher.stdout.close()

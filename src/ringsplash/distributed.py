@@ -128,7 +128,8 @@ def initialize() -> None:
 
     Local launch: ``jax.distributed.initialize(coordinator, num_processes, process_id)`` with
     ``jax_num_cpu_devices`` simulated CPU devices and gloo collectives, all set before JAX
-    creates its backends. TPU slice (``TPU_WORKER_HOSTNAMES`` lists more than one worker, or
+    creates its backends, and JAX's preemption service off (SIGTERM ends the process). TPU
+    slice (``TPU_WORKER_HOSTNAMES`` lists more than one worker, or
     ``RINGSPLASH_TPU_MULTIHOST=1``): ``jax.distributed.initialize()`` from the TPU metadata.
     Both pass :func:`timeouts`: a process that dies or stops (no heartbeat for
     ``RINGSPLASH_HEARTBEAT_TIMEOUT`` seconds) is reported by the coordination service, and the
@@ -150,6 +151,10 @@ def initialize() -> None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", local_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX's preemption service installs a SIGTERM handler that records a preemption notice (for
+        # multihost_utils.reached_preemption_sync_point, which ringsplash does not use) and keeps the
+        # process running: a local worker would then ignore the launcher's SIGTERM. Off, SIGTERM ends it.
+        jax.config.update("jax_enable_preemption_service", False)
         jax.distributed.initialize(os.environ[ENV_COORDINATOR], num_processes=num_processes, process_id=process_id,
                                    **timeouts())
     elif _tpu_multihost():

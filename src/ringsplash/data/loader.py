@@ -5,6 +5,9 @@ rows of ``seq_len`` (``ringsplash.data.packing``; documents taken in an order sh
 seed); its rows, in a new seeded order every epoch, repeated forever, are a Grain data source.
 Several sources are mixed with ``MapDataset.mix``: a deterministic interleave in the ratio of
 the weights (in every window of rows the count of each source is within one of its share).
+``documents`` packs every document of a source, all but its held-out share (``"train"``) or only
+that share (``"heldout"``): one in ten, by a hash of each document's tokens (``data.holdout``), so
+one corpus gives a training set and a held-out set that never share a document.
 
 Global row ``g`` (row ``r`` of batch ``step``: ``g = step * batch_size + r``) is a pure function
 of ``(seed, g)``: random access, so
@@ -25,13 +28,20 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 
+from ringsplash._optional import require
 from ringsplash.data.batch import Batch
 from ringsplash.data.corpus import TokenizedCorpus
+from ringsplash.data.holdout import HELD_OUT_EVERY, held_out_documents
 from ringsplash.data.packing import LONG_DOCUMENTS, POLICIES, LongDocuments, PackingPolicy, pack_row, plan_packing
+
+#: which documents of each source the loader packs: every one, all but the held-out share, or only that
+#: share (``ringsplash.data.holdout``: one in ``HELD_OUT_EVERY`` by a hash of each document's tokens)
+Documents = Literal["all", "train", "heldout"]
+DOCUMENTS = ("all", "train", "heldout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +57,9 @@ class LoaderConfig:
     pad_id: int = 0  # token of padding (never scored)
     num_threads: int = 2  # background reader threads (Grain ReadOptions)
     prefetch: int = 4  # elements read ahead (Grain ReadOptions.prefetch_buffer_size)
+    #: all | train (all but the held-out share) | heldout (only that share): one document in
+    #: HELD_OUT_EVERY is held out, by a hash of its tokens (ringsplash.data.holdout)
+    documents: Documents = "all"
 
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "num_threads", "prefetch"):
@@ -59,6 +72,8 @@ class LoaderConfig:
             raise ValueError(f"packing={self.packing!r} must be one of {POLICIES}")
         if self.long_documents not in LONG_DOCUMENTS:
             raise ValueError(f"long_documents={self.long_documents!r} must be one of {LONG_DOCUMENTS}")
+        if self.documents not in DOCUMENTS:
+            raise ValueError(f"documents={self.documents!r} must be one of {DOCUMENTS}")
         if self.weights is not None:
             object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
             if not self.weights or any(not w > 0 for w in self.weights):
@@ -78,7 +93,16 @@ class _PackedRows:
     def __init__(self, corpus: TokenizedCorpus, config: LoaderConfig, index: int):
         self.corpus, self.seq_len, self.pad_id = corpus, config.seq_len, config.pad_id
         self.seed, self.index = config.seed, index
-        order = np.random.default_rng([config.seed, index, 1]).permutation(len(corpus))
+        #: the documents packed (ascending indices): every one, or one side of the held-out split
+        self.documents = np.arange(len(corpus))
+        if config.documents != "all":
+            held_out = held_out_documents(corpus)
+            self.documents = np.flatnonzero(held_out if config.documents == "heldout" else ~held_out)
+            if not len(self.documents):
+                side = "held out" if config.documents == "heldout" else "left once the held-out ones are taken out"
+                raise ValueError(f"source {corpus.path}: none of its {len(corpus)} documents is {side} (documents="
+                                 f"{config.documents!r}; one in {HELD_OUT_EVERY} is held out, by a hash of its tokens)")
+        order = self.documents[np.random.default_rng([config.seed, index, 1]).permutation(len(self.documents))]
         self.plan = plan_packing(corpus.lengths, config.seq_len, config.packing,
                                  long_documents=config.long_documents, order=order)
         if self.plan.num_rows == 0:
@@ -129,6 +153,11 @@ def _tagged(k: int, row: Batch) -> tuple[int, Batch]:
     return k, row
 
 
+def _grain():
+    """Grain: a core dependency; an environment installed before it was one is told to reinstall."""
+    return require("grain", extra=None, needed_for="ringsplash.data.Loader (tokenized corpora)")
+
+
 def _stack(rows: Sequence[Batch]) -> Batch:
     return Batch(*(np.stack(field) for field in zip(*rows, strict=True)))
 
@@ -140,7 +169,7 @@ class Loader:
     directory or a sequence of them (mixed by ``config.weights``)."""
 
     def __init__(self, paths: str | Sequence[str], config: LoaderConfig):
-        import grain
+        grain = _grain()
 
         self.paths = [paths] if isinstance(paths, str) else list(paths)
         if not self.paths:
@@ -191,7 +220,7 @@ class Loader:
         """This process's batches (rows ``rows`` of every batch, ascending steps) from ``step``: a
         Grain ``DatasetIterator`` reading ahead in background threads; ``get_state()`` /
         ``set_state()`` save and restore its position (``{"next_index": step}``)."""
-        import grain
+        grain = _grain()
 
         rows = np.asarray(rows, np.int64)
         if rows.ndim != 1 or not len(rows) or rows.min() < 0 or rows.max() >= self.batch_size:
@@ -216,8 +245,9 @@ class Loader:
 
     def describe(self) -> dict:
         """What makes the batches (sources by fingerprint, not path: a corpus may move; the config
-        but its thread and prefetch counts): a resumed run must match it."""
+        but its thread and prefetch counts, and ``documents`` when "all", as before it existed): a
+        resumed run must match it."""
         return {"sources": [{"fingerprint": c.fingerprint, "vocab_size": c.vocab_size, "documents": len(c)}
                             for c in self.corpora],
                 "config": {k: v for k, v in dataclasses.asdict(self.config).items()
-                           if k not in ("num_threads", "prefetch")}}
+                           if k not in ("num_threads", "prefetch") and not (k == "documents" and v == "all")}}

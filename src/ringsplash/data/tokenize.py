@@ -28,6 +28,7 @@ from typing import Literal
 
 import numpy as np
 
+from ringsplash._optional import require
 from ringsplash.data.corpus import FORMAT, MANIFEST, file_fingerprint, file_sha256
 
 JSONL_SUFFIXES = (".jsonl",)
@@ -127,9 +128,8 @@ class _Tokenizer:
         if spec == "bytes":
             self.vocab_size, self.sha256, self._tok = 256, None, None
         else:
-            from tokenizers import Tokenizer
-
-            self._tok = Tokenizer.from_file(spec)
+            tokenizers = require("tokenizers", extra="data", needed_for=f"tokenizer={spec!r} (a tokenizer.json)")
+            self._tok = tokenizers.Tokenizer.from_file(spec)
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
             self.sha256 = file_sha256(spec)
 

@@ -13,7 +13,7 @@ and older). Importing this module also registers the name. An unknown ``--model_
 
 ``loglikelihood`` and ``loglikelihood_rolling`` are teacher-forced (``Scorer``); ``generate_until``
 calls ``generate_fn`` (default: ``rs.inference.generate``, greedy) and cuts at the first stop
-string. lm-eval is an optional test / evals dependency (``pip install -e .[evals]``), never
+string. lm-eval is an optional test / evals dependency (``pip install -e ".[evals]"``), never
 needed by the rest of ringsplash.
 """
 
@@ -21,14 +21,20 @@ import difflib
 import inspect
 
 import numpy as np
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from ringsplash._optional import require
 from ringsplash.evals.loading import inference_generate_fn, load_model
 from ringsplash.evals.scoring import GenerateFn, Scorer
 from ringsplash.evals.tokenizer import Tokenizer, load_tokenizer
 from ringsplash.model import Transformer
+
+# lm-eval (the evals extra): without it, importing this module is one line saying how to install it
+_NEEDED_FOR = "ringsplash.evals.lm_eval_adapter (the lm-evaluation-harness model)"
+LM = require("lm_eval.api.model", extra="evals", needed_for=_NEEDED_FOR).LM
+register_model = require("lm_eval.api.registry", extra="evals", needed_for=_NEEDED_FOR).register_model
+_lm_eval_utils = require("lm_eval.utils", extra="evals", needed_for=_NEEDED_FOR)
+get_rolling_token_windows, make_disjoint_window = (_lm_eval_utils.get_rolling_token_windows,
+                                                   _lm_eval_utils.make_disjoint_window)
 
 #: what lm-eval passes every model besides ``--model_args`` (``simple_evaluate``'s ``additional_config``):
 #: accepted and not used (JAX places the model; batches are ``batch_size`` rows)

@@ -15,23 +15,25 @@ import sys
 
 from _ringsplash_lm_eval import ENTRY_POINT_GROUP
 from _ringsplash_lm_eval import register_entry_points as _register
+from ringsplash._optional import MissingDependency, require
+
+_NEEDED_FOR = "python -m ringsplash.evals.lm_eval_cli (lm-eval's command line)"
 
 
 def register_entry_points() -> list[str]:
     """Register every installed ``lm_eval.models`` entry point with lm-eval's model registry (lazily:
     the module is imported when the name is resolved); the names registered."""
-    import lm_eval.models  # noqa: F401  built-in names first (lm-eval registers them only into an empty registry)
-    from lm_eval.api.registry import model_registry
-
-    return _register(model_registry)
+    # built-in names first (lm-eval registers them only into an empty registry)
+    require("lm_eval.models", extra="evals", needed_for=_NEEDED_FOR)
+    return _register(require("lm_eval.api.registry", extra="evals", needed_for=_NEEDED_FOR).model_registry)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run lm-eval's CLI on ``argv`` (default: ``sys.argv[1:]``) after ``register_entry_points``."""
     try:
-        from lm_eval.__main__ import cli_evaluate
-    except ImportError as e:
-        raise SystemExit("lm-eval is not installed: pip install -e .[evals] (or pip install lm-eval)") from e
+        cli_evaluate = require("lm_eval.__main__", extra="evals", needed_for=_NEEDED_FOR).cli_evaluate
+    except MissingDependency as e:
+        raise SystemExit(str(e)) from None
     register_entry_points()
     if argv is not None:
         sys.argv = ["lm_eval", *argv]

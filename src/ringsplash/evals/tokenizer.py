@@ -1,8 +1,10 @@
 """Tokenizers for the evaluations: raw bytes (vocabulary 256) or a Hugging Face ``tokenizer.json``
-(the ``tokenizers`` package, ``pip install -e .[hf]``). Both read local files only."""
+(the ``tokenizers`` package, ``pip install -e ".[hf]"``). Both read local files only."""
 
 import os
 from typing import Protocol, runtime_checkable
+
+from ringsplash._optional import require
 
 
 @runtime_checkable
@@ -32,12 +34,9 @@ class HFTokenizer:
     """A Hugging Face fast tokenizer read from a local ``tokenizer.json``; no special tokens are added."""
 
     def __init__(self, path: str):
-        try:
-            from tokenizers import Tokenizer as _Tokenizer
-        except ImportError as e:  # pragma: no cover - the hf extra installs it
-            raise ImportError("a tokenizer.json needs the `tokenizers` package: pip install -e .[hf]") from e
+        tokenizers = require("tokenizers", extra="hf", needed_for=f"the tokenizer {path!r} (a tokenizer.json)")
         self.path = path
-        self._tok = _Tokenizer.from_file(path)
+        self._tok = tokenizers.Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from ringsplash._optional import require
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 #: transformers' default ``max_shard_size`` of ``save_pretrained`` is "5GB" in decimal units
@@ -36,12 +38,9 @@ def reset_bytes_read() -> None:
 
 def _safetensors():
     """The safetensors package, or an ImportError saying how to install it."""
-    try:
-        import safetensors
-        import safetensors.numpy
-    except ImportError as e:
-        raise ImportError("reading or writing Hugging Face weights needs safetensors: pip install -e \".[hf]\" "
-                          "(config_from_hf alone does not)") from e
+    require("safetensors.numpy", extra="hf", needed_for="reading or writing Hugging Face weights")
+    import safetensors
+
     return safetensors
 
 
