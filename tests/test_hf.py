@@ -647,7 +647,7 @@ def test_preflight_hf_config_builds_the_model_from_the_file(tmp_path):
     assert (c.max_seq_len, c.context_parallel.strategy, c.context_parallel.ring_size, c.remat) == (4096, "ring", 4, "full")
     assert c.features.layer_types == ("sliding_attention", "full_attention") and c.features.sliding_window == 1024 and c.features.qk_norm
     config = preflight.parse_args(["--hf-config", str(tmp_path), "--num-layers", "4", "--mask", "full"])
-    with pytest.raises(SystemExit, match=r"describes the model: drop --num-layers, --mask"):
+    with pytest.raises(ValueError, match=r"describes the model: drop --num-layers, --mask"):
         preflight.build_model_config(config, **run)
     # --rope-* extend the pretrained model's context, from the length it was trained at
     config = preflight.parse_args(["--hf-config", str(tmp_path), "--seq-len", "4096", "--rope-scaling", "yarn",
