@@ -127,9 +127,14 @@ class _Tokenizer:
         if spec == "bytes":
             self.vocab_size, self.sha256, self._tok = 256, None, None
         else:
-            from tokenizers import Tokenizer
-
-            self._tok = Tokenizer.from_file(spec)
+            try:
+                from tokenizers import Tokenizer
+            except ImportError as e:  # pragma: no cover - the hf extra installs it
+                raise ImportError('a tokenizer.json needs the `tokenizers` package: pip install -e ".[hf]"') from e
+            try:
+                self._tok = Tokenizer.from_file(spec)
+            except Exception as e:  # the Rust library raises a bare Exception for a file it cannot parse
+                raise ValueError(f"tokenizer={spec!r} is not a Hugging Face tokenizer.json ({e})") from None
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
             self.sha256 = file_sha256(spec)
 

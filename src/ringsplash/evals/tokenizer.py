@@ -37,7 +37,10 @@ class HFTokenizer:
         except ImportError as e:  # pragma: no cover - the hf extra installs it
             raise ImportError("a tokenizer.json needs the `tokenizers` package: pip install -e .[hf]") from e
         self.path = path
-        self._tok = _Tokenizer.from_file(path)
+        try:
+            self._tok = _Tokenizer.from_file(path)
+        except Exception as e:  # the Rust library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path!r} is not a Hugging Face tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
