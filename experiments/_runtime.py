@@ -7,7 +7,15 @@ import json
 import os
 
 # one-line errors for bad flags and paths: shared with scripts/ (ringsplash.cli), re-exported for the experiments
-from ringsplash.cli import OUTPUT_DIRS, PATH_ERRORS, check_flags, check_output_dirs, flag_error, run_script  # noqa: F401
+from ringsplash.cli import (  # noqa: F401
+    OUTPUT_DIRS,
+    PATH_ERRORS,
+    check_flags,
+    check_optional_flags,
+    check_output_dirs,
+    flag_error,
+    run_script,
+)
 
 #: the model's parameter / compute dtypes (ringsplash.model.config.DTYPES)
 DTYPES = ("float32", "bfloat16", "float16")

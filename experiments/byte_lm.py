@@ -103,7 +103,9 @@ class Config:
                                    "compute_dtype": DTYPES},
                     positive=("seq_len", "d_model", "num_layers", "num_heads", "mlp_multiple", "data_parallel",
                               "steps", "batch_size", "eval_batches", "log_every"),
-                    non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every", "context_parallel"))
+                    non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every", "context_parallel",
+                                  "seed"),
+                    positive_numbers=("mlp_ratio", "rope_theta"), non_negative_numbers=("learning_rate",))
         check_block(self)
         if self.data and not self.heldout:
             raise ValueError(f"--data {self.data!r} needs --heldout: a corpus of other documents (tokenized apart "

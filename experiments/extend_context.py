@@ -58,6 +58,7 @@ from _runtime import (
     choose_devices,
     context_devices,
     continue_to,
+    flag_error,
     run_script,
     splash_config,
 )
@@ -146,8 +147,16 @@ class Config:
                                  f"expected >= 1")
         check_flags(self, choices={"layout": LAYOUTS, "backend": BACKENDS, "param_dtype": DTYPES,
                                    "compute_dtype": DTYPES},
-                    positive=("d_model", "num_layers", "num_heads"), non_negative=("num_kv_heads", "checkpoint_every"))
+                    positive=("d_model", "num_layers", "num_heads"),
+                    non_negative=("num_kv_heads", "checkpoint_every", "seed"),
+                    positive_numbers=("rope_theta",), non_negative_numbers=("base_lr", "finetune_lr"))
         check_block(self)
+        try:  # read after the base model has trained: checked now
+            depths = [float(d) for d in self.depths.split(",")]
+        except ValueError:
+            depths = []
+        if not depths or not all(0 <= d <= 1 for d in depths):
+            raise flag_error("depths", self.depths, "comma-separated fractions in [0, 1] (e.g. 0,0.5,1)")
 
     @property
     def method_list(self) -> list[str]:

@@ -25,6 +25,7 @@ from _runtime import (
     DTYPES,
     check_block,
     check_flags,
+    check_optional_flags,
     choose_devices,
     context_devices,
     continue_to,
@@ -112,9 +113,14 @@ class Config:
         check_flags(self, choices={"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS,
                                    "backend": BACKENDS, "param_dtype": DTYPES, "compute_dtype": DTYPES},
                     positive=("seq_len", "num_pairs", "num_queries", "num_keys", "num_values", "num_filler", "d_model",
-                              "num_layers", "num_heads", "num_kv_heads", "data_parallel", "ulysses_parallel", "steps",
-                              "batch_size", "eval_batches", "log_every"),
-                    non_negative=("head_dim", "warmup_steps", "eval_every", "checkpoint_every", "context_parallel"))
+                              "num_layers", "num_heads", "num_kv_heads", "mlp_multiple", "data_parallel",
+                              "ulysses_parallel", "steps", "batch_size", "eval_batches", "log_every"),
+                    non_negative=("head_dim", "warmup_steps", "eval_every", "checkpoint_every", "context_parallel",
+                                  "rope_original_max_len", "seed"),
+                    positive_numbers=("mlp_ratio", "rope_theta"),
+                    non_negative_numbers=("learning_rate", "weight_decay"))
+        check_optional_flags(self, unset=0, positive_numbers=("rope_factor",))
+        check_optional_flags(self, unset=None, positive_numbers=("qk_clip_threshold",))
         check_block(self)
         curriculum(self)  # its format (each error names --curriculum)
 

@@ -43,7 +43,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 from ringsplash import aot
-from ringsplash.cli import check_flags, flag_error, parse_config, run_script
+from ringsplash.cli import check_flags, check_optional_flags, flag_error, parse_config, run_script
 
 GiB = aot.GiB
 TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v5p:2x2x1", "v5p:4x4x4", "v4:2x2x1",
@@ -108,8 +108,7 @@ class Config:
                     positive_numbers=("mlp_ratio", "rope_theta"), fractions=("headroom",))
         if self.block % 128:
             raise flag_error("block", self.block, "a multiple of 128 tokens (the kernels' lanes)")
-        if self.rope_factor != 0:
-            check_flags(self, positive_numbers=("rope_factor",))
+        check_optional_flags(self, unset=0, positive_numbers=("rope_factor",))
         if self.hf_config and not os.path.exists(self.hf_config):
             raise flag_error("hf_config", self.hf_config, "a Hugging Face config.json or a checkpoint directory "
                                                           "holding one: no such file or directory")

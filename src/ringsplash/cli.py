@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import math
 import os
 import re
 import sys
@@ -169,10 +170,11 @@ def flag_error(name: str, value, accepted: str) -> ValueError:
 
 
 def check_flags(config, *, choices: dict | None = None, positive: tuple = (), non_negative: tuple = (),
-                positive_numbers: tuple = (), fractions: tuple = ()) -> None:
+                positive_numbers: tuple = (), non_negative_numbers: tuple = (), fractions: tuple = ()) -> None:
     """Raise ``flag_error`` for the first field of ``config`` outside its ``choices`` / not an int
     ``>= 1`` (``positive``) / ``>= 0`` (``non_negative``) / not a finite number ``> 0``
-    (``positive_numbers``) / not in ``(0, 1]`` (``fractions``)."""
+    (``positive_numbers``) / ``>= 0`` (``non_negative_numbers``) / not in ``(0, 1]`` (``fractions``).
+    NaN and infinities are refused wherever a number is taken."""
     for name, allowed in (choices or {}).items():
         value = getattr(config, name)
         if isinstance(value, bool) or value not in tuple(allowed):
@@ -182,13 +184,20 @@ def check_flags(config, *, choices: dict | None = None, positive: tuple = (), no
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise flag_error(name, value, f"an integer >= {minimum}")
-    for names, most, accepted in ((positive_numbers, float("inf"), "a finite number > 0"),
-                                  (fractions, 1.0, "a number in (0, 1]")):
+    for names, inside, accepted in ((positive_numbers, lambda x: x > 0, "a finite number > 0"),
+                                    (non_negative_numbers, lambda x: x >= 0, "a finite number >= 0"),
+                                    (fractions, lambda x: 0 < x <= 1, "a number in (0, 1]")):
         for name in names:
             value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= most \
-                    or value == float("inf"):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or not inside(value):
                 raise flag_error(name, value, accepted)
+
+
+def check_optional_flags(config, *, unset, positive_numbers: tuple = ()) -> None:
+    """``check_flags(config, positive_numbers=...)`` for the fields not at their ``unset`` value (0 or None:
+    "off")."""
+    check_flags(config, positive_numbers=tuple(n for n in positive_numbers if getattr(config, n) != unset))
 
 
 #: the flags naming directories a run writes to (a script's config has some of them)
