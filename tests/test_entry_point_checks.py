@@ -647,3 +647,34 @@ def test_numpy_and_jax_scalars_are_numbers_at_every_attention_entry_point():
     np.testing.assert_array_equal(_reference(q, k, v, dropout_rate=jnp.float32(0.0)), _reference(q, k, v))
     with pytest.raises(TypeError, match=r"scale must be a real number"):
         jax.jit(lambda s: _reference(q, k, v, scale=s))(jnp.float32(0.1))
+
+
+def _as_constructed(config, **fields):
+    """``config`` with ``fields`` set as its dataclass ``__init__`` sets them (then ``__post_init__``), without the
+    test run's type checker, which refuses a NumPy scalar for an ``int`` field before the config sees it."""
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    config.__post_init__()
+    return config
+
+
+def test_configs_hold_numpy_and_jax_scalars_as_python_numbers():
+    """Issue 56 (7) probe: NumPy scalars in a config were kept as such, so ``json.dump`` of a run's config (which
+    ``train.fit`` writes) failed once a run had started; a JAX scalar was refused, an ``np.int64`` loader length
+    too. Now every field holds the Python number."""
+    import json
+
+    from ringsplash.data import LoaderConfig
+    from ringsplash.model import TransformerConfig
+    from ringsplash.train import TrainConfig
+
+    shape = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, max_seq_len=64, mlp_ratio=2.0)
+    cp = _as_constructed(ContextParallel("ring", ring_size=4), ring_size=np.int64(4))
+    model = _as_constructed(TransformerConfig(**shape), vocab_size=np.int64(64), d_model=jnp.int32(32),
+                            mlp_ratio=np.float32(2.0), context_parallel=cp)
+    assert model == TransformerConfig(**shape, context_parallel=ContextParallel("ring", ring_size=4))
+    assert type(model.d_model) is int and type(model.mlp_ratio) is float and type(cp.ring_size) is int
+    train = _as_constructed(TrainConfig(steps=10, batch_size=2, warmup_steps=1), steps=np.int64(10),
+                            learning_rate=np.float32(0.5))
+    json.dumps({"model": model.to_dict(), "train": dataclasses.asdict(train)})
+    assert type(_as_constructed(LoaderConfig(seq_len=16, batch_size=2), seq_len=np.int64(16)).seq_len) is int

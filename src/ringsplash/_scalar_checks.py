@@ -7,6 +7,7 @@ import cycle). Every helper names the argument, what was expected and what was g
 returns the normalised value.
 """
 
+import dataclasses
 import numbers
 import sys
 import typing
@@ -38,6 +39,23 @@ def as_scalar(value: Any) -> Any:
             and value.ndim == 0:
         return value.item()
     return value
+
+
+def plain_fields(config: Any) -> None:
+    """Each field of the dataclass ``config`` (frozen too) holding a NumPy scalar or a concrete 0-d JAX array
+    (or a tuple of them) set to its Python number (``as_scalar``). A config's ``__post_init__`` calls it first:
+    its checks then see Python numbers, and the config hashes, compares and writes to JSON as one built from
+    them (an ``np.int64`` field made ``json.dump`` of a run's config fail once training had started)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, tuple):
+            plain = tuple(as_scalar(x) for x in value)
+            changed = any(a is not b for a, b in zip(plain, value))
+        else:
+            plain = as_scalar(value)
+            changed = plain is not value
+        if changed:
+            object.__setattr__(config, field.name, plain)
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ringsplash._scalar_checks import plain_fields
 from ringsplash.data.batch import Batch
 from ringsplash.data.corpus import TokenizedCorpus
 from ringsplash.data.packing import LONG_DOCUMENTS, POLICIES, LongDocuments, PackingPolicy, pack_row, plan_packing
@@ -49,6 +50,7 @@ class LoaderConfig:
     prefetch: int = 4  # elements read ahead (Grain ReadOptions.prefetch_buffer_size)
 
     def __post_init__(self):
+        plain_fields(self)  # NumPy / JAX scalars as Python numbers (np.int64 was refused as not an int)
         for name in ("seq_len", "batch_size", "num_threads", "prefetch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
