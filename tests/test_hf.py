@@ -297,6 +297,17 @@ def test_load_hf_refuses_pickles_and_directories_without_weights(hf_models, tmp_
         rhf.config_from_hf(tmp_path / "nowhere")
 
 
+def test_config_from_hf_refuses_a_file_that_is_no_config_json_naming_it(tmp_path):
+    """Issue 56 (7) probe: ``aot_preflight.py --hf-config notes.txt`` said only 'Expecting value: line 1 column 1'
+    (a bare JSON error naming no file); a JSON list went on to fail elsewhere."""
+    (tmp_path / "notes.txt").write_text("not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"notes.txt' is not a Hugging Face config.json: not JSON"):
+        rhf.config_from_hf(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match=r"list.json' is not a Hugging Face config.json: it holds a list"):
+        rhf.config_from_hf(tmp_path / "list.json")
+
+
 def test_without_safetensors_the_error_says_how_to_install(hf_models, monkeypatch):
     import sys
 
