@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from ringsplash.inference import decode_step, empty_cache, generate, prefill, sample
+from ringsplash.inference import decode_step, empty_cache, filter_logits, generate, prefill, sample
 from ringsplash.inference.sample import GREEDY_BELOW, check_sampling
 from ringsplash.model import Transformer, TransformerConfig
 
@@ -235,6 +235,20 @@ def test_sample_at_a_tiny_temperature_is_greedy_never_garbage():
     for temperature in (1e-45, 1e-38, GREEDY_BELOW, 2e-38, 1e-30):
         drawn = sample(logits, jax.random.key(1), temperature=temperature, top_p=0.9)
         np.testing.assert_array_equal(drawn, greedy, err_msg=str(temperature))
+
+
+def test_sample_and_filter_logits_check_their_settings_as_generate_does():
+    """``sample`` / ``filter_logits`` are public too: a negative temperature sampled the least likely tokens,
+    ``top_p=0`` kept nothing (every logit -inf: arbitrary draws), a missing key was JAX's own error."""
+    logits = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0"):
+        sample(logits, jax.random.key(0), temperature=-1.0)
+    with pytest.raises(ValueError, match=r"sampling \(temperature > 0\) needs key="):
+        sample(logits, None, temperature=1.0)
+    with pytest.raises(ValueError, match=r"top_p must be None or in \(0, 1\], got top_p=0.0"):
+        unchecked(filter_logits)(logits, top_p=0.0)
+    with pytest.raises(ValueError, match=r"top_k must be None or an int >= 1, got top_k=0"):
+        unchecked(filter_logits)(logits, top_k=0)
 
 
 def test_generate_at_a_tiny_temperature_equals_greedy(model):

@@ -11,7 +11,7 @@ import numpy as np
 
 from ringsplash._scalar_checks import as_scalar
 from ringsplash._types import Array, Float, Int
-from ringsplash.inference.checks import is_int
+from ringsplash.inference.checks import check_key, is_int
 
 #: temperatures below this (float32's smallest normal number, 2**-126) sample as greedy. Below it the temperature
 #: is not a normal float32: the device flushes it to 0 (a division by zero: NaN / inf logits, then garbage
@@ -53,7 +53,9 @@ def filter_logits(logits: Float[Array, "*batch vocab"], top_k: int | None = None
     ``top_k``: the ``top_k`` largest logits are kept (with any tied with the k-th). ``top_p``: the
     smallest set of most probable tokens whose probability (softmax of the logits given, after
     ``top_k``) reaches ``top_p`` is kept: a token is kept when the probability of the tokens
-    ranked before it is below ``top_p`` (the most probable always is)."""
+    ranked before it is below ``top_p`` (the most probable always is). ``top_p=0`` (nothing kept: every
+    logit ``-inf``) and ``top_k=0`` are refused."""
+    _, top_k, top_p = check_sampling(0, top_k, top_p)
     logits = logits.astype(jnp.float32)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
@@ -73,8 +75,12 @@ def sample(logits: Float[Array, "batch vocab"], key: jax.Array | None, *, temper
            top_k: int | None = None, top_p: float | None = None) -> Int[Array, " batch"]:
     """int32 next tokens: ``argmax`` when ``temperature`` is 0 (or below ``GREEDY_BELOW``), else a draw from
     ``softmax(filter_logits(logits / temperature, top_k, top_p))`` with ``key`` (the logits' maximum is
-    subtracted first, which leaves the softmax as it is and keeps a tiny temperature from overflowing)."""
-    if temperature < GREEDY_BELOW:
+    subtracted first, which leaves the softmax as it is and keeps a tiny temperature from overflowing).
+    The settings are checked as ``generate`` checks them (a negative temperature would sample the least likely
+    tokens)."""
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
+    key = check_key(key, temperature)
+    if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32)
     scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
