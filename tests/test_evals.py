@@ -268,7 +268,8 @@ def test_cli_refuses_a_model_without_tokenizer_json_unless_told_the_tokenizer(hf
 
 
 CLI_BAD_FLAGS = [("--lengths", "0"), ("--lengths", "4x"), ("--lengths", ","), ("--depths", "1.5"), ("--depths", "nan"),
-                 ("--samples", "0"), ("--batch-size", "-1"), ("--max-new-tokens", "0"), ("--dtype", "float64")]
+                 ("--samples", "0"), ("--batch-size", "-1"), ("--max-new-tokens", "0"), ("--dtype", "float64"),
+                 ("--ruler-tasks", ","), ("--ruler-tasks", "niah_single,qa")]
 
 
 @pytest.mark.parametrize("flag, value", CLI_BAD_FLAGS, ids=[" ".join(c) for c in CLI_BAD_FLAGS])
@@ -278,8 +279,9 @@ def test_cli_refuses_a_bad_flag_naming_it_before_loading(flag, value, tmp_path, 
     traceback or a silently empty run)."""
     from ringsplash.evals.cli import main
 
+    task = "ruler" if flag == "--ruler-tasks" else "passkey"
     with pytest.raises(SystemExit) as e:
-        main(["passkey", "--model", str(tmp_path), "--tokenizer", "bytes", flag, value, "--out", str(tmp_path / "o")])
+        main([task, "--model", str(tmp_path), "--tokenizer", "bytes", flag, value, "--out", str(tmp_path / "o")])
     assert e.value.code == 2
     assert f"error: argument {flag}: " in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

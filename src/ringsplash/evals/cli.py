@@ -112,6 +112,10 @@ def main(argv=None) -> dict:
     print(distributed.device_line(), flush=True)
     from ringsplash import evals
 
+    names = [x.strip() for x in args.ruler_tasks.split(",") if x.strip()]
+    if args.task == "ruler" and (not names or not set(names) <= set(evals.RULER_TASKS)):  # '' ran no task at all
+        p.error(f"argument --ruler-tasks: expected a comma-separated subset of {','.join(evals.RULER_TASKS)}, got "
+                f"{args.ruler_tasks!r}")
     tokenizer = evals.load_tokenizer(tok_spec)
     out = args.out or os.path.join("evals", f"{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
@@ -142,7 +146,6 @@ def main(argv=None) -> dict:
         table = written["table"]
     else:
         rows = []
-        names = list(filter(None, args.ruler_tasks.split(",")))
         for name in names:  # every task and length fits (else an error) before anything is generated
             for length in lengths:
                 evals.ruler_samples(name, tokenizer, length, 1, text, max_new_tokens=args.max_new_tokens)
