@@ -135,6 +135,8 @@ class Config:
         if not 0.0 <= self.passkey_mix < 1.0:
             raise ValueError(f"--passkey-mix passkey_mix={self.passkey_mix} is not accepted: expected a number "
                              f"in [0, 1)")
+        if self.init_from and not os.path.isdir(self.init_from):  # read only after the corpora are built: now
+            raise flag_error("init_from", self.init_from, "a Hugging Face checkpoint or a ringsplash run directory")
         if not self.init_from and self.base_len < 128:
             raise ValueError(f"--base-len base_len={self.base_len} is not accepted: expected >= 128")
         if self.context_parallel < 0:

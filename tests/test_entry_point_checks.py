@@ -614,6 +614,8 @@ CONFIG_CASES = [  # (id, call, argument the error must name)
     ("extend_context depths 1.5", lambda: _experiment_config("extend_context", depths="0,1.5"), "depths"),
     ("extend_context finetune_lr nan", lambda: _experiment_config("extend_context", finetune_lr=float("nan")),
      "finetune-lr"),
+    ("extend_context init_from missing", lambda: _experiment_config("extend_context", init_from="no/such/dir"),
+     "init-from"),
     ("strategy_equivalence seq_len 0", lambda: _experiment_config("strategy_equivalence", seq_len=0), "seq-len"),
     ("strategy_equivalence ring_sizes", lambda: _experiment_config("strategy_equivalence", ring_sizes="2,x"),
      "ring-sizes"),
