@@ -2,11 +2,20 @@
 ``ringsplash.distributed.choose_platform``): one-line errors for bad flags, the dtype and kernel flags, and
 continuing a run's checkpoints to more steps. Scripts only: the library never imports it."""
 
-import contextlib
 import dataclasses
 import json
 import os
-import sys
+
+# one-line errors for bad flags and paths: shared with scripts/ (ringsplash.cli), re-exported for the experiments
+from ringsplash.cli import (  # noqa: F401
+    OUTPUT_DIRS,
+    PATH_ERRORS,
+    check_flags,
+    check_optional_flags,
+    check_output_dirs,
+    flag_error,
+    run_script,
+)
 
 #: the model's parameter / compute dtypes (ringsplash.model.config.DTYPES)
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,30 +57,6 @@ def context_devices(config) -> int:
 
 # ------------------------------------------------------------------------------------ flags
 
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def flag_error(name: str, value, accepted: str) -> ValueError:
-    """The error of a bad flag: it names the flag, the value given and what is accepted."""
-    return ValueError(f"{_flag(name)} {value!r} is not accepted: expected {accepted}")
-
-
-def check_flags(config, *, choices: dict | None = None, positive: tuple = (), non_negative: tuple = ()) -> None:
-    """Raise ``flag_error`` for the first field of ``config`` outside its ``choices`` / not an int
-    ``>= 1`` (``positive``) / ``>= 0`` (``non_negative``)."""
-    for name, allowed in (choices or {}).items():
-        value = getattr(config, name)
-        if isinstance(value, bool) or value not in tuple(allowed):
-            raise flag_error(name, value, f"one of {', '.join(map(str, allowed))}")
-    for names, minimum in ((positive, 1), (non_negative, 0)):
-        for name in names:
-            value = getattr(config, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise flag_error(name, value, f"an integer >= {minimum}")
-
-
 def check_block(config) -> None:
     """``block``: 0 (auto: the tuned blocks of the platform) or a multiple of 128 tokens."""
     if isinstance(config.block, bool) or not isinstance(config.block, int) or config.block < 0 or config.block % 128:
@@ -84,49 +69,6 @@ def splash_config(config):
 
     b = config.block or None
     return SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend)
-
-
-@contextlib.contextmanager
-def _one_line_argparse_errors():
-    """argparse's errors (unknown flag, a value of the wrong type, an unknown preset) as one line,
-    without the usage block above it."""
-    import argparse
-
-    def error(parser, message):
-        parser.exit(2, f"{parser.prog}: error: {message} (--help lists every flag)\n")
-
-    original = argparse.ArgumentParser.error
-    argparse.ArgumentParser.error = error
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.error = original
-
-
-def run_script(main, parse_args, argv=None):
-    """``main(parse_args(argv))`` from the command line: a bad flag or run directory is one line on
-    stderr (``<script>: error: ...``, exit status 2), never a traceback; so is an optional package
-    the run needs and does not find (exit status 1, the line names the extra to install)."""
-    prog = os.path.basename(sys.argv[0])
-    with _one_line_argparse_errors():
-        try:
-            config = parse_args(argv)
-        except (ValueError, TypeError) as e:  # the config's own checks (each names its flag)
-            sys.exit(_one_line(prog, e))
-    from ringsplash._optional import MissingDependency
-
-    try:
-        return main(config)
-    except (ValueError, FileNotFoundError) as e:  # bad input found while setting up (a config check, a path)
-        sys.exit(_one_line(prog, e))
-    except MissingDependency as e:  # an optional package the run needs: one line naming what to install
-        _one_line(prog, e)
-        sys.exit(1)
-
-
-def _one_line(prog: str, error: BaseException) -> str:
-    print(f"{prog}: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
-    return 2
 
 
 # ------------------------------------------------------------------------------------ runs

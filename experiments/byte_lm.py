@@ -106,7 +106,9 @@ class Config:
                                    "compute_dtype": DTYPES},
                     positive=("seq_len", "d_model", "num_layers", "num_heads", "mlp_multiple", "data_parallel",
                               "steps", "batch_size", "eval_batches", "log_every"),
-                    non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every", "context_parallel"))
+                    non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every", "context_parallel",
+                                  "seed"),
+                    positive_numbers=("mlp_ratio", "rope_theta"), non_negative_numbers=("learning_rate",))
         check_block(self)
         if self.data and self.heldout and os.path.abspath(self.heldout) == os.path.abspath(self.data):
             raise ValueError(f"--heldout {self.heldout!r} is --data itself: pass a corpus of other documents")

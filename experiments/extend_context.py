@@ -58,6 +58,7 @@ from _runtime import (
     choose_devices,
     context_devices,
     continue_to,
+    flag_error,
     run_script,
     splash_config,
 )
@@ -134,6 +135,8 @@ class Config:
         if not 0.0 <= self.passkey_mix < 1.0:
             raise ValueError(f"--passkey-mix passkey_mix={self.passkey_mix} is not accepted: expected a number "
                              f"in [0, 1)")
+        if self.init_from and not os.path.isdir(self.init_from):  # read only after the corpora are built: now
+            raise flag_error("init_from", self.init_from, "a Hugging Face checkpoint or a ringsplash run directory")
         if not self.init_from and self.base_len < 128:
             raise ValueError(f"--base-len base_len={self.base_len} is not accepted: expected >= 128")
         if self.context_parallel < 0:
@@ -146,8 +149,16 @@ class Config:
                                  f"expected >= 1")
         check_flags(self, choices={"layout": LAYOUTS, "backend": BACKENDS, "param_dtype": DTYPES,
                                    "compute_dtype": DTYPES},
-                    positive=("d_model", "num_layers", "num_heads"), non_negative=("num_kv_heads", "checkpoint_every"))
+                    positive=("d_model", "num_layers", "num_heads"),
+                    non_negative=("num_kv_heads", "checkpoint_every", "seed"),
+                    positive_numbers=("rope_theta",), non_negative_numbers=("base_lr", "finetune_lr"))
         check_block(self)
+        try:  # read after the base model has trained: checked now
+            depths = [float(d) for d in self.depths.split(",")]
+        except ValueError:
+            depths = []
+        if not depths or not all(0 <= d <= 1 for d in depths):
+            raise flag_error("depths", self.depths, "comma-separated fractions in [0, 1] (e.g. 0,0.5,1)")
 
     @property
     def method_list(self) -> list[str]:

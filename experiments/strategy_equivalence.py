@@ -48,11 +48,20 @@ class Config:
 
     def __post_init__(self):
         """Option strings checked at once, each error naming its flag (the library configs check the rest)."""
-        from ringsplash.cli import check_choices
+        from ringsplash.cli import check_flags, flag_error
         from ringsplash.layouts import LAYOUTS
         from ringsplash.splash.config import BACKENDS
 
-        check_choices(self, {"layout": LAYOUTS, "backend": BACKENDS})
+        check_flags(self, choices={"layout": LAYOUTS, "backend": BACKENDS},
+                    positive=("seq_len", "block", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                              "mlp_multiple", "batch_size"),
+                    non_negative=("head_dim", "seed"), positive_numbers=("mlp_ratio", "rope_theta"))
+        sizes = self.ring_sizes.split(",")
+        if not all(n.isdigit() and int(n) >= 1 for n in sizes):
+            raise flag_error("ring_sizes", self.ring_sizes, "comma-separated device counts >= 1 (e.g. 2,4,8)")
+        known = ("ring", "allgather", "ulysses", "usp")
+        if not set(self.strategies.split(",")) <= set(known):
+            raise flag_error("strategies", self.strategies, f"a comma-separated subset of {','.join(known)}")
 
 
 def parse_args(argv=None) -> Config:
@@ -157,4 +166,6 @@ def main(config: Config) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    from ringsplash.cli import run_script
+
+    run_script(main, parse_args)

@@ -25,6 +25,7 @@ from _runtime import (
     DTYPES,
     check_block,
     check_flags,
+    check_optional_flags,
     choose_devices,
     context_devices,
     continue_to,
@@ -112,9 +113,14 @@ class Config:
         check_flags(self, choices={"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS,
                                    "backend": BACKENDS, "param_dtype": DTYPES, "compute_dtype": DTYPES},
                     positive=("seq_len", "num_pairs", "num_queries", "num_keys", "num_values", "num_filler", "d_model",
-                              "num_layers", "num_heads", "num_kv_heads", "data_parallel", "ulysses_parallel", "steps",
-                              "batch_size", "eval_batches", "log_every"),
-                    non_negative=("head_dim", "warmup_steps", "eval_every", "checkpoint_every", "context_parallel"))
+                              "num_layers", "num_heads", "num_kv_heads", "mlp_multiple", "data_parallel",
+                              "ulysses_parallel", "steps", "batch_size", "eval_batches", "log_every"),
+                    non_negative=("head_dim", "warmup_steps", "eval_every", "checkpoint_every", "context_parallel",
+                                  "rope_original_max_len", "seed"),
+                    positive_numbers=("mlp_ratio", "rope_theta"),
+                    non_negative_numbers=("learning_rate", "weight_decay"))
+        check_optional_flags(self, unset=0, positive_numbers=("rope_factor",))
+        check_optional_flags(self, unset=None, positive_numbers=("qk_clip_threshold",))
         check_block(self)
         curriculum(self)  # its format (each error names --curriculum)
 
@@ -129,15 +135,29 @@ def curriculum(config: Config, steps: int | None = None) -> list[tuple[int, int]
     """``[(first_step, episode_len), ...]`` from ``config.curriculum``, its fractions of ``steps``
     (default ``config.steps``; a continued run keeps the total it started with)."""
     steps = config.steps if steps is None else steps
-    stages, step = [], 0
+
+    def refuse(why: str):
+        return ValueError(f"--curriculum {config.curriculum!r} is not accepted: expected 'episode_len:fraction_of_steps"
+                          f",...' (e.g. 16:0.2,32:0.1){why}")
+
+    stages, step, total = [], 0, 0.0
     for item in filter(None, config.curriculum.split(",")):
         try:
             length, fraction = item.split(":")
-            stages.append((step, int(length)))
-            step += round(float(fraction) * steps)
+            length, fraction = int(length), float(fraction)
         except ValueError:
-            raise ValueError(f"--curriculum {config.curriculum!r} is not accepted: expected "
-                             f"'episode_len:fraction_of_steps,...' (e.g. 16:0.2,32:0.1)") from None
+            raise refuse("") from None
+        # a recall episode holds one key-value pair, the separator and one query at least (RecallTask.episode)
+        if not 5 <= length <= config.seq_len or config.seq_len % length:
+            raise refuse(f": episode_len {length} must be at least 5 tokens and divide --seq-len {config.seq_len}")
+        if not 0 <= fraction <= 1:  # NaN and inf too
+            raise refuse(f": fraction {fraction} must be in [0, 1]")
+        total += fraction
+        if total > 1 + 1e-9:
+            raise refuse(f": the fractions add up to {total:g}, more than all the steps (the rest of the steps "
+                         f"train at --seq-len)")
+        stages.append((step, length))
+        step += round(fraction * steps)
     stages.append((min(step, steps), config.seq_len))
     return stages
 

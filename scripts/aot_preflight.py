@@ -43,7 +43,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 from ringsplash import aot
-from ringsplash.cli import parse_config
+from ringsplash.cli import check_flags, check_optional_flags, flag_error, parse_config, run_script
 
 GiB = aot.GiB
 TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v5p:2x2x1", "v5p:4x4x4", "v4:2x2x1",
@@ -92,6 +92,27 @@ class Config:
     find_max_layers: bool = False
     max_search_layers: int = 512  # the layer search stops doubling here
 
+    def __post_init__(self):
+        """Each flag checked at once, its error naming the flag (the library's configs would name their
+        own fields, e.g. ``max_seq_len`` for ``--seq-len``)."""
+        from ringsplash.layouts import LAYOUTS
+        from ringsplash.model.config import DTYPES, REMAT_POLICIES
+        from ringsplash.splash.config import BACKENDS
+
+        check_flags(self, choices={"layout": LAYOUTS, "backend": BACKENDS, "remat": REMAT_POLICIES,
+                                   "param_dtype": DTYPES, "compute_dtype": DTYPES, "mask": ("causal", "full")},
+                    positive=("data_parallel", "seq_len", "vocab_size", "d_model", "num_layers", "num_heads",
+                              "num_kv_heads", "head_dim", "mlp_multiple", "block", "max_search_len",
+                              "max_search_layers"),
+                    non_negative=("context_parallel", "batch_size", "rope_original_max_len", "loss_chunk"),
+                    positive_numbers=("mlp_ratio", "rope_theta"), fractions=("headroom",))
+        if self.block % 128:
+            raise flag_error("block", self.block, "a multiple of 128 tokens (the kernels' lanes)")
+        check_optional_flags(self, unset=0, positive_numbers=("rope_factor",))
+        if self.hf_config and not os.path.exists(self.hf_config):
+            raise flag_error("hf_config", self.hf_config, "a Hugging Face config.json or a checkpoint directory "
+                                                          "holding one: no such file or directory")
+
 
 def parse_args(argv=None) -> Config:
     from ringsplash.model.presets import PRESETS
@@ -114,7 +135,7 @@ def build_model_config(config: Config, **run):
         defaults = Config()
         given = [f"--{f.replace('_', '-')}" for f in MODEL_FLAGS if getattr(config, f) != getattr(defaults, f)]
         if given:
-            raise SystemExit(f"--hf-config={config.hf_config!r} describes the model: drop {', '.join(given)} (or "
+            raise ValueError(f"--hf-config={config.hf_config!r} describes the model: drop {', '.join(given)} (or "
                              f"edit a copy of the config.json)")
         from ringsplash.hf import config_from_hf
         from ringsplash.hf.config import max_position_embeddings
@@ -161,8 +182,8 @@ def _mesh_shape(config: Config, num_devices: int) -> tuple[int, int]:
     data = config.data_parallel
     context = config.context_parallel or num_devices // data
     if data * context != num_devices:
-        raise SystemExit(f"data_parallel={data} x context_parallel={context} must equal the {num_devices} devices "
-                         f"of {config.topology}")
+        raise ValueError(f"--data-parallel {data} x --context-parallel {context} must equal the {num_devices} "
+                         f"devices of --topology {config.topology}")
     return data, context
 
 
@@ -428,4 +449,4 @@ def main(config: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    sys.exit(run_script(main, parse_args))

@@ -116,6 +116,23 @@ def test_config_entry_point_help_and_abbreviations(path, capsys):
     assert f"unrecognized arguments: {flag[:-1]} 1" in capsys.readouterr().err
 
 
+PREFLIGHT_BAD_FLAGS = [("--seq-len", "0"), ("--headroom", "-1"), ("--headroom", "nan"), ("--headroom", "1.5"),
+                       ("--hf-config", "no/such/config.json"), ("--block", "100"), ("--context-parallel", "-1"),
+                       ("--mlp-ratio", "inf"), ("--layout", "spiral")]
+
+
+@pytest.mark.parametrize("flag, value", PREFLIGHT_BAD_FLAGS, ids=[" ".join(c) for c in PREFLIGHT_BAD_FLAGS])
+def test_aot_preflight_refuses_a_bad_flag_in_one_line_naming_it(flag, value, capsys):
+    """Issue 56 (7): ``--seq-len 0`` named ``max_seq_len`` (the model config's field), a missing ``--hf-config``
+    was a traceback, ``--headroom -1`` was accepted; now each is one line naming the flag, exit status 2."""
+    module = _load("scripts/aot_preflight.py")
+    with pytest.raises(SystemExit) as exit_:
+        module.run_script(module.main, module.parse_args, [flag, value])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{flag} " in lines[0] and value in lines[0] and "expected" in lines[0], lines
+
+
 def test_byte_lm_refuses_a_prefix_of_data_parallel_as_an_abbreviation(capsys):
     module = _load("experiments/byte_lm.py")
     with pytest.raises(SystemExit):

@@ -157,6 +157,33 @@ def test_tokenize_script_writes_a_corpus_and_reports_bad_input(inputs, capsys):
     assert "bad.jsonl:1: no text field 'text'" in capsys.readouterr().err
 
 
+def test_tokenize_script_refuses_bad_flags_and_paths_in_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 56 (7) probes, each was a traceback: an output at or under a regular file, a count of 0, a
+    missing or unreadable tokenizer.json; now argparse's one line (exit status 2) or the script's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "tokenize_corpus_script", os.path.join(os.path.dirname(__file__), "..", "scripts", "tokenize_corpus.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.chdir(tmp_path)
+    for name, text in (("a.txt", "hello"), ("afile", "not a directory"), ("bad.json", "")):
+        _write(str(tmp_path / name), text)
+    cases = [(["afile/out"], "error: the output corpus directory (the last path) cannot be made: "),
+             (["afile"], "'afile' is a file"),
+             (["out", "--shard-tokens", "0"], "error: argument --shard-tokens: expected an integer >= 1, got '0'"),
+             (["out", "--batch-documents", "-1"], "error: argument --batch-documents: expected an integer >= 1"),
+             (["out", "--tokenizer", "none.json"], "error: argument --tokenizer: expected 'bytes' or a tokenizer.json"),
+             (["out", "--tokenizer", "bad.json"], "error: tokenizer='bad.json' is not a Hugging Face tokenizer.json")]
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            script.main(["a.txt", *args, "--no-progress"])
+        assert exit_.value.code == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (args, err)
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "afile", "bad.json"]
+
+
 def test_byte_lm_builds_its_default_stdlib_corpora_once(tmp_path):
     """experiments/byte_lm.py without --data: the stdlib's .py files, tokenized as bytes into a
     training and a held-out corpus with no file in both; a second call rewrites nothing."""

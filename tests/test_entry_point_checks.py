@@ -601,6 +601,24 @@ CONFIG_CASES = [  # (id, call, argument the error must name)
     ("train_long_context attention", lambda: _experiment_config("train_long_context", attention="flash"), "attention"),
     ("train_long_context remat", lambda: _experiment_config("train_long_context", remat="yes"), "remat"),
     ("strategy_equivalence layout", lambda: _experiment_config("strategy_equivalence", layout="diagonal"), "layout"),
+    # issue 56 (7): numbers the library configs refused only once main() built them (naming their own fields),
+    # or never (a depth read after the base model trained, a negative seed failing in the data stream)
+    ("train_long_context mlp_ratio nan", lambda: _experiment_config("train_long_context", mlp_ratio=float("nan")),
+     "mlp-ratio"),
+    ("train_long_context learning_rate inf",
+     lambda: _experiment_config("train_long_context", learning_rate=float("inf")), "learning-rate"),
+    ("train_long_context qk_clip_threshold 0", lambda: _experiment_config("train_long_context", qk_clip_threshold=0.0),
+     "qk-clip-threshold"),
+    ("train_long_context seed -1", lambda: _experiment_config("train_long_context", seed=-1), "seed"),
+    ("byte_lm rope_theta -1", lambda: _experiment_config("byte_lm", rope_theta=-1.0), "rope-theta"),
+    ("extend_context depths 1.5", lambda: _experiment_config("extend_context", depths="0,1.5"), "depths"),
+    ("extend_context finetune_lr nan", lambda: _experiment_config("extend_context", finetune_lr=float("nan")),
+     "finetune-lr"),
+    ("extend_context init_from missing", lambda: _experiment_config("extend_context", init_from="no/such/dir"),
+     "init-from"),
+    ("strategy_equivalence seq_len 0", lambda: _experiment_config("strategy_equivalence", seq_len=0), "seq-len"),
+    ("strategy_equivalence ring_sizes", lambda: _experiment_config("strategy_equivalence", ring_sizes="2,x"),
+     "ring-sizes"),
     ("mask_demo mask", lambda: _experiment_config("mask_demo", mask="triangle"), "mask"),
     ("usp_mesh ulysses 0", lambda: rs.parallel.usp.usp_mesh(0, 2), "ulysses"),
     ("splash_attention scale str", lambda: _splash(*inputs(jax.random.key(0), HEADS, KV_HEADS, S, S, d=D)[:3],
@@ -615,3 +633,50 @@ def test_bad_option_is_an_error_naming_the_argument(call, argument):
     with pytest.raises((ValueError, TypeError)) as err:
         call()
     assert re.search(rf"\b{argument}\b", str(err.value)), str(err.value)
+
+
+def test_numpy_and_jax_scalars_are_numbers_at_every_attention_entry_point():
+    """Issue 56 (7): ``scale`` / ``logit_soft_cap`` / ``dropout_rate`` given as a concrete JAX (or 0-d NumPy)
+    scalar were refused as if not numbers; now the Python numbers they hold, the same output; a traced one is
+    still refused by name. (The sequence-parallel entry points pass ``scale`` on to inner functions annotated
+    ``float``, which this test run's type checker refuses for a JAX scalar: not covered here.)"""
+    q, k, v, _, _ = inputs(jax.random.key(0), HEADS, KV_HEADS, S, S, d=D)
+    scale, cap = float(np.float32(0.1)), 30.0
+    for fn in (_reference, _splash):
+        expected = fn(q, k, v, scale=scale, logit_soft_cap=cap)
+        np.testing.assert_array_equal(fn(q, k, v, scale=jnp.float32(0.1), logit_soft_cap=jnp.float32(cap)), expected)
+    np.testing.assert_array_equal(_reference(q, k, v, scale=np.array(0.1, np.float32)), _reference(q, k, v, scale=scale))
+    np.testing.assert_array_equal(_reference(q, k, v, dropout_rate=jnp.float32(0.0)), _reference(q, k, v))
+    with pytest.raises(TypeError, match=r"scale must be a real number"):
+        jax.jit(lambda s: _reference(q, k, v, scale=s))(jnp.float32(0.1))
+
+
+def _as_constructed(config, **fields):
+    """``config`` with ``fields`` set as its dataclass ``__init__`` sets them (then ``__post_init__``), without the
+    test run's type checker, which refuses a NumPy scalar for an ``int`` field before the config sees it."""
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    config.__post_init__()
+    return config
+
+
+def test_configs_hold_numpy_and_jax_scalars_as_python_numbers():
+    """Issue 56 (7) probe: NumPy scalars in a config were kept as such, so ``json.dump`` of a run's config (which
+    ``train.fit`` writes) failed once a run had started; a JAX scalar was refused, an ``np.int64`` loader length
+    too. Now every field holds the Python number."""
+    import json
+
+    from ringsplash.data import LoaderConfig
+    from ringsplash.model import TransformerConfig
+    from ringsplash.train import TrainConfig
+
+    shape = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, max_seq_len=64, mlp_ratio=2.0)
+    cp = _as_constructed(ContextParallel("ring", ring_size=4), ring_size=np.int64(4))
+    model = _as_constructed(TransformerConfig(**shape), vocab_size=np.int64(64), d_model=jnp.int32(32),
+                            mlp_ratio=np.float32(2.0), context_parallel=cp)
+    assert model == TransformerConfig(**shape, context_parallel=ContextParallel("ring", ring_size=4))
+    assert type(model.d_model) is int and type(model.mlp_ratio) is float and type(cp.ring_size) is int
+    train = _as_constructed(TrainConfig(steps=10, batch_size=2, warmup_steps=1), steps=np.int64(10),
+                            learning_rate=np.float32(0.5))
+    json.dumps({"model": model.to_dict(), "train": dataclasses.asdict(train)})
+    assert type(_as_constructed(LoaderConfig(seq_len=16, batch_size=2), seq_len=np.int64(16)).seq_len) is int

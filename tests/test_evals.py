@@ -267,6 +267,49 @@ def test_cli_refuses_a_model_without_tokenizer_json_unless_told_the_tokenizer(hf
     assert main([*args, "--tokenizer", "bytes"])["task"] == "loss"
 
 
+CLI_BAD_FLAGS = [("--lengths", "0"), ("--lengths", "4x"), ("--lengths", ","), ("--depths", "1.5"), ("--depths", "nan"),
+                 ("--samples", "0"), ("--batch-size", "-1"), ("--max-new-tokens", "0"), ("--dtype", "float64"),
+                 ("--ruler-tasks", ","), ("--ruler-tasks", "niah_single,qa")]
+
+
+@pytest.mark.parametrize("flag, value", CLI_BAD_FLAGS, ids=[" ".join(c) for c in CLI_BAD_FLAGS])
+def test_cli_refuses_a_bad_flag_naming_it_before_loading(flag, value, tmp_path, capsys):
+    """Issue 56 (7) probes: a count of 0, a depth outside [0, 1], a length that is no number, an unknown dtype:
+    argparse's ``error: argument --flag: ...`` (exit status 2) before anything loads (were: accepted, then a
+    traceback or a silently empty run)."""
+    from ringsplash.evals.cli import main
+
+    task = "ruler" if flag == "--ruler-tasks" else "passkey"
+    with pytest.raises(SystemExit) as e:
+        main([task, "--model", str(tmp_path), "--tokenizer", "bytes", flag, value, "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert f"error: argument {flag}: " in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_refuses_missing_and_misplaced_paths_naming_the_flag(tmp_path, capsys):
+    """A missing --model or --haystack, an --out at or under a regular file: one line naming the flag before
+    anything loads (were: tracebacks, or a missing model reported as 'has no tokenizer.json')."""
+    from ringsplash.evals.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = ["loss", "--tokenizer", "bytes"]
+    cases = [([*base, "--model", str(tmp_path / "missing")], "argument --model: "),
+             ([*base, "--model", str(tmp_path), "--haystack", str(tmp_path / "missing.txt")], "argument --haystack: "),
+             ([*base, "--model", str(tmp_path), "--out", str(afile / "o")], "argument --out: "),
+             ([*base, "--model", str(tmp_path), "--out", str(afile)], "argument --out: ")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("")
+    with pytest.raises(ValueError, match=r"is not a Hugging Face tokenizer.json"):  # was a bare Exception
+        evals.load_tokenizer(str(bad))
+
+
 @pytest.mark.slow
 def test_inference_generate_fn_equals_the_reference_greedy_decoder_and_drives_the_cli(model, hf_dir, tmp_path):
     pytest.importorskip("ringsplash.inference")  # rs.inference.generate: the KV-cache decoder

@@ -220,6 +220,11 @@ BAD_FLAGS = [
     ("extend_context", "--methods", "none,ntk"),
     ("extend_context", "--param-dtype", "fp8"),
     ("extend_context", "--backend", "tpu"),
+    # issue 56 (7): were a ZeroDivisionError / OverflowError traceback, or stages silently never reached
+    ("train_long_context", "--curriculum", "0:0.5"),
+    ("train_long_context", "--curriculum", "16:inf"),
+    ("train_long_context", "--curriculum", "16:0.7,32:0.7"),
+    ("train_long_context", "--curriculum", "2048:0.1"),
 ]
 
 
@@ -287,6 +292,25 @@ def test_a_missing_package_is_one_line_naming_what_to_install(capsys, monkeypatc
     lines = capsys.readouterr().err.splitlines()  # "<program>: error: ...", the program pytest's own here
     assert len(lines) == 1 and lines[0].endswith(": error: ringsplash.data.Loader (tokenized corpora) needs grain: "
                                                  "pip install -e ."), lines
+
+
+OUTPUT_DIR_FLAGS = [("train_long_context", "--run-dir"), ("byte_lm", "--run-dir"), ("byte_lm", "--corpus-dir"),
+                    ("extend_context", "--run-dir"), ("extend_context", "--corpus-dir")]
+
+
+@pytest.mark.parametrize("script, flag", OUTPUT_DIR_FLAGS, ids=[" ".join(c) for c in OUTPUT_DIR_FLAGS])
+def test_an_output_directory_under_a_file_is_one_line_naming_the_flag(script, flag, capsys, monkeypatch, tmp_path):
+    """A run directory at or under a regular file: one line naming the flag before anything runs (was: a
+    ``NotADirectoryError`` traceback once the run first wrote there)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a directory")
+    job = _job(script)
+    for path in ("afile/run", "afile"):
+        with pytest.raises(SystemExit) as exit_:
+            job.run_script(job.main, job.parse_args, [flag, path])
+        assert exit_.value.code == 2
+        _one_line_naming(capsys.readouterr().err, flag, path)
+    assert os.listdir(tmp_path) == ["afile"]
 
 
 @pytest.mark.e2e

@@ -297,6 +297,17 @@ def test_load_hf_refuses_pickles_and_directories_without_weights(hf_models, tmp_
         rhf.config_from_hf(tmp_path / "nowhere")
 
 
+def test_config_from_hf_refuses_a_file_that_is_no_config_json_naming_it(tmp_path):
+    """Issue 56 (7) probe: ``aot_preflight.py --hf-config notes.txt`` said only 'Expecting value: line 1 column 1'
+    (a bare JSON error naming no file); a JSON list went on to fail elsewhere."""
+    (tmp_path / "notes.txt").write_text("not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"notes.txt' is not a Hugging Face config.json: not JSON"):
+        rhf.config_from_hf(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match=r"list.json' is not a Hugging Face config.json: it holds a list"):
+        rhf.config_from_hf(tmp_path / "list.json")
+
+
 def test_without_safetensors_the_error_says_how_to_install(hf_models, monkeypatch):
     import sys
 
@@ -647,7 +658,7 @@ def test_preflight_hf_config_builds_the_model_from_the_file(tmp_path):
     assert (c.max_seq_len, c.context_parallel.strategy, c.context_parallel.ring_size, c.remat) == (4096, "ring", 4, "full")
     assert c.features.layer_types == ("sliding_attention", "full_attention") and c.features.sliding_window == 1024 and c.features.qk_norm
     config = preflight.parse_args(["--hf-config", str(tmp_path), "--num-layers", "4", "--mask", "full"])
-    with pytest.raises(SystemExit, match=r"describes the model: drop --num-layers, --mask"):
+    with pytest.raises(ValueError, match=r"describes the model: drop --num-layers, --mask"):
         preflight.build_model_config(config, **run)
     # --rope-* extend the pretrained model's context, from the length it was trained at
     config = preflight.parse_args(["--hf-config", str(tmp_path), "--seq-len", "4096", "--rope-scaling", "yarn",

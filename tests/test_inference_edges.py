@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from ringsplash.inference import decode_step, generate, prefill
+from ringsplash.inference import decode_step, empty_cache, filter_logits, generate, prefill, sample
+from ringsplash.inference.sample import GREEDY_BELOW, check_sampling
 from ringsplash.model import Transformer, TransformerConfig
 
 CONFIG = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64)
@@ -187,6 +188,19 @@ def _bad_calls(model):
          r"prefill: model must be a ringsplash.model.Transformer, got TransformerConfig"),
         (lambda: unchecked(decode_step)(CONFIG, cache, jnp.zeros((2,), jnp.int32)), TypeError,
          r"decode_step: model must be a ringsplash.model.Transformer, got TransformerConfig"),
+        # issue 56 (7): a key that is no key, flags that are no bools, sizes that are no counts
+        (lambda: unchecked(generate)(model, PROMPTS, 2, temperature=1.0, key=0), TypeError,
+         r"key must be one jax.random key .*got a int 0"),
+        (lambda: unchecked(generate)(model, PROMPTS, 2, temperature=1.0, key=jax.random.split(jax.random.key(0))),
+         TypeError, r"key must be one jax.random key .*got a .* of shape \(2,\)"),
+        (lambda: unchecked(generate)(model, PROMPTS, 2, temperature=float("inf"), key=jax.random.key(0)), ValueError,
+         r"temperature must be a finite number >= 0 \(0: greedy\), got temperature=inf"),
+        (lambda: unchecked(generate)(model, PROMPTS, 2, progress="no"), TypeError,
+         r"progress must be a bool, got progress='no' \(str\)"),
+        (lambda: unchecked(generate)(model, PROMPTS, 2, bucket=None), TypeError, r"bucket must be a bool, got bucket=None"),
+        (lambda: unchecked(prefill)(model, PROMPTS, all_logits=1), TypeError, r"all_logits must be a bool, got all_logits=1"),
+        (lambda: unchecked(empty_cache)(CONFIG, 0, 16), ValueError, r"batch must be an int >= 1, got batch=0"),
+        (lambda: unchecked(empty_cache)(CONFIG, 2, 16.0), ValueError, r"max_len must be an int >= 1, got max_len=16.0"),
     ]
 
 
@@ -208,3 +222,81 @@ def test_numpy_integer_counts_are_accepted(model):
     a, b = prefill(model, PROMPTS, max_len=np.int64(16)), prefill(model, PROMPTS, max_len=16)
     assert a.cache.max_len == 16
     np.testing.assert_array_equal(a.logits, b.logits)
+
+
+# ------------------------------------------------------------------------------ issue 56 (7): inputs mishandled
+
+
+def test_sample_at_a_tiny_temperature_is_greedy_never_garbage():
+    """``logits / temperature`` overflowed float32 below ~1e-38 (inf - inf: NaN, then arbitrary draws); now the
+    max-subtracted logits are scaled, and a temperature below float32's smallest normal number is greedy."""
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(8, 64)) * 5, jnp.float32)
+    greedy = np.argmax(np.asarray(logits), axis=-1)
+    for temperature in (1e-45, 1e-38, GREEDY_BELOW, 2e-38, 1e-30):
+        drawn = sample(logits, jax.random.key(1), temperature=temperature, top_p=0.9)
+        np.testing.assert_array_equal(drawn, greedy, err_msg=str(temperature))
+
+
+def test_sample_and_filter_logits_check_their_settings_as_generate_does():
+    """``sample`` / ``filter_logits`` are public too: a negative temperature sampled the least likely tokens,
+    ``top_p=0`` kept nothing (every logit -inf: arbitrary draws), a missing key was JAX's own error."""
+    logits = jnp.zeros((2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0"):
+        sample(logits, jax.random.key(0), temperature=-1.0)
+    with pytest.raises(ValueError, match=r"sampling \(temperature > 0\) needs key="):
+        sample(logits, None, temperature=1.0)
+    with pytest.raises(ValueError, match=r"top_p must be None or in \(0, 1\], got top_p=0.0"):
+        unchecked(filter_logits)(logits, top_p=0.0)
+    with pytest.raises(ValueError, match=r"top_k must be None or an int >= 1, got top_k=0"):
+        unchecked(filter_logits)(logits, top_k=0)
+
+
+def test_generate_at_a_tiny_temperature_equals_greedy(model):
+    np.testing.assert_array_equal(generate(model, PROMPTS, 3, temperature=1e-38, key=jax.random.key(0)),
+                                  generate(model, PROMPTS, 3))
+
+
+def test_numpy_and_jax_scalars_are_accepted_as_numbers(model):
+    """``np.float32`` / ``jnp.float32`` temperatures and top-p, NumPy / JAX integer counts: the Python numbers they
+    hold, the same tokens (were: refused as if not numbers), through the annotated entry points too."""
+    assert check_sampling(np.float32(0.7), jnp.int32(5), jnp.float32(0.9)) == (float(np.float32(0.7)), 5,
+                                                                                float(np.float32(0.9)))
+    key = jax.random.key(0)
+    expected = generate(model, PROMPTS, 4, temperature=1.0, top_k=5, key=key)  # as the integer-count test's
+    for temperature, top_k, count in ((np.float32(1.0), np.int64(5), np.int32(4)),
+                                      (jnp.float32(1.0), jnp.int32(5), jnp.int32(4))):
+        np.testing.assert_array_equal(generate(model, PROMPTS, count, temperature=temperature, top_k=top_k, key=key),
+                                      expected)
+    assert prefill(model, PROMPTS, max_len=jnp.int32(16)).cache.max_len == 16
+
+
+def test_prefill_refuses_prompts_and_caches_past_max_seq_len(model):
+    """As ``model()`` and ``generate`` do: a prompt longer than ``max_seq_len`` (64), or a cache beyond it rounded up
+    to whole 128-slot lanes (were: accepted, and decodable past ``max_seq_len``); padding past every row's
+    length does not count."""
+    with pytest.raises(ValueError, match=r"longest prompt has 65 tokens, more than the model's max_seq_len=64"):
+        prefill(model, jnp.ones((1, 65), jnp.int32))
+    with pytest.raises(ValueError, match=r"max_len=256 is more than the model's max_seq_len=64 .*max_len <= 128"):
+        prefill(model, PROMPTS, max_len=256)
+    long = jnp.ones((2, 80), jnp.int32)
+    with pytest.raises(ValueError, match=r"longest prompt has 70 tokens"):
+        prefill(model, long, prompt_lengths=jnp.asarray([70, 3], jnp.int32))
+
+
+def test_decode_step_refuses_positions_past_max_seq_len_and_unknown_tokens(model):
+    """Concrete lengths at ``max_seq_len`` and concrete token ids outside the vocabulary are refused (were: logits
+    returned); under ``jit`` those rows' logits are NaN and ``checkify`` names them."""
+    cache = empty_cache(CONFIG, 3, 128)
+    at_end = eqx.tree_at(lambda c: c.lengths, cache, jnp.asarray([64, 5, 5], jnp.int32))
+    with pytest.raises(ValueError, match=r"row\(s\) \[0\] already hold the model's max_seq_len=64 tokens"):
+        decode_step(model, at_end, jnp.asarray([1, 2, 3], jnp.int32))
+    for bad in (64, -1):
+        with pytest.raises(ValueError, match=rf"tokens must be token ids in \[0, vocab_size=64\), got tokens=\[1, "
+                                             rf"{bad}, 3\] \(row\(s\) \[1\] outside\)"):
+            decode_step(model, cache, jnp.asarray([1, bad, 3], jnp.int32))
+    step = jax.jit(decode_step)
+    logits, _ = step(model, at_end, jnp.asarray([1, 64, 3], jnp.int32))
+    assert np.isnan(np.asarray(logits[:2])).all() and np.isfinite(np.asarray(logits[2])).all()
+    err, _ = checkify.checkify(step)(model, at_end, jnp.asarray([1, 64, 3], jnp.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"max_seq_len=64|vocab_size=64"):
+        err.throw()

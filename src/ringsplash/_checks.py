@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringsplash._scalar_checks import (
+    as_scalar,
     check_bool,
     check_float,
 )
@@ -79,8 +80,8 @@ def check_attention_call(
         mask_shape: the ``(q_len, kv_len)`` the mask must have (default: q's and k's lengths;
             the ring passes the global ``(S, S)``), ``mask_hint`` is appended to the error.
         segment_ids: ``SegmentIds`` or None; ``segment_hint`` is appended to a length error.
-        scale: None or a finite positive real.
-        logit_soft_cap: None or a finite positive real.
+        scale: None or a finite positive real (a Python, NumPy or concrete 0-d JAX number).
+        logit_soft_cap: None or a finite positive real (likewise).
         sinks: None or a floating ``[heads]`` array.
         config: the entry point's config, checked to be an instance of ``config_type`` first,
             before anything reads its attributes (skipped when ``config_type`` is None).
@@ -100,9 +101,10 @@ def check_attention_call(
     )
     if equal_lengths and q_len != kv_len:
         raise ValueError(f"q and k must have equal lengths here, got {q_len=}, {kv_len=}")
-    scale = default_scale(None if scale is None else check_float("scale", scale, positive=True), d)
+    # NumPy and concrete JAX scalars are numbers (``jnp.float32(0.1)``); a traced one is refused by name
+    scale = default_scale(None if scale is None else check_float("scale", as_scalar(scale), positive=True), d)
     if logit_soft_cap is not None:
-        logit_soft_cap = check_float("logit_soft_cap", logit_soft_cap, positive=True)
+        logit_soft_cap = check_float("logit_soft_cap", as_scalar(logit_soft_cap), positive=True)
     if segment_ids is not None:
         try:
             segment_ids = normalize_segment_ids(segment_ids, q_len, kv_len)

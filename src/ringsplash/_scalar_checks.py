@@ -7,7 +7,9 @@ import cycle). Every helper names the argument, what was expected and what was g
 returns the normalised value.
 """
 
+import dataclasses
 import numbers
+import sys
 import typing
 from collections.abc import Collection
 from typing import Any
@@ -21,6 +23,39 @@ def literal_choices(literal: Any) -> tuple:
     if typing.get_origin(literal) is not typing.Literal or not choices:
         raise TypeError(f"expected a Literal[...] type, got {literal!r}")
     return choices
+
+
+def as_scalar(value: Any) -> Any:
+    """A NumPy scalar (``np.float32(0.7)``) or a concrete 0-d NumPy / JAX array (``jnp.float32(0.7)``) as its
+    Python number (``.item()``); anything else, a traced JAX value too, unchanged (the checks then name it).
+
+    Entry points that take a number pass it through this before their check, so NumPy and JAX scalars are
+    accepted wherever Python numbers are, and what they keep (a static argument, a config field, JSON) is a
+    plain Python value."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    jax = sys.modules.get("jax")  # a JAX array exists only once jax is imported: no import here
+    if jax is not None and isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) \
+            and value.ndim == 0:
+        return value.item()
+    return value
+
+
+def plain_fields(config: Any) -> None:
+    """Each field of the dataclass ``config`` (frozen too) holding a NumPy scalar or a concrete 0-d JAX array
+    (or a tuple of them) set to its Python number (``as_scalar``). A config's ``__post_init__`` calls it first:
+    its checks then see Python numbers, and the config hashes, compares and writes to JSON as one built from
+    them (an ``np.int64`` field made ``json.dump`` of a run's config fail once training had started)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, tuple):
+            plain = tuple(as_scalar(x) for x in value)
+            changed = any(a is not b for a, b in zip(plain, value))
+        else:
+            plain = as_scalar(value)
+            changed = plain is not value
+        if changed:
+            object.__setattr__(config, field.name, plain)
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:

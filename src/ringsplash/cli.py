@@ -11,11 +11,15 @@ argument, never a prefix of ``--data-parallel``.
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import functools
 import inspect
 import io
+import math
+import os
 import re
+import sys
 import textwrap
 import tokenize
 import typing
@@ -151,3 +155,116 @@ def check_choices(config, choices: Mapping[str, tuple]) -> None:
         value = getattr(config, name)
         if isinstance(value, bool) or value not in tuple(allowed):
             raise ValueError(f"{name} must be one of {tuple(allowed)}, got {name}={value!r}")
+
+
+# ------------------------------------------------------------------------------------ one-line errors
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def flag_error(name: str, value, accepted: str) -> ValueError:
+    """The error of a bad flag: it names the flag, the value given and what is accepted."""
+    return ValueError(f"{_flag(name)} {value!r} is not accepted: expected {accepted}")
+
+
+def check_flags(config, *, choices: dict | None = None, positive: tuple = (), non_negative: tuple = (),
+                positive_numbers: tuple = (), non_negative_numbers: tuple = (), fractions: tuple = ()) -> None:
+    """Raise ``flag_error`` for the first field of ``config`` outside its ``choices`` / not an int
+    ``>= 1`` (``positive``) / ``>= 0`` (``non_negative``) / not a finite number ``> 0``
+    (``positive_numbers``) / ``>= 0`` (``non_negative_numbers``) / not in ``(0, 1]`` (``fractions``).
+    NaN and infinities are refused wherever a number is taken."""
+    for name, allowed in (choices or {}).items():
+        value = getattr(config, name)
+        if isinstance(value, bool) or value not in tuple(allowed):
+            raise flag_error(name, value, f"one of {', '.join(map(str, allowed))}")
+    for names, minimum in ((positive, 1), (non_negative, 0)):
+        for name in names:
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise flag_error(name, value, f"an integer >= {minimum}")
+    for names, inside, accepted in ((positive_numbers, lambda x: x > 0, "a finite number > 0"),
+                                    (non_negative_numbers, lambda x: x >= 0, "a finite number >= 0"),
+                                    (fractions, lambda x: 0 < x <= 1, "a number in (0, 1]")):
+        for name in names:
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                    or not inside(value):
+                raise flag_error(name, value, accepted)
+
+
+def check_optional_flags(config, *, unset, positive_numbers: tuple = ()) -> None:
+    """``check_flags(config, positive_numbers=...)`` for the fields not at their ``unset`` value (0 or None:
+    "off")."""
+    check_flags(config, positive_numbers=tuple(n for n in positive_numbers if getattr(config, n) != unset))
+
+
+#: the flags naming directories a run writes to (a script's config has some of them)
+OUTPUT_DIRS = ("run_dir", "corpus_dir", "out")
+#: what a bad path given on the command line raises (a missing file, a file where a directory must be, ...)
+PATH_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
+
+
+def output_dir_problem(path: str) -> str | None:
+    """Why no directory can be made at ``path`` (None: it is one, or one can be made): its nearest existing
+    ancestor (itself included) is not a directory. Checked up front: a run would fail only once it writes."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if os.path.isdir(existing):
+        return None
+    return f"{path!r} is a file" if existing == os.path.abspath(path) else f"{existing!r} (above {path!r}) is a file"
+
+
+def check_output_dirs(config, names: tuple = OUTPUT_DIRS) -> None:
+    """Each of ``config``'s ``names`` that is set must be a directory or a path where one can be made
+    (``output_dir_problem``), else ``flag_error`` naming the flag."""
+    for name in names:
+        path = getattr(config, name, "")
+        problem = output_dir_problem(path) if path else None
+        if problem:
+            raise flag_error(name, path, f"a directory (or a path where one can be made): {problem}")
+
+
+@contextlib.contextmanager
+def _one_line_argparse_errors():
+    """argparse's errors (unknown flag, a value of the wrong type, an unknown preset) as one line,
+    without the usage block above it."""
+
+    def error(parser, message):
+        parser.exit(2, f"{parser.prog}: error: {message} (--help lists every flag)\n")
+
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
+
+
+def run_script(main, parse_args, argv=None):
+    """``main(parse_args(argv))`` from the command line: a bad flag, output directory or input path is one
+    line on stderr (``<script>: error: ...``, exit status 2), never a traceback; so is an optional package the
+    run needs and does not find (exit status 1, the line names the extra to install); ``main``'s result otherwise."""
+    prog = os.path.basename(sys.argv[0])
+    with _one_line_argparse_errors():
+        try:
+            config = parse_args(argv)
+            check_output_dirs(config)
+        except (ValueError, TypeError) as e:  # the config's own checks (each names its flag)
+            sys.exit(_one_line(prog, e))
+    from ringsplash._optional import MissingDependency
+
+    try:
+        return main(config)
+    except (ValueError, *PATH_ERRORS) as e:  # bad input found while setting up (a config check, a path)
+        sys.exit(_one_line(prog, e))
+    except MissingDependency as e:  # an optional package the run needs: one line naming what to install
+        _one_line(prog, e)
+        sys.exit(1)
+
+
+def _one_line(prog: str, error: BaseException) -> int:
+    print(f"{prog}: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+    return 2

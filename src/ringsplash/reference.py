@@ -5,7 +5,7 @@ import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
 from ringsplash._checks import check_attention_call
-from ringsplash._scalar_checks import check_float
+from ringsplash._scalar_checks import as_scalar, check_float
 from ringsplash._softmax import MASKED_LSE
 from ringsplash._types import Array, AttentionOutput, Float, outputs
 from ringsplash.masks.segment_ids import SegmentIds
@@ -76,7 +76,7 @@ def reference_attention(
     )
     heads, kv_heads, q_len, kv_len, d = call[:5]
     scale, logit_soft_cap, segment_ids = call.scale, call.logit_soft_cap, call.segment_ids
-    dropout_rate = check_float("dropout_rate", dropout_rate, minimum=0.0)
+    dropout_rate = check_float("dropout_rate", as_scalar(dropout_rate), minimum=0.0)
     if not dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate=}")
     if dropout_rate > 0 and dropout_key is None:

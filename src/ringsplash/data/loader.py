@@ -33,6 +33,7 @@ from typing import ClassVar, Literal
 import numpy as np
 
 from ringsplash._optional import require
+from ringsplash._scalar_checks import plain_fields
 from ringsplash.data.batch import Batch
 from ringsplash.data.corpus import TokenizedCorpus
 from ringsplash.data.holdout import HELD_OUT_EVERY, held_out_documents
@@ -62,6 +63,7 @@ class LoaderConfig:
     documents: Documents = "all"
 
     def __post_init__(self):
+        plain_fields(self)  # NumPy / JAX scalars as Python numbers (np.int64 was refused as not an int)
         for name in ("seq_len", "batch_size", "num_threads", "prefetch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

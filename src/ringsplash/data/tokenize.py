@@ -129,7 +129,10 @@ class _Tokenizer:
             self.vocab_size, self.sha256, self._tok = 256, None, None
         else:
             tokenizers = require("tokenizers", extra="data", needed_for=f"tokenizer={spec!r} (a tokenizer.json)")
-            self._tok = tokenizers.Tokenizer.from_file(spec)
+            try:
+                self._tok = tokenizers.Tokenizer.from_file(spec)
+            except Exception as e:  # the Rust library raises a bare Exception for a file it cannot parse
+                raise ValueError(f"tokenizer={spec!r} is not a Hugging Face tokenizer.json ({e})") from None
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
             self.sha256 = file_sha256(spec)
 

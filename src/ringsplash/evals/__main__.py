@@ -1,8 +1,10 @@
 import sys
 
+from ringsplash.cli import PATH_ERRORS
 from ringsplash.evals.cli import main
 
 try:
     main()
-except (ValueError, FileNotFoundError, ImportError) as e:  # bad input: the message, not a traceback
-    sys.exit(f"error: {e}")
+except (ValueError, ImportError, *PATH_ERRORS) as e:  # bad input: one line (exit status 2), not a traceback
+    print(f"python -m ringsplash.evals: error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)

@@ -5,21 +5,55 @@ generative). ``--model``: a Hugging Face checkpoint directory or a ringsplash ru
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 
+from ringsplash.cli import output_dir_problem
+
+DTYPES = ("float32", "bfloat16", "float16")  # ringsplash.model.config.DTYPES (not imported: it starts JAX)
+
 
 def _ints(s: str) -> list[int]:
+    """``--lengths``: comma-separated positive token counts (``K`` = 1024), at least one; argparse reports a
+    bad value as ``argument --lengths: ...``."""
     out = []
     for x in filter(None, s.split(",")):
         x = x.strip().upper()
-        out.append(int(float(x[:-1]) * 1024) if x.endswith("K") else int(x))
+        try:
+            value = float(x[:-1]) * 1024 if x.endswith("K") else float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{x!r} is not a token count (e.g. 1K,2K,4096)") from None
+        if not (math.isfinite(value) and value >= 1 and value == int(value)):
+            raise argparse.ArgumentTypeError(f"{x!r} is not a whole number of tokens >= 1")
+        out.append(int(value))
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths in tokens, got {s!r}")
     return out
 
 
 def _floats(s: str) -> list[float]:
-    return [float(x) for x in filter(None, s.split(","))]
+    """``--depths``: comma-separated fractions in ``[0, 1]``, at least one."""
+    try:
+        out = [float(x) for x in filter(None, s.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {s!r}") from None
+    bad = [x for x in out if not 0 <= x <= 1]  # NaN too
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {s!r}")
+    return out
+
+
+def _count(s: str) -> int:
+    """A count flag: an integer >= 1."""
+    try:
+        value = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,22 +66,23 @@ def parser() -> argparse.ArgumentParser:
                         "a model dir without one needs --tokenizer)")
     p.add_argument("--haystack", default=None, help="a local text file (default: text shipped with Python)")
     p.add_argument("--out", default=None, help="output dir (default: evals/<task>-<time>)")
-    p.add_argument("--lengths", default="1K,2K,4K", help="comma-separated lengths in tokens (K = 1024)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
-    p.add_argument("--samples", type=int, default=4, help="prompts per cell (passkey / niah) or per length (ruler)")
-    p.add_argument("--digits", type=int, default=None, help="key digits (default: passkey 5, niah 7)")
+    p.add_argument("--lengths", type=_ints, default="1K,2K,4K", help="comma-separated lengths in tokens (K = 1024)")
+    p.add_argument("--depths", type=_floats, default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
+    p.add_argument("--samples", type=_count, default=4, help="prompts per cell (passkey / niah) or per length (ruler)")
+    p.add_argument("--digits", type=_count, default=None, help="key digits (default: passkey 5, niah 7)")
     p.add_argument("--ruler-tasks", default="niah_single,niah_multikey,niah_multivalue,variable_tracking,common_words")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="ruler: new tokens (default: RULER's per task)")
-    p.add_argument("--seq-len", type=int, default=None, help="loss: tokens per document (default: max of --lengths)")
-    p.add_argument("--documents", type=int, default=4, help="loss: documents")
-    p.add_argument("--bucket-size", type=int, default=None, help="loss: positions per bucket (default: 16 buckets)")
+    p.add_argument("--max-new-tokens", type=_count, default=None, help="ruler: new tokens (default: RULER's per task)")
+    p.add_argument("--seq-len", type=_count, default=None, help="loss: tokens per document (default: max of --lengths)")
+    p.add_argument("--documents", type=_count, default=4, help="loss: documents")
+    p.add_argument("--bucket-size", type=_count, default=None, help="loss: positions per bucket (default: 16 buckets)")
     p.add_argument("--log-buckets", action="store_true", help="loss: buckets at 0, 1, 2, 4, 8, ... instead")
     p.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
                    help="also score generations (rs.inference.generate, greedy); --no-generate: teacher-forced only")
     p.add_argument("--attention", default="splash", choices=("splash", "reference"))
-    p.add_argument("--dtype", default="float32", help="parameter dtype (compute dtype: --compute-dtype)")
-    p.add_argument("--compute-dtype", default=None)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="parameter dtype (compute dtype: --compute-dtype)")
+    p.add_argument("--compute-dtype", default=None, choices=DTYPES)
+    p.add_argument("--batch-size", type=_count, default=4)
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -55,6 +90,15 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> dict:
     p = parser()
     args = p.parse_args(argv)
+    # paths checked before anything loads: one line naming the flag, never a traceback later
+    if not os.path.isdir(args.model):
+        p.error(f"argument --model: {args.model!r} is not a directory (a Hugging Face checkpoint or a ringsplash "
+                f"run directory)")
+    if args.haystack is not None and not os.path.isfile(args.haystack):
+        p.error(f"argument --haystack: {args.haystack!r} is not a file (a local text file)")
+    problem = output_dir_problem(args.out) if args.out else None
+    if problem:
+        p.error(f"argument --out: no output directory can be made there: {problem}")
     tok_spec = args.tokenizer
     if tok_spec is None:
         if not os.path.isfile(os.path.join(args.model, "tokenizer.json")):
@@ -68,11 +112,15 @@ def main(argv=None) -> dict:
     print(distributed.device_line(), flush=True)
     from ringsplash import evals
 
+    names = [x.strip() for x in args.ruler_tasks.split(",") if x.strip()]
+    if args.task == "ruler" and (not names or not set(names) <= set(evals.RULER_TASKS)):  # '' ran no task at all
+        p.error(f"argument --ruler-tasks: expected a comma-separated subset of {','.join(evals.RULER_TASKS)}, got "
+                f"{args.ruler_tasks!r}")
     tokenizer = evals.load_tokenizer(tok_spec)
     out = args.out or os.path.join("evals", f"{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
     text = evals.read_text(args.haystack)
-    lengths = _ints(args.lengths)
+    lengths = args.lengths
     model = evals.load_model(args.model, attention=args.attention, param_dtype=args.dtype,
                              compute_dtype=args.compute_dtype)
     generate_fn = evals.inference_generate_fn(model) if (args.generate or args.task == "ruler") else None
@@ -91,14 +139,13 @@ def main(argv=None) -> dict:
         make = evals.passkey_task if args.task == "passkey" else evals.niah_task
         task = make(tokenizer) if args.digits is None else make(tokenizer, args.digits)
         records = evals.run_grid(evals.Scorer(model), task, evals.Haystack.from_text(text, tokenizer), lengths,
-                                 _floats(args.depths), args.samples, generate_fn=generate_fn,
+                                 args.depths, args.samples, generate_fn=generate_fn,
                                  batch_size=args.batch_size, seed=args.seed, progress=True)
         written = evals.write_grid(records, out, title=args.task)
         result.update(summary=written["summary"], files=written["files"])
         table = written["table"]
     else:
         rows = []
-        names = list(filter(None, args.ruler_tasks.split(",")))
         for name in names:  # every task and length fits (else an error) before anything is generated
             for length in lengths:
                 evals.ruler_samples(name, tokenizer, length, 1, text, max_new_tokens=args.max_new_tokens)

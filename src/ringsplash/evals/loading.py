@@ -34,7 +34,7 @@ def load_model(path: str, *, attention: str = "splash", param_dtype: str = "floa
     or a ringsplash run directory (``config.json`` with ``model`` / ``train``, and ``checkpoints/``)."""
     cfg = os.path.join(path, "config.json")
     if not os.path.isfile(cfg):
-        raise FileNotFoundError(f"--model {path} must be a Hugging Face checkpoint or a ringsplash run directory; "
+        raise FileNotFoundError(f"path={path!r} must be a Hugging Face checkpoint or a ringsplash run directory; "
                                 f"it has no config.json")
     with open(cfg) as f:
         d = json.load(f)

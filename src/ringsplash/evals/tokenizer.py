@@ -36,7 +36,10 @@ class HFTokenizer:
     def __init__(self, path: str):
         tokenizers = require("tokenizers", extra="hf", needed_for=f"the tokenizer {path!r} (a tokenizer.json)")
         self.path = path
-        self._tok = tokenizers.Tokenizer.from_file(path)
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # the Rust library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path!r} is not a Hugging Face tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:

@@ -96,7 +96,14 @@ def read_config_json(path_or_dict) -> dict:
         raise FileNotFoundError(f"no config.json at {file!r} (path_or_dict={path!r}: a checkpoint directory as "
                                 f"written by save_pretrained, its config.json, or the dict)")
     with open(file) as f:
-        return json.load(f)
+        try:
+            config = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:  # the message alone named no file
+            raise ValueError(f"{file!r} is not a Hugging Face config.json: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file!r} is not a Hugging Face config.json: it holds a {type(config).__name__}, not an "
+                         f"object of fields")
+    return config
 
 
 def _check_flags(d: dict, fam: Family) -> None:

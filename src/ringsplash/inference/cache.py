@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash._types import Array, Float, Int
+from ringsplash.inference.checks import as_count
 from ringsplash.model import TransformerConfig
 
 #: the config fields a cache depends on (shapes, masks, RoPE); the strategy fields do not matter
@@ -110,6 +111,7 @@ def empty_cache(config: TransformerConfig, batch: int, max_len: int, *, mesh: Me
                 axis_name: str = "context", layout: str = "contiguous") -> KVCache:
     """A zeroed cache (lengths 0) of ``max_len`` slots per row, sharded over ``axis_name`` of ``mesh``."""
     check_decodable(config)
+    batch, max_len = as_count("batch", batch, 1), as_count("max_len", max_len, 1)
     shards = check_mesh(mesh, axis_name)
     if max_len % shards:
         raise ValueError(f"max_len={max_len} must be divisible by the {shards} devices of mesh axis {axis_name!r}")

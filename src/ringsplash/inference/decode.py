@@ -29,10 +29,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
+from ringsplash._scalar_checks import as_scalar
 from ringsplash._softmax import MASKED_LSE, fold_sinks, merge
 from ringsplash._types import Array, Bool, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_cache
-from ringsplash.inference.checks import check_model
+from ringsplash.inference.checks import check_model, is_int
 from ringsplash.model import Transformer, layer_segments
 from ringsplash.model.transformer import run_segment
 
@@ -55,14 +56,16 @@ def decode_step(
     inside ``shard_map`` over the cache's context axis. ``mesh``: the mesh the caller means (checked
     against the cache's; the default takes the cache's).
 
-    A full cache (a row with ``lengths == cache.max_len``: no slot left for the token) is never
-    silently wrong: with concrete ``cache.lengths`` it is refused (``ValueError``); under ``jit``
-    that row's logits are NaN, and under ``jax.experimental.checkify.checkify`` the step reports a
-    failed check naming the lengths (``checkify.checkify(jax.jit(decode_step))``)."""
+    A full cache (a row with ``lengths == cache.max_len``: no slot left for the token), a row at the
+    model's ``max_seq_len`` (no position left: ``model()`` refuses longer sequences) and a token id outside
+    the vocabulary are never silently wrong: with concrete ``cache.lengths`` / ``tokens`` they are refused
+    (``ValueError``); under ``jit`` that row's logits are NaN, and under
+    ``jax.experimental.checkify.checkify`` the step reports a failed check naming the lengths or tokens
+    (``checkify.checkify(jax.jit(decode_step))``)."""
     check_model(model, "decode_step")
     check_cache(cache, model.config, None if mesh == "cache" else mesh, check_mesh_arg=mesh != "cache")
-    _check_tokens(tokens, cache)
-    room = _check_room(cache)
+    tokens = _check_tokens(tokens, cache, model.config.vocab_size)
+    room = _check_room(cache, model.config.max_seq_len)
     params, static = eqx.partition(model, eqx.is_array)
     body = functools.partial(_local_step, static=static, layout=cache.layout, max_len=cache.max_len,
                              shards=cache.shards, axis_name=cache.axis_name)
@@ -74,22 +77,41 @@ def decode_step(
         in_specs = (jax.tree.map(lambda _: P(), params), kv, kv, lengths, slots, P())
         logits, k, v = jax.shard_map(body, mesh=cache.mesh, in_specs=in_specs, out_specs=(P(), kv, kv),
                                      check_vma=False)(*args)
-    logits = jnp.where(room[:, None], logits, jnp.nan)  # a full row's logits would be wrong: NaN, never silent
+    # a full row's logits, or an unknown token's, would be wrong: NaN, never silent
+    logits = jnp.where((room & _known(tokens, model.config.vocab_size))[:, None], logits, jnp.nan)
     return logits, dataclasses.replace(cache, k=k, v=v, lengths=cache.lengths + 1)
 
 
-def _check_tokens(tokens, cache: KVCache) -> None:
-    """One integer token per cached row, or a clear error."""
+def _check_tokens(tokens, cache: KVCache, vocab_size: int):
+    """One integer token id in ``[0, vocab_size)`` per cached row (ids read when concrete), or a clear error;
+    the tokens (a NumPy array as a JAX one)."""
     if getattr(tokens, "shape", None) != (cache.batch,):
         raise ValueError(f"tokens must be int [batch={cache.batch}] (one new token per cached row), got "
                          f"tokens.shape={getattr(tokens, 'shape', type(tokens).__name__)}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"tokens must be integer token ids, got tokens.dtype={tokens.dtype}")
+    if not isinstance(tokens, jax.core.Tracer):  # an id outside the table would read a clamped row: refused
+        ids = np.asarray(tokens)
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if bad.size:
+            raise ValueError(f"tokens must be token ids in [0, vocab_size={vocab_size}), got tokens={ids.tolist()} "
+                             f"(row(s) {bad.tolist()} outside)")
+    return jnp.asarray(tokens)
 
 
-def _check_room(cache: KVCache) -> Bool[Array, " batch"]:
-    """Whether each row has a free slot: refused if not when the lengths are concrete; under a trace a
-    ``checkify.debug_check`` (reported under ``checkify.checkify``, free otherwise)."""
+def _known(tokens, vocab_size: int) -> Bool[Array, " batch"]:
+    """Whether each token id is in ``[0, vocab_size)``: under a trace a ``checkify.debug_check`` (concrete ids
+    were refused by ``_check_tokens``)."""
+    known = (tokens >= 0) & (tokens < vocab_size)
+    checkify.debug_check(jnp.all(known), f"decode_step: tokens must be token ids in [0, vocab_size={vocab_size}) "
+                         "(the rows' logits are NaN), got tokens={tokens}", tokens=tokens)
+    return known
+
+
+def _check_room(cache: KVCache, max_seq_len: int) -> Bool[Array, " batch"]:
+    """Whether each row has a free slot and a position below the model's ``max_seq_len``: refused if not when
+    the lengths are concrete; under a trace a ``checkify.debug_check`` (reported under ``checkify.checkify``,
+    free otherwise)."""
     if not isinstance(cache.lengths, jax.core.Tracer):
         lengths = np.asarray(cache.lengths)
         full = np.flatnonzero(lengths >= cache.max_len)
@@ -97,10 +119,16 @@ def _check_room(cache: KVCache) -> Bool[Array, " batch"]:
             raise ValueError(f"decode_step: the cache is full: row(s) {full.tolist()} already hold "
                              f"cache.max_len={cache.max_len} tokens (cache.lengths={lengths.tolist()}), no slot is "
                              f"left for the new token; prefill with a larger max_len")
-    room = cache.lengths < cache.max_len
+        past = np.flatnonzero(lengths >= max_seq_len)
+        if past.size:
+            raise ValueError(f"decode_step: row(s) {past.tolist()} already hold the model's max_seq_len="
+                             f"{max_seq_len} tokens (cache.lengths={lengths.tolist()}): a new token would be past "
+                             f"it, which the model refuses; build the model with a larger max_seq_len")
+    room = cache.lengths < min(cache.max_len, max_seq_len)
     checkify.debug_check(jnp.all(room), f"decode_step: the cache is full: a row's cache.lengths reached "
-                         f"cache.max_len={cache.max_len} (no slot left for the new token; its logits are NaN): "
-                         "cache.lengths={lengths}", lengths=cache.lengths)
+                         f"cache.max_len={cache.max_len} (no slot left for the new token), or the model's "
+                         f"max_seq_len={max_seq_len} (its logits are NaN): cache.lengths={{lengths}}",
+                         lengths=cache.lengths)
     return room
 
 
@@ -187,7 +215,7 @@ def greedy(logits, step, carry):
     return jnp.argmax(logits, -1).astype(jnp.int32), carry
 
 
-def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"], steps: int,
+def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"], steps: int | np.integer | jax.Array,
                  choose: Callable = greedy, carry: Any = None) -> Decoded:
     """``steps`` decode steps as one program (jit it), on a cache without a mesh: each step feeds one token per
     row, and ``choose(logits, step, carry) -> (next tokens, carry)`` picks the next from its float32 logits
@@ -205,11 +233,13 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
     if cache.mesh is not None or cache.layout != "contiguous":
         raise ValueError(f"decode_steps: a cache without a mesh and with the contiguous layout is supported, got "
                          f"mesh={cache.mesh}, layout={cache.layout!r}; use decode_step")
-    if not isinstance(steps, int | np.integer) or isinstance(steps, bool) or steps < 1:
+    if not is_int(steps) or as_scalar(steps) < 1:
         raise ValueError(f"decode_steps: steps must be a positive int, got {steps!r}")
-    _check_tokens(tokens, cache)
+    steps = int(as_scalar(steps))
+    tokens = _check_tokens(tokens, cache, model.config.vocab_size)
     k_cache, v_cache, lengths = cache.k, cache.v, cache.lengths
     layers, batch, kv_heads, max_len = k_cache.shape[:4]
+    limit = min(max_len, model.config.max_seq_len)  # the last position + 1 a step may feed
     if not isinstance(lengths, jax.core.Tracer):  # as decode_step: concrete lengths without room are refused
         held = np.asarray(lengths)
         short = np.flatnonzero(held + steps > max_len)
@@ -217,6 +247,12 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
             raise ValueError(f"decode_steps: no room for steps={steps} more tokens in row(s) {short.tolist()} "
                              f"(cache.lengths={held.tolist()}, cache.max_len={max_len}); prefill with a larger "
                              f"max_len or take fewer steps")
+        past = np.flatnonzero(held + steps > limit)
+        if past.size:
+            raise ValueError(f"decode_steps: steps={steps} more tokens in row(s) {past.tolist()} (cache.lengths="
+                             f"{held.tolist()}) would go past the model's max_seq_len={model.config.max_seq_len}; "
+                             f"take fewer steps")
+    known = _known(tokens, model.config.vocab_size)
     side_k = jnp.zeros((layers, batch, kv_heads, 0, k_cache.shape[4]), k_cache.dtype)
     side_v = jnp.zeros((layers, batch, kv_heads, 0, v_cache.shape[4]), v_cache.dtype)
     chosen = []
@@ -224,7 +260,8 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
         positions = lengths + step
         logits, k_new, v_new = _layers(model, k_cache, v_cache, lengths, cache.slot_positions, tokens, positions,
                                        None if step == 0 else (side_k, side_v), max_len=max_len, axis_name=None)
-        logits = jnp.where((positions < max_len)[:, None], logits, jnp.nan)  # no slot: NaN, never silent
+        # no slot or position (or an unknown first token): NaN, never silent
+        logits = jnp.where(((positions < limit) & known)[:, None], logits, jnp.nan)
         # [layers, kv_heads, batch, d] -> one more slot of [layers, batch, kv_heads, slots, d]
         side_k = jnp.concatenate([side_k, k_new.transpose(0, 2, 1, 3)[:, :, :, None].astype(side_k.dtype)], axis=3)
         side_v = jnp.concatenate([side_v, v_new.transpose(0, 2, 1, 3)[:, :, :, None].astype(side_v.dtype)], axis=3)

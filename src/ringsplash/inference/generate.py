@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash._types import Array, Int
 from ringsplash.inference.cache import KVCache
-from ringsplash.inference.checks import as_count, check_model, check_stop_tokens
+from ringsplash.inference.checks import as_count, check_flags, check_key, check_model, check_stop_tokens
 from ringsplash.inference.decode import decode_step, decode_steps
-from ringsplash.inference.prefill import cache_multiple, check_prompts, prefill
+from ringsplash.inference.prefill import cache_multiple, check_prompts, max_cache_len, prefill
 from ringsplash.inference.sample import check_sampling, sample
 from ringsplash.model import Transformer
 from ringsplash.splash.config import NUM_LANES
@@ -45,12 +45,12 @@ def bucket_length(n: int, multiple: int = 1) -> int:
 def generate(
     model: Transformer,
     prompts: Int[Array, "batch prompt_len"],
-    max_new_tokens: int | np.integer,
+    max_new_tokens: int | np.integer | jax.Array,
     *,
     prompt_lengths: Int[Array, " batch"] | None = None,
-    temperature: float = 0.0,
-    top_k: int | np.integer | None = None,
-    top_p: float | None = None,
+    temperature: float | int | np.number | jax.Array = 0.0,
+    top_k: int | np.integer | jax.Array | None = None,
+    top_p: float | int | np.number | jax.Array | None = None,
     stop_tokens=(),
     key: jax.Array | None = None,
     mesh: Mesh | None = None,
@@ -67,7 +67,9 @@ def generate(
             must be at most the model's ``max_seq_len``.
         temperature: 0 (default) picks the most likely token (greedy); > 0 samples from
             ``softmax(logits / temperature)`` restricted by ``top_k`` / ``top_p``
-            (``ringsplash.inference.filter_logits``), with ``key``.
+            (``ringsplash.inference.filter_logits``), with ``key``; a temperature below float32's smallest
+            normal number (``inference.sample.GREEDY_BELOW``, ~1.2e-38) is greedy. Numbers may be Python,
+            NumPy or concrete 0-d JAX scalars.
         stop_tokens: token ids (an int or a sequence of ints) that end a row: once a row has produced
             one, the rest of the row repeats that stop token.
         key: a ``jax.random`` key, needed when ``temperature > 0`` (the same key, the same tokens).
@@ -85,12 +87,11 @@ def generate(
     """
     check_model(model, "generate")
     c = model.config
-    check_sampling(temperature, top_k, top_p)
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p)
     max_new_tokens = as_count("max_new_tokens", max_new_tokens, 1)
-    top_k = None if top_k is None else int(top_k)
     stop = check_stop_tokens(stop_tokens, c.vocab_size)
-    if temperature > 0 and key is None:
-        raise ValueError("sampling (temperature > 0) needs key=<a jax.random key>")
+    check_flags(progress=progress, bucket=bucket)
+    key = check_key(key, temperature)
     prompts, lengths = check_prompts(prompts, prompt_lengths, c.vocab_size, name="prompts")
     concrete = not isinstance(prompts, jax.core.Tracer) and not isinstance(lengths, jax.core.Tracer)
     longest = int(np.max(np.asarray(lengths))) if concrete else prompts.shape[1]
@@ -101,21 +102,25 @@ def generate(
     # whole 128-slot lanes: on a v5e chip generate took 4.93 ms per token with a cache of 32,833 slots (32K + 65),
     # 3.35 with one of 32,896 (GQA 8:2, batch 8; docs/tpu.md)
     multiple = math.lcm(cache_multiple(c, mesh), NUM_LANES)
+    # never more slots than the model's max_seq_len rounded up to whole lanes (prefill refuses more)
+    most = max_cache_len(c, mesh)
     if bucket and concrete:
-        max_len = bucket_length(longest + max_new_tokens, multiple)
+        max_len = min(bucket_length(longest + max_new_tokens, multiple), most)
         padded = np.zeros((prompts.shape[0], max_len), np.int32)
         padded[:, :longest] = np.asarray(prompts)[:, :longest]
         prompts = jnp.asarray(padded)
     else:
-        max_len = -(-(prompts.shape[1] + max_new_tokens) // multiple) * multiple
+        if concrete:  # the columns past every row's prompt are ignored: not carried into the cache's length
+            prompts = prompts[:, :longest]
+        max_len = min(-(-(prompts.shape[1] + max_new_tokens) // multiple) * multiple, most)
     logits, cache = prefill(model, prompts, prompt_lengths=lengths, max_len=max_len, mesh=mesh)
     per_call = 1 if cache.mesh is not None else STEPS_PER_PROGRAM
     keys = jax.random.split(key if key is not None else jax.random.key(0), max_new_tokens)
     # one key per slot of the cache and per_call more (a shape of the bucket, not of max_new_tokens: one compile
     # serves every count); keys past max_new_tokens serve only the discarded steps of the last call
     keys = keys[np.minimum(np.arange(max_len + per_call), max_new_tokens - 1)]
-    settings = dict(temperature=float(temperature), top_k=top_k, top_p=top_p, stop=stop)
-    token = sample(logits, keys[0], temperature=float(temperature), top_k=top_k, top_p=top_p)
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop=stop)
+    token = sample(logits, keys[0], temperature=temperature, top_k=top_k, top_p=top_p)
     done = jnp.isin(token, jnp.asarray(stop, jnp.int32)) if stop else jnp.zeros_like(token, bool)
     nonfinite = jnp.where(jnp.isfinite(logits).all(-1), -1, 0).astype(jnp.int32)  # first bad new token per row
     # (token, done, nonfinite, index of the next new token) and the count: on the device, so that the host passes

@@ -19,6 +19,7 @@ so each device's local shard of the forward pass is its shard of the cache.
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import equinox as eqx
@@ -33,7 +34,7 @@ from ringsplash import _caches as caches
 from ringsplash import layouts
 from ringsplash._types import Array, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_decodable, check_mesh, model_key, place
-from ringsplash.inference.checks import as_count, check_model
+from ringsplash.inference.checks import as_count, check_flags, check_model
 from ringsplash.model import Transformer, TransformerConfig, abstract_model, attend, layer_segments
 from ringsplash.model.transformer import run_segment
 from ringsplash.splash.config import NUM_LANES
@@ -125,12 +126,20 @@ def cache_multiple(config: TransformerConfig, mesh: Mesh | None, axis_name: str 
     return shards * NUM_LANES * (2 if zigzag else 1)
 
 
+def max_cache_len(config: TransformerConfig, mesh: Mesh | None, axis_name: str = "context") -> int:
+    """The most slots a cache of this model may have: ``max_seq_len`` rounded up to whole 128-slot lanes
+    (and ``cache_multiple``); the slots past ``max_seq_len`` are never decoded into (``decode_step`` refuses
+    positions past it), they only keep the kernels' tiles whole."""
+    multiple = math.lcm(cache_multiple(config, mesh, axis_name), NUM_LANES)
+    return -(-config.max_seq_len // multiple) * multiple
+
+
 def prefill(
     model: Transformer,
     tokens: Int[Array, "batch prompt_len"],
     *,
     prompt_lengths: Int[Array, " batch"] | None = None,
-    max_len: int | np.integer | None = None,
+    max_len: int | np.integer | jax.Array | None = None,
     mesh: Mesh | None = None,
     axis_name: str = "context",
     all_logits: bool = False,
@@ -153,13 +162,24 @@ def prefill(
     check_model(model, "prefill")
     c = model.config
     check_decodable(c)
+    check_flags(all_logits=all_logits)
     tokens, lengths = check_prompts(tokens, prompt_lengths, c.vocab_size)
     prompt_len = tokens.shape[1]
+    longest = prompt_len if isinstance(lengths, jax.core.Tracer) else int(np.max(np.asarray(lengths)))
+    if longest > c.max_seq_len:  # as model() refuses it
+        raise ValueError(f"the longest prompt has {longest} tokens, more than the model's max_seq_len="
+                         f"{c.max_seq_len}: pass prompts of at most max_seq_len tokens, or build the model with a "
+                         f"larger max_seq_len")
     multiple = cache_multiple(c, mesh, axis_name)
+    most = max_cache_len(c, mesh, axis_name)
     max_len = -(-prompt_len // multiple) * multiple if max_len is None else as_count("max_len", max_len, 1)
     if max_len < prompt_len:
         raise ValueError(f"the prompt has prompt_len={prompt_len} tokens, more than the cache holds: "
                          f"max_len={max_len!r}; pass max_len >= {prompt_len}")
+    if max_len > most:
+        raise ValueError(f"max_len={max_len} is more than the model's max_seq_len={c.max_seq_len} (a cache may "
+                         f"round it up to whole 128-slot lanes, {most} slots here, but no position past it can be "
+                         f"decoded): pass max_len <= {most}, or build the model with a larger max_seq_len")
     if max_len % multiple:
         raise ValueError(f"max_len={max_len} must be a multiple of {multiple} on this mesh (devices on "
                          f"{axis_name!r} x 128-token kernel lanes)")
@@ -288,5 +308,5 @@ def _forward(params, tokens, positions, lengths, *, static, rope_len, cache_len)
     return hidden.reshape(batch, *hidden.shape[2:]), k, v
 
 
-__all__ = ["Prefilled", "cache_multiple", "check_prompts", "forward_len", "prefill", "prefill_config",
+__all__ = ["Prefilled", "cache_multiple", "check_prompts", "forward_len", "max_cache_len", "prefill", "prefill_config",
            "prefill_program"]

@@ -19,6 +19,7 @@ from ringsplash._scalar_checks import (
     check_int,
     check_positive_int,
     literal_choices,
+    plain_fields,
 )
 from ringsplash.model import _legacy
 from ringsplash.model.hf_features import SLIDING, ModelFeatures, check_features
@@ -106,6 +107,7 @@ class TransformerConfig:
     features: ModelFeatures = ModelFeatures()
 
     def __post_init__(self):
+        plain_fields(self)  # NumPy / JAX scalars as Python numbers: checked, hashed and written as such
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "max_seq_len", "mlp_multiple"):
             check_positive_int(name, getattr(self, name))
         if self.num_kv_heads is None:

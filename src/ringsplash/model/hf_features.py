@@ -18,6 +18,7 @@ from ringsplash._scalar_checks import (
     check_int,
     check_positive_int,
     literal_choices,
+    plain_fields,
 )
 from ringsplash.model.rope_scaling import RopeScaling, check_rope_dim
 
@@ -85,6 +86,7 @@ class ModelFeatures:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        plain_fields(self)  # NumPy / JAX scalars as Python numbers
         if self.intermediate_size is not None:
             check_positive_int("intermediate_size", self.intermediate_size)
         check_choice("mlp_activation", self.mlp_activation, MLP_ACTIVATIONS)

@@ -8,7 +8,14 @@ import warnings
 
 import optax
 
-from ringsplash._scalar_checks import check_bool, check_divides, check_float, check_int, check_positive_int
+from ringsplash._scalar_checks import (
+    check_bool,
+    check_divides,
+    check_float,
+    check_int,
+    check_positive_int,
+    plain_fields,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +42,7 @@ class TrainConfig:
     log_max_logits: bool = False  # collect + log per-layer max logits (always on with qk_clip_threshold)
 
     def __post_init__(self):
+        plain_fields(self)  # NumPy / JAX scalars as Python numbers: run directories write this config as JSON
         for name in ("steps", "batch_size", "data_parallel", "log_every"):
             check_positive_int(name, getattr(self, name))
         check_divides("data_parallel", self.data_parallel, "batch_size", self.batch_size)
