@@ -21,9 +21,15 @@
 A row whose memory would not fit the chip's HBM is skipped with the reason printed (MHA 128K batch 8: its KV
 cache alone is 43 GiB); an out-of-memory error at run time is reported as such.
 
-    python scripts/bench_decode_tpu.py                      # everything, about 6 minutes on one v5e chip
+    python scripts/bench_decode_tpu.py                      # everything (estimated 6-10 minutes on one v5e chip,
+                                                            # mostly compiles and 128K prefills; not run yet)
     python scripts/bench_decode_tpu.py --parts attention    # the kernels alone
+    python scripts/bench_decode_tpu.py --parts attention --block-bytes 262144,524288,1048576,2097152
+    python scripts/bench_decode_tpu.py --parts generate --batches 1 --steps-per-program 4,8,16
     python scripts/bench_decode_tpu.py --cpu-smoke          # tiny shapes on the CPU (CI): checks the script
+
+``--block-bytes`` tries the kernel's block sizes (bytes of K per grid step; the fastest is reported, each in the
+note) and ``--steps-per-program`` generate's ``STEPS_PER_PROGRAM`` (a row each): what the defaults should be.
 
 It refuses to run without a TPU, except with ``--cpu-smoke`` (the kernels in the Pallas TPU interpreter, CPU
 times: never a TPU speed).
@@ -118,13 +124,22 @@ def attention_rows(args, shapes, prompts, batches, hbm):
                 v = jax.random.normal(keys[1], (batch, shape.kv_heads, slots, d), jnp.bfloat16)
                 q = jax.random.normal(keys[2], (batch, shape.heads, d), jnp.bfloat16)
                 lengths = jnp.full((batch,), prompt, jnp.int32)
-                ours_fn = jax.jit(lambda q, k, v, n: decode_attention(q, k, v, n, interpret=interpret)[0])
-                note = ""
-                try:
-                    ours = timed(ours_fn, (q, k, v, lengths), args.repeats, args.attention_calls)
-                    ours_out = ours_fn(q, k, v, lengths)
-                except Exception as exc:
-                    print("| " + " | ".join(cells + ["-"] * 6) + f" | ours: {mb.short_error(exc)} |", flush=True)
+                note, ours, block, ours_out = "", None, None, None
+                for budget in args.block_bytes:  # the fastest block size tried; the others in the note
+                    bk = block_kv_for(slots, shape.kv_heads, d, 2, budget)
+                    ours_fn = jax.jit(lambda q, k, v, n, bk=bk: decode_attention(q, k, v, n, block_kv=bk,
+                                                                                 interpret=interpret)[0])
+                    try:
+                        t = timed(ours_fn, (q, k, v, lengths), args.repeats, args.attention_calls)
+                    except Exception as exc:
+                        note += f"ours at block {bk}: {mb.short_error(exc, 80)}; "
+                        continue
+                    if len(args.block_bytes) > 1:
+                        note += f"block {bk}: {1e3 * t:.3f} ms; "
+                    if ours is None or t < ours:
+                        ours, block, ours_out = t, bk, ours_fn(q, k, v, lengths)
+                if ours is None:
+                    print("| " + " | ".join(cells + ["-"] * 6) + f" | {note.rstrip('; ')} |", flush=True)
                     continue
                 best, best_cfg, diff = None, "-", None
                 if not args.cpu_smoke:  # ragged_paged_attention looks up tuned sizes by TPU generation
@@ -147,8 +162,7 @@ def attention_rows(args, shapes, prompts, batches, hbm):
                         del operands
                         gc.collect()
                 else:
-                    note = "CPU: the TPU interpreter, not a TPU speed; ragged_paged_attention not run"
-                block = block_kv_for(slots, shape.kv_heads, d, 2)
+                    note += "CPU: the TPU interpreter, not a TPU speed; ragged_paged_attention not run"
                 row = cells + [f"{1e3 * ours:.3f}", str(block), "-" if best is None else f"{1e3 * best:.3f}", best_cfg,
                                "-" if best is None else f"{best / ours:.2f}x",
                                "-" if diff is None else f"{diff:.2g}", note.rstrip("; ")]
@@ -168,13 +182,32 @@ def roofline_s(config, counts: mb.Counts, shape: mb.Shape, batch: int, prompt: i
     return (counts.param_bytes + kv_bytes(shape, batch, 1, config.num_layers) * held) / (bandwidth * 1e9)
 
 
+def time_generate(model, tokens, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``generate(model, tokens, 1)`` and of ``generate(model, tokens, 64)``, alternated (drifts
+    hit both), after a call of each that compiles everything (1 and 64 share the bucket at the chip's sizes)."""
+    import jax
+
+    import ringsplash as rs
+
+    for n in (1, NEW_TOKENS):
+        jax.block_until_ready(rs.inference.generate(model, tokens, n))
+    ones, manys = [], []
+    for _ in range(repeats):
+        for n, out in ((1, ones), (NEW_TOKENS, manys)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(rs.inference.generate(model, tokens, n))
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ones), statistics.median(manys)
+
+
 def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
     import jax
     import numpy as np
 
-    import ringsplash as rs
     from ringsplash.inference import bucket_length
     from ringsplash.model import Transformer
+
+    gen = importlib.import_module("ringsplash.inference.generate")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_inference_tpu import prefill_flops
@@ -198,33 +231,31 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                     continue
                 tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32)
                 repeats = args.repeats if batch * prompt <= args.long_tokens else max(1, args.repeats - 1)
-                try:
-                    for n in (1, NEW_TOKENS):  # compiles everything (1 and 64 share the bucket at the chip's sizes)
-                        jax.block_until_ready(rs.inference.generate(model, tokens, n))
-                    ones, manys = [], []
-                    for _ in range(repeats):  # alternated: drifts hit both
-                        for n, out in ((1, ones), (NEW_TOKENS, manys)):
-                            t0 = time.perf_counter()
-                            jax.block_until_ready(rs.inference.generate(model, tokens, n))
-                            out.append(time.perf_counter() - t0)
-                except Exception as exc:
-                    why = "does not fit (out of memory)" if mb.is_oom(exc) else mb.short_error(exc)
-                    print("| " + " | ".join(cells + ["-"] * 6) + f" | {why} |", flush=True)
-                    gc.collect()
-                    continue
-                one, many = statistics.median(ones), statistics.median(manys)
-                per_token = (many - one) / (NEW_TOKENS - 1)
-                roof = roofline_s(config, counts, shape, batch, prompt, bandwidth) if bandwidth else None
-                mfu = prefill_flops(config, counts, batch, prompt) / one / 1e12 / peak if peak else None
-                note = f"{repeats} repeats" + ("; CPU times, not a TPU speed" if args.cpu_smoke else "")
-                row = cells + [f"{one:.3f}", "-" if mfu is None else f"{100 * mfu:.1f}%", f"{1e3 * per_token:.3f}",
-                               f"{batch / per_token:,.0f}" if per_token > 0 else "-",
-                               "-" if roof is None else f"{1e3 * roof:.3f}",
-                               "-" if roof is None or per_token <= 0 else f"{100 * roof / per_token:.0f}%", note]
-                print("| " + " | ".join(row) + " |", flush=True)
-                mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
-                            one_s=one, many_s=many, ms_per_token=1e3 * per_token,
-                            roofline_ms=None if roof is None else 1e3 * roof, prefill_mfu=mfu)
+                for per_call in args.steps_per_program:
+                    saved, gen.STEPS_PER_PROGRAM = gen.STEPS_PER_PROGRAM, per_call
+                    try:
+                        one, many = time_generate(model, tokens, repeats)
+                    except Exception as exc:
+                        why = "does not fit (out of memory)" if mb.is_oom(exc) else mb.short_error(exc)
+                        print("| " + " | ".join(cells + ["-"] * 6) + f" | {why} |", flush=True)
+                        gc.collect()
+                        continue
+                    finally:
+                        gen.STEPS_PER_PROGRAM = saved
+                    per_token = (many - one) / (NEW_TOKENS - 1)
+                    roof = roofline_s(config, counts, shape, batch, prompt, bandwidth) if bandwidth else None
+                    mfu = prefill_flops(config, counts, batch, prompt) / one / 1e12 / peak if peak else None
+                    note = f"{repeats} repeats" + ("; CPU times, not a TPU speed" if args.cpu_smoke else "")
+                    if len(args.steps_per_program) > 1:
+                        note = f"{per_call} steps per program; " + note
+                    row = cells + [f"{one:.3f}", "-" if mfu is None else f"{100 * mfu:.1f}%",
+                                   f"{1e3 * per_token:.3f}", f"{batch / per_token:,.0f}" if per_token > 0 else "-",
+                                   "-" if roof is None else f"{1e3 * roof:.3f}",
+                                   "-" if roof is None or per_token <= 0 else f"{100 * roof / per_token:.0f}%", note]
+                    print("| " + " | ".join(row) + " |", flush=True)
+                    mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
+                                steps_per_program=per_call, one_s=one, many_s=many, ms_per_token=1e3 * per_token,
+                                roofline_ms=None if roof is None else 1e3 * roof, prefill_mfu=mfu)
                 gc.collect()
         del model
         gc.collect()
@@ -245,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=int, default=262144,
                    help="generate rows of more prompt tokens (batch x prompt) than this take one repeat fewer "
                         "(their prefill dominates the run's time)")
+    p.add_argument("--block-bytes", default=None,
+                   help="decode kernel: bytes of K per grid step to try, comma-separated (the fastest is reported; "
+                        "default: decode_kernel.BLOCK_BYTES)")
+    p.add_argument("--steps-per-program", default=None,
+                   help="generate: STEPS_PER_PROGRAM values to try, comma-separated, a row each (default: "
+                        "generate's own)")
     p.add_argument("--attention-calls", type=int, default=20, help="kernel calls per timed run")
     p.add_argument("--rpa-configs", default=RPA_CONFIGS,
                    help="ragged_paged_attention layouts tried, page_size:pages_per_block, comma-separated")
@@ -263,6 +300,10 @@ def main(argv=None) -> None:
     if not parts <= {"attention", "generate"}:
         sys.exit(f"--parts: expected attention and/or generate, got {args.parts!r}")
     shapes = {name: MODELS[name] for name in args.models.split(",")}
+    kernel_module = importlib.import_module("ringsplash.inference.decode_kernel")
+    args.block_bytes = [int(x) for x in (args.block_bytes or str(kernel_module.BLOCK_BYTES)).split(",")]
+    gen_module = importlib.import_module("ringsplash.inference.generate")
+    args.steps_per_program = [int(x) for x in (args.steps_per_program or str(gen_module.STEPS_PER_PROGRAM)).split(",")]
     prompts = [int(s) for s in args.prompt_lens.split(",")]
     batches = [int(s) for s in args.batches.split(",")]
     if args.cpu_smoke:

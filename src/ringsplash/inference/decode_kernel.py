@@ -40,12 +40,14 @@ MAX_BLOCK_KV = 4096
 _F32 = jnp.float32
 
 
-def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None) -> int:
     """The slots per grid step: the largest multiple of 128 that divides ``max_len`` and keeps a K block within
-    ``BLOCK_BYTES`` (at least 128, at most ``MAX_BLOCK_KV``). ``max_len`` must be a multiple of 128."""
+    ``block_bytes`` (None: ``BLOCK_BYTES``; at least 128 slots, at most ``MAX_BLOCK_KV``). ``max_len`` must be a
+    multiple of 128."""
     if max_len % NUM_LANES:
         raise ValueError(f"decode_attention: the cache's max_len must be a multiple of {NUM_LANES}, got {max_len=}")
-    target = max(1, min(BLOCK_BYTES // (kv_heads * head_dim * itemsize), MAX_BLOCK_KV) // NUM_LANES)
+    block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+    target = max(1, min(block_bytes // (kv_heads * head_dim * itemsize), MAX_BLOCK_KV) // NUM_LANES)
     lanes = max_len // NUM_LANES
     return NUM_LANES * max(k for k in range(1, min(target, lanes) + 1) if lanes % k == 0)
 
