@@ -277,13 +277,33 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
         side_v = jnp.concatenate([side_v, v_new.transpose(0, 2, 1, 3)[:, :, :, None].astype(side_v.dtype)], axis=3)
         tokens, carry = choose(logits, step, carry)
         chosen.append(tokens)
-    slots = lengths[:, None] + jnp.arange(steps)[None]
-    slots = jnp.where(slots < max_len, slots, max_len)  # past the end: dropped
-    rows = jnp.arange(batch)[:, None]
-    write = lambda cache_arr, side: cache_arr.at[:, rows, :, slots].set(side.transpose(1, 3, 0, 2, 4), mode="drop")
-    new_cache = dataclasses.replace(cache, k=write(k_cache, side_k), v=write(v_cache, side_v),
-                                    lengths=lengths + steps)
+    new_cache = dataclasses.replace(cache, k=_write_side(k_cache, side_k, lengths),
+                                    v=_write_side(v_cache, side_v, lengths), lengths=lengths + steps)
     return Decoded(jnp.stack(chosen), logits, new_cache, carry)
+
+
+def _write_side(cache_arr, side, lengths):
+    """``cache_arr [layers, batch, kv_heads, max_len, d]`` with each row's ``side [layers, batch, kv_heads, steps,
+    d]`` written at slots ``lengths[b] .. lengths[b] + steps - 1`` (slots past ``max_len`` dropped).
+
+    Several rows: one scatter over the batch and slot axes, which XLA's compile for v5e does in place on the
+    donated cache. One row: a ``dynamic_update_slice`` of ``steps`` slots, since there the scatter made XLA lay
+    the whole cache out again and back around the write: two copies of the cache per program (at 8 rows a
+    slice per row made it do the same; 2026-12-07). A row without room for all ``steps`` gets a window clamped
+    to the cache's end, its slots before ``lengths[0]`` rewritten as they were."""
+    max_len, steps = cache_arr.shape[3], side.shape[3]
+    if steps > max_len or side.shape[1] > 1:
+        slots = lengths[:, None] + jnp.arange(steps)[None]
+        rows = jnp.arange(side.shape[1])[:, None]
+        return cache_arr.at[:, rows, :, jnp.where(slots < max_len, slots, max_len)].set(
+            side.transpose(1, 3, 0, 2, 4).astype(cache_arr.dtype), mode="drop")
+    zero = jnp.int32(0)
+    start = jnp.clip(lengths[0], 0, max_len - steps).astype(jnp.int32)
+    index = (zero, zero, zero, start, zero)
+    old = lax.dynamic_slice(cache_arr, index, (*cache_arr.shape[:3], steps, cache_arr.shape[4]))
+    source = jnp.arange(steps) - (lengths[0] - start)  # the side slot each window slot takes (< 0: kept)
+    new = jnp.take(side, jnp.clip(source, 0, steps - 1), axis=3).astype(cache_arr.dtype)
+    return lax.dynamic_update_slice(cache_arr, jnp.where((source >= 0)[:, None], new, old), index)
 
 
 def _slot_range(mask, positions, lengths):
