@@ -255,11 +255,11 @@ def test_bench_decode_tpu_pages_hold_the_same_cache():
     from ringsplash.inference.decode_kernel import decode_attention_reference
 
     bench = _script("bench_decode_tpu")
-    q, k, v = (jnp.asarray(x) for x in jax.random.normal(jax.random.key(0), (3, 2, 4, 256, 128)))
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 4, 128, 64))
     q = q[:, :, 0]  # [batch 2, heads 4, d]
-    k, v = k[:, :2], v[:, :2]  # [batch 2, kv_heads 2, 256 slots, d]
-    lengths = jnp.array([200, 37], jnp.int32)
-    out = ref_ragged_paged_attention(q, *bench.rpa_inputs(k, v, lengths, 64), sm_scale=128**-0.5)
+    k, v = k[:, :2], v[:, :2]  # [batch 2, kv_heads 2, 128 slots, d]
+    lengths = jnp.array([100, 37], jnp.int32)
+    out = ref_ragged_paged_attention(q, *bench.rpa_inputs(k, v, lengths, 32), sm_scale=64**-0.5)
     np.testing.assert_allclose(out, decode_attention_reference(q, k, v, lengths)[0], atol=2e-6, rtol=0)
 
 
