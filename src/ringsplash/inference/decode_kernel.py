@@ -31,8 +31,8 @@ from ringsplash._types import Array, Float, Int
 
 NUM_LANES = 128
 #: bytes of K that one grid step reads (all kv heads of ``block_kv`` slots; V as much again): large enough that
-#: a step's copy (about 1.3 us for K and V at v5e's 819 GB/s) hides the pipeline's fixed cost per step (about
-#: 0.35 us), small enough that the double-buffered K and V blocks (4 MiB) sit well inside v5e's 16 MiB scoped
+#: a step's copy (about 2.6 us for K and V at v5e's 819 GB/s) hides the pipeline's fixed cost per step (about
+#: 0.35 us, the Pallas TPU guide's figure), small enough that the double-buffered K and V blocks (4 MiB) sit well inside v5e's 16 MiB scoped
 #: VMEM. Not tuned on a chip yet (2026-12-07).
 BLOCK_BYTES = 1 << 20
 #: the largest block of slots a step reads (one kv head of 128: 1 MiB of bfloat16)
