@@ -21,7 +21,8 @@ compile or run time is reported as such; a KV cache larger than the chip's HBM i
   ``--generate-bucket``, its default ``bucket=True`` (the cache of ``bucket_length`` slots). Roofline per
   step = bytes that must be read / the chip's HBM bandwidth: every parameter as stored except the embedding
   table (B of its rows are read) + the KV cache of the tokens held (mean over the timed steps), K and V of
-  every layer; a step reads the cache's every slot (masked), up to ``--room`` more than counted.
+  every layer; the decode kernel reads the live slots only (XLA, before it, read every slot: up to ``--room``
+  more than counted; ``scripts/bench_decode_tpu.py`` times generate with its defaults).
 * compiles: each prefill shape must compile once and each decode shape once, with no compile while the cache
   fills: counted with ``jax.monitoring`` (one event per XLA backend compile) during the timed calls (must be
   0; a row that recompiled says so) and with the jit caches of ``_prefill_jit`` and the decode step.
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bucket=False (0: not)")
     p.add_argument("--generate-bucket", action="store_true",
                    help="time generate with bucket=True (its default: the cache sized by bucket_length, each step "
-                        "reading every slot) instead of the exact length")
+                        "reading the live slots with the decode kernel) instead of the exact length")
     p.add_argument("--raise-errors", action="store_true", help="raise errors other than out-of-memory")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (2 layers, prompt 256, batches 1 / 2): checks the script")

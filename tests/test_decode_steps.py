@@ -97,3 +97,43 @@ def test_decode_steps_compiles_for_v5e_without_copying_the_cache():
 
     copies, temp = report(calls)
     assert copies and temp >= cache_bytes, (len(copies), temp, cache_bytes)
+
+
+@pytest.mark.parametrize("length", [0, 5, 61, 63, 64])
+def test_write_side_of_one_row_equals_the_scatter(length):
+    """``_write_side`` at batch 1 (a ``dynamic_update_slice``) writes what the scatter writes: the 4 new slots at
+    the row's length, those past the 64-slot cache dropped (a row without room: lengths 61, 63, 64)."""
+    from ringsplash.inference.decode import _write_side
+
+    rng = np.random.default_rng(length)
+    cache = jnp.asarray(rng.standard_normal((2, 1, 2, 64, 8)), jnp.float32)
+    side = jnp.asarray(rng.standard_normal((2, 1, 2, 4, 8)), jnp.float32)
+    lengths = jnp.array([length], jnp.int32)
+    got = jax.jit(_write_side)(cache, side, lengths)
+    slots = length + np.arange(4)
+    want = np.asarray(cache).copy()
+    want[:, 0, :, slots[slots < 64]] = np.asarray(side)[:, 0, :, slots < 64]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.tpu_compile
+def test_decode_steps_at_batch_one_compiles_for_v5e_without_copying_the_cache():
+    """At batch 1 the program holds no copy of the cache either: the new slots go in with a dynamic_update_slice
+    (the scatter made XLA lay the cache out again and back around the write, two copies per program)."""
+    from ringsplash import aot
+    from ringsplash.model import abstract_model
+
+    config = TransformerConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=128,
+                               max_seq_len=8192, param_dtype="bfloat16", compute_dtype="bfloat16")
+    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices("v5e:1x1")[0])
+    put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if hasattr(a, "shape") else a
+    model = jax.tree.map(put, abstract_model(config))
+    cache = jax.tree.map(put, jax.eval_shape(lambda: empty_cache(config, 1, 8192)))
+    token = put(jax.ShapeDtypeStruct((1,), jnp.int32))
+    compiled = jax.jit(lambda m, c, t: decode_steps(m, c, t, 4), donate_argnums=1).trace(
+        model, cache, token).lower().compile()
+    text = compiled.as_text()
+    entry = text[text.index("ENTRY"):]
+    copies = [line for line in entry.splitlines() if " copy(" in line and ",8192," in line]
+    assert not copies, copies[:2]
+    assert compiled.memory_analysis().temp_size_in_bytes < cache.k.size * cache.k.dtype.itemsize / 4

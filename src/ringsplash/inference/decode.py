@@ -12,12 +12,17 @@ that holds its position, on the device that owns that slot.
 
 ``decode_steps``: several steps as one program on a cache without a mesh (the cache read-only
 until one write at the end, the new tokens' keys and values attended from a side buffer).
+
+On one device with the contiguous layout, the cache is read by the Pallas kernel of ``decode_kernel.py``
+when JAX's default backend is a TPU (``DECODE_ATTENTION``): it reads only the cache blocks that hold visible
+slots, so a bucket's padding costs no bandwidth. Elsewhere (the CPU, a mesh, another layout, a mask other than
+causal / local / chunked) XLA reads every slot, masked.
 """
 
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -25,15 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import checkify
+from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import layouts
+from ringsplash import layouts, masks
 from ringsplash._scalar_checks import as_scalar
 from ringsplash._softmax import MASKED_LSE, fold_sinks, merge
 from ringsplash._types import Array, Bool, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_cache
 from ringsplash.inference.checks import check_model, is_int
+from ringsplash.inference.decode_kernel import NUM_LANES, decode_attention
 from ringsplash.model import Transformer, layer_segments
 from ringsplash.model.transformer import run_segment
 
@@ -45,6 +52,28 @@ _F32 = jnp.float32
 #: the loop (an 8B model's step over 64 chips compiled in 77 s unrolled). On a v5e chip, GQA 8:2 at 32K
 #: batch 8: 3.581 ms per step unrolled, 3.623 scanned (docs/tpu.md).
 UNROLL_LAYERS_UP_TO = 64
+#: what reads the cache in a step on one device (no mesh, the contiguous layout, a cache of whole 128-slot lanes,
+#: a causal / local / chunked mask): ``"auto"``: the Pallas kernel (``decode_kernel.decode_attention``: only the
+#: blocks that hold visible slots) when ``jax.default_backend()`` is ``"tpu"``, else XLA (every slot, masked);
+#: ``"kernel"``: the kernel, for a TPU (what an ahead-of-time compile for a TPU target from a CPU host needs);
+#: ``"interpret"``: the kernel in the Pallas TPU interpreter (the CPU tests); ``"xla"``: XLA. Read when a step
+#: is traced: a program compiled before a change keeps what it was traced with.
+DECODE_ATTENTION: Literal["auto", "kernel", "interpret", "xla"] = "auto"
+_MODES = ("auto", "kernel", "interpret", "xla")
+
+
+def _kernel_mode(max_len: int):
+    """None: XLA reads the cache; else the kernel does, the value its ``interpret`` (False, or the TPU
+    interpreter's ``InterpretParams``)."""
+    if DECODE_ATTENTION not in _MODES:
+        raise ValueError(f"ringsplash.inference.decode.DECODE_ATTENTION must be one of {_MODES}, got "
+                         f"{DECODE_ATTENTION!r}")
+    mode = DECODE_ATTENTION
+    if mode == "auto":
+        mode = "kernel" if jax.default_backend() == "tpu" else "xla"
+    if mode == "xla" or max_len % NUM_LANES:
+        return None
+    return pltpu.InterpretParams() if mode == "interpret" else False
 
 
 def decode_step(
@@ -136,8 +165,9 @@ def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, st
                 shards: int, axis_name: str | None):
     """One device's step on its cache slots ``[layers, batch, kv_heads, local_len, d]``: the logits (the
     same on every device) and its updated slots."""
+    kernel = _kernel_mode(max_len) if axis_name is None and layout == "contiguous" else None
     logits, new_k, new_v = _layers(eqx.combine(params, static), k_cache, v_cache, lengths, slot_positions, tokens,
-                                   lengths, None, max_len=max_len, axis_name=axis_name)
+                                   lengths, None, max_len=max_len, axis_name=axis_name, kernel=kernel)
     # the slot of each row's new position; a device that does not own it writes out of bounds (dropped)
     local_len = k_cache.shape[3]
     slot = lengths if layout == "contiguous" else jnp.asarray(
@@ -153,28 +183,41 @@ def _local_step(params, k_cache, v_cache, lengths, slot_positions, tokens, *, st
 
 
 def _layers(model, k_cache, v_cache, lengths, slot_positions, tokens, positions, pending, *, max_len: int,
-            axis_name: str | None):
+            axis_name: str | None, kernel=None):
     """The layers on one new token per row at ``positions``: its logits and keys / values ``[layers, kv_heads,
     batch, d]``. Each row attends the cache's slots below its ``lengths``, then ``pending`` (None, or the keys and
     values ``[layers, batch, kv_heads, n, d]`` of the row's n tokens fed earlier in the same program, not yet in
     the cache), then itself. The batch rides where the model's blocks take the sequence (projections, norms,
-    RoPE and MLP act per token), so no array is transposed or vmapped."""
+    RoPE and MLP act per token), so no array is transposed or vmapped. ``kernel`` (not None: one device, the
+    contiguous layout): the cache is read by ``decode_attention`` (``interpret=kernel``) where the layer's mask
+    bounds each row's visible slots to one range."""
     c = model.config
     x = model.embed(tokens)
     dynamic, layer_static = eqx.partition(model.layers, eqx.is_array)
+
+    bounds = {kind: None if kernel is None else _slot_range(c.make_mask(max_len, kind), positions, lengths)
+              for kind in c.attention_kinds}
+    in_kernel = all(b is not None for b in bounds.values())  # else XLA reads every layer's cache
 
     def step_for(kind):
         mask = c.make_mask(max_len, kind)
 
         def step(h, xs):
-            layer_params, k_layer, v_layer, pending_layer = xs
+            layer_params, k_layer, v_layer, pending_layer = xs  # in_kernel: k_layer is the layer's index
             layer = eqx.combine(layer_params, layer_static)
             visible = (slot_positions[None] < lengths[:, None]) & mask.mask_function(positions[:, None],
                                                                                      slot_positions[None])
 
             def attention(module, hn):
                 q, k, v = module.project_qkv(hn, positions, rope_len=max_len, layer_type=kind)  # [heads, batch, d]
-                o, lse = _attend_shards(c, q, k_layer, v_layer, visible, axis_name)
+                if in_kernel:  # the whole cache and the layer's index: the kernel reads the layer in place
+                    starts, ends = bounds[kind]
+                    o, lse = decode_attention(q.transpose(1, 0, 2), k_cache, v_cache, ends, starts, k_layer,
+                                              scale=c.features.attention_scale, soft_cap=c.logit_soft_cap,
+                                              interpret=kernel)
+                    o, lse = o.transpose(1, 0, 2), lse.T
+                else:
+                    o, lse = _attend_shards(c, q, k_layer, v_layer, visible, axis_name)
                 if pending_layer is not None:
                     pk, pv = pending_layer
                     n = pk.shape[2]
@@ -193,7 +236,9 @@ def _layers(model, k_cache, v_cache, lengths, slot_positions, tokens, positions,
     steps = {kind: step_for(kind) for kind in c.attention_kinds}
     new_k, new_v = [], []
     for seg in layer_segments(c.features.layer_types, c.num_layers):
-        x, (k_new, v_new) = run_segment(seg, steps, x, (dynamic, k_cache, v_cache, pending), c.num_layers,
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        xs = (dynamic, layer_ids, layer_ids, pending) if in_kernel else (dynamic, k_cache, v_cache, pending)
+        x, (k_new, v_new) = run_segment(seg, steps, x, xs, c.num_layers,
                                         unroll=axis_name is None and c.num_layers <= UNROLL_LAYERS_UP_TO)
         new_k.append(k_new)
         new_v.append(v_new)
@@ -253,13 +298,15 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
                              f"{held.tolist()}) would go past the model's max_seq_len={model.config.max_seq_len}; "
                              f"take fewer steps")
     known = _known(tokens, model.config.vocab_size)
+    kernel = _kernel_mode(max_len)
     side_k = jnp.zeros((layers, batch, kv_heads, 0, k_cache.shape[4]), k_cache.dtype)
     side_v = jnp.zeros((layers, batch, kv_heads, 0, v_cache.shape[4]), v_cache.dtype)
     chosen = []
     for step in range(int(steps)):  # unrolled: the side buffer grows by one slot a step
         positions = lengths + step
         logits, k_new, v_new = _layers(model, k_cache, v_cache, lengths, cache.slot_positions, tokens, positions,
-                                       None if step == 0 else (side_k, side_v), max_len=max_len, axis_name=None)
+                                       None if step == 0 else (side_k, side_v), max_len=max_len, axis_name=None,
+                                       kernel=kernel)
         # no slot or position (or an unknown first token): NaN, never silent
         logits = jnp.where(((positions < limit) & known)[:, None], logits, jnp.nan)
         # [layers, kv_heads, batch, d] -> one more slot of [layers, batch, kv_heads, slots, d]
@@ -267,13 +314,50 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
         side_v = jnp.concatenate([side_v, v_new.transpose(0, 2, 1, 3)[:, :, :, None].astype(side_v.dtype)], axis=3)
         tokens, carry = choose(logits, step, carry)
         chosen.append(tokens)
-    slots = lengths[:, None] + jnp.arange(steps)[None]
-    slots = jnp.where(slots < max_len, slots, max_len)  # past the end: dropped
-    rows = jnp.arange(batch)[:, None]
-    write = lambda cache_arr, side: cache_arr.at[:, rows, :, slots].set(side.transpose(1, 3, 0, 2, 4), mode="drop")
-    new_cache = dataclasses.replace(cache, k=write(k_cache, side_k), v=write(v_cache, side_v),
-                                    lengths=lengths + steps)
+    new_cache = dataclasses.replace(cache, k=_write_side(k_cache, side_k, lengths),
+                                    v=_write_side(v_cache, side_v, lengths), lengths=lengths + steps)
     return Decoded(jnp.stack(chosen), logits, new_cache, carry)
+
+
+def _write_side(cache_arr, side, lengths):
+    """``cache_arr [layers, batch, kv_heads, max_len, d]`` with each row's ``side [layers, batch, kv_heads, steps,
+    d]`` written at slots ``lengths[b] .. lengths[b] + steps - 1`` (slots past ``max_len`` dropped).
+
+    Several rows: one scatter over the batch and slot axes, which XLA's compile for v5e does in place on the
+    donated cache. One row: a ``dynamic_update_slice`` of ``steps`` slots, since there the scatter made XLA lay
+    the whole cache out again and back around the write: two copies of the cache per program (at 8 rows a
+    slice per row made it do the same; 2026-12-07). A row without room for all ``steps`` gets a window clamped
+    to the cache's end, its slots before ``lengths[0]`` rewritten as they were."""
+    max_len, steps = cache_arr.shape[3], side.shape[3]
+    if steps > max_len or side.shape[1] > 1:
+        slots = lengths[:, None] + jnp.arange(steps)[None]
+        rows = jnp.arange(side.shape[1])[:, None]
+        return cache_arr.at[:, rows, :, jnp.where(slots < max_len, slots, max_len)].set(
+            side.transpose(1, 3, 0, 2, 4).astype(cache_arr.dtype), mode="drop")
+    zero = jnp.int32(0)
+    start = jnp.clip(lengths[0], 0, max_len - steps).astype(jnp.int32)
+    index = (zero, zero, zero, start, zero)
+    old = lax.dynamic_slice(cache_arr, index, (*cache_arr.shape[:3], steps, cache_arr.shape[4]))
+    source = jnp.arange(steps) - (lengths[0] - start)  # the side slot each window slot takes (< 0: kept)
+    new = jnp.take(side, jnp.clip(source, 0, steps - 1), axis=3).astype(cache_arr.dtype)
+    return lax.dynamic_update_slice(cache_arr, jnp.where((source >= 0)[:, None], new, old), index)
+
+
+def _slot_range(mask, positions, lengths):
+    """``(starts, ends)`` int32 ``[batch]``: the contiguous cache slots ``starts <= slot < ends`` a query at
+    ``positions`` sees among the ``lengths`` cached, for a causal, local or chunked mask (None for another mask:
+    XLA reads the cache then)."""
+    kind = type(mask)
+    if kind is masks.CausalMask:
+        return jnp.zeros_like(lengths), jnp.minimum(lengths, positions + mask.offset + 1)
+    if kind is masks.LocalMask:
+        left, right = mask.window
+        p = positions + mask.offset
+        starts = jnp.zeros_like(lengths) if left is None else jnp.maximum(p - left, 0)
+        return starts, lengths if right is None else jnp.minimum(lengths, p + right + 1)
+    if kind is masks.ChunkedCausalMask:
+        return positions // mask.chunk_size * mask.chunk_size, jnp.minimum(lengths, positions + 1)
+    return None
 
 
 def _self_partial(c, q, k, v):

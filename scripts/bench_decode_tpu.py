@@ -1,0 +1,341 @@
+"""Benchmark on a TPU chip (issue 55): decode as users call it, in one process.
+
+1. Attention alone: ringsplash's decode kernel (``ringsplash.inference.decode_kernel.decode_attention``) beside
+   JAX's ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` (the decode kernel of vLLM's TPU backend) on
+   the same cache contents: one new query per row against a cache of ``bucket_length(prompt + 64)`` slots (the
+   cache ``generate`` builds) holding ``prompt`` live tokens per row; the same K / V copied into
+   ``ragged_paged_attention``'s pages (K and V interleaved on the head axis, each row's pages in order). Its
+   page layout is tried at a few sizes (``--rpa-configs``: page size x pages per block); the fastest that
+   compiles is its time. Milliseconds per call (calls dispatched back to back, one block at the end, the median
+   of ``--repeats``) and the ratio ``ragged_paged_attention / ours`` (> 1: ours is faster), the outputs' largest
+   difference as a check. A layer's K / V only, no model.
+2. ``rs.inference.generate(model, prompts, 64)`` with its defaults on the model of issue 40 (8 layers, d_model
+   1024, 8 heads of 128 or GQA 8:2, SwiGLU 4096, vocab 32768, bfloat16 parameters and compute, Splash
+   attention): ms per token = (time of 64 tokens - time of 1) / 63 (medians of ``--repeats``, after a call of
+   each that compiles everything); tokens/s = batch / that; roofline = (every parameter's bytes + the K / V of the
+   tokens held, read once per step: prompt + 32.5 on average over the 63 steps) / the chip's HBM bandwidth
+   (819 GB/s on v5e); % of roofline = roofline / measured. At batch 1 the ms per token is the latency per token.
+   The time of 1 token (a prefill and one sample) also gives a prefill MFU (a lower bound: it includes the
+   sample and the launch).
+
+A row whose memory would not fit the chip's HBM is skipped with the reason printed (MHA 128K batch 8: its KV
+cache alone is 43 GiB); an out-of-memory error at run time is reported as such.
+
+    python scripts/bench_decode_tpu.py                      # everything (estimated 6-10 minutes on one v5e chip,
+                                                            # mostly compiles and 128K prefills; not run yet)
+    python scripts/bench_decode_tpu.py --parts attention    # the kernels alone
+    python scripts/bench_decode_tpu.py --parts attention --block-bytes 262144,524288,1048576,2097152
+    python scripts/bench_decode_tpu.py --parts generate --batches 1 --steps-per-program 4,8,16
+    python scripts/bench_decode_tpu.py --cpu-smoke          # tiny shapes on the CPU (CI): checks the script
+
+``--block-bytes`` tries the kernel's block sizes (bytes of K per grid step; the fastest is reported, each in the
+note) and ``--steps-per-program`` generate's ``STEPS_PER_PROGRAM`` (a row each): what the defaults should be.
+
+It refuses to run without a TPU, except with ``--cpu-smoke`` (the kernels in the Pallas TPU interpreter, CPU
+times: never a TPU speed).
+"""
+
+import argparse
+import gc
+import importlib
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _model_bench as mb
+
+MODELS = {"mha": mb.Shape(), "gqa": mb.Shape(kv_heads=2)}
+SMOKE_MODELS = {"mha": mb.Shape(layers=2, d_model=256, heads=2, kv_heads=2, head_dim=128, mlp=512, vocab=256),
+                "gqa": mb.Shape(layers=2, d_model=256, heads=4, kv_heads=2, head_dim=128, mlp=512, vocab=256)}
+NEW_TOKENS = 64
+#: ragged_paged_attention's layouts tried: (page size, pages per block)
+RPA_CONFIGS = "128:8,128:32,256:16"
+#: the share of HBM a row may plan to use (the rest: XLA's temporaries, fragmentation)
+HBM_SHARE = 0.85
+
+
+def kv_bytes(shape: mb.Shape, batch: int, slots: int, layers: int, itemsize: int = 2) -> int:
+    return layers * batch * shape.kv_heads * 2 * shape.head_dim * slots * itemsize
+
+
+def timed(fn, args, repeats: int, calls: int) -> float:
+    """Median seconds of one call: ``calls`` dispatched back to back, one block at the end, ``repeats`` times."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------- 1. attention alone
+
+
+def rpa_inputs(k, v, lengths, page_size: int):
+    """``ragged_paged_attention``'s operands holding the cache ``k, v [batch, kv_heads, slots, d]``: pages
+    ``[batch * slots / page_size, page_size, 2 * kv_heads, d]`` (K and V interleaved on the head axis), each
+    row's pages in order."""
+    import jax.numpy as jnp
+
+    batch, kv_heads, slots, d = k.shape
+    pages = slots // page_size
+    paged = lambda x: x.reshape(batch, kv_heads, pages, page_size, d).transpose(0, 2, 3, 1, 4)
+    kv_pages = jnp.stack([paged(k), paged(v)], axis=4).reshape(batch * pages, page_size, 2 * kv_heads, d)
+    page_indices = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
+    cu_q_lens = jnp.arange(batch + 1, dtype=jnp.int32)
+    return kv_pages, lengths, page_indices, cu_q_lens, jnp.array([batch], jnp.int32)
+
+
+def attention_rows(args, shapes, prompts, batches, hbm):
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    from ringsplash.inference import bucket_length
+    from ringsplash.inference.decode_kernel import block_kv_for, decode_attention
+
+    interpret = pltpu.InterpretParams() if args.cpu_smoke else False
+    print("\n## decode attention alone: ringsplash's kernel beside ragged_paged_attention (one layer's K/V, the same "
+          "contents)\n")
+    print("| model | prompt | batch | cache slots | ours ms | block | ragged_paged_attention ms | its layout "
+          "| ratio (rpa / ours) | max abs diff | note |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
+    for name, shape in shapes.items():
+        for prompt in prompts:
+            for batch in batches:
+                slots = bucket_length(prompt + NEW_TOKENS, 128)
+                cells = [name, str(prompt), str(batch), str(slots)]
+                need = 3 * kv_bytes(shape, batch, slots, 1)  # ours, the paged copy and its build's temporary
+                if hbm is not None and need > HBM_SHARE * hbm:
+                    print("| " + " | ".join(cells + ["-"] * 6) + f" | skipped: three copies of the K/V "
+                          f"{need / 2**30:.1f} GiB > {HBM_SHARE:.0%} of {hbm / 2**30:.0f} GiB HBM |", flush=True)
+                    continue
+                d = shape.head_dim
+                keys = jax.random.split(jax.random.key(prompt + batch), 3)  # drawn on the device: GBs at 128K
+                k = jax.random.normal(keys[0], (batch, shape.kv_heads, slots, d), jnp.bfloat16)
+                v = jax.random.normal(keys[1], (batch, shape.kv_heads, slots, d), jnp.bfloat16)
+                q = jax.random.normal(keys[2], (batch, shape.heads, d), jnp.bfloat16)
+                lengths = jnp.full((batch,), prompt, jnp.int32)
+                note, ours, block, ours_out = "", None, None, None
+                for budget in args.block_bytes:  # the fastest block size tried; the others in the note
+                    bk = block_kv_for(slots, shape.kv_heads, d, 2, budget)
+                    ours_fn = jax.jit(lambda q, k, v, n, bk=bk: decode_attention(q, k, v, n, block_kv=bk,
+                                                                                 interpret=interpret)[0])
+                    try:
+                        t = timed(ours_fn, (q, k, v, lengths), args.repeats, args.attention_calls)
+                    except Exception as exc:
+                        note += f"ours at block {bk}: {mb.short_error(exc, 80)}; "
+                        continue
+                    if len(args.block_bytes) > 1:
+                        note += f"block {bk}: {1e3 * t:.3f} ms; "
+                    if ours is None or t < ours:
+                        ours, block, ours_out = t, bk, ours_fn(q, k, v, lengths)
+                if ours is None:
+                    print("| " + " | ".join(cells + ["-"] * 6) + f" | {note.rstrip('; ')} |", flush=True)
+                    continue
+                best, best_cfg, diff = None, "-", None
+                if not args.cpu_smoke:  # ragged_paged_attention looks up tuned sizes by TPU generation
+                    for cfg in args.rpa_configs.split(","):
+                        page, per_block = (int(x) for x in cfg.split(":"))
+                        if slots % page:
+                            continue
+                        operands = rpa_inputs(k, v, lengths, page)
+                        per_q = min(batch, 8)
+                        fn = jax.jit(lambda q, *ops, per_block=per_block, d=d, per_q=per_q: ragged_paged_attention(
+                            q, *ops, sm_scale=d**-0.5, num_kv_pages_per_block=per_block, num_queries_per_block=per_q))
+                        try:
+                            t = timed(fn, (q, *operands), args.repeats, args.attention_calls)
+                        except Exception as exc:
+                            note += f"rpa {cfg}: {mb.short_error(exc, 80)}; "
+                            continue
+                        if best is None or t < best:
+                            best, best_cfg = t, f"page {page}, {per_block} pages/block"
+                            diff = float(jnp.max(jnp.abs(fn(q, *operands).astype(jnp.float32) - ours_out)))
+                        del operands
+                        gc.collect()
+                else:
+                    note += "CPU: the TPU interpreter, not a TPU speed; ragged_paged_attention not run"
+                row = cells + [f"{1e3 * ours:.3f}", str(block), "-" if best is None else f"{1e3 * best:.3f}", best_cfg,
+                               "-" if best is None else f"{best / ours:.2f}x",
+                               "-" if diff is None else f"{diff:.2g}", note.rstrip("; ")]
+                print("| " + " | ".join(row) + " |", flush=True)
+                mb.log_line(args.log_file, kind="decode_attention", model=name, prompt=prompt, batch=batch,
+                            slots=slots, ours_s=ours, rpa_s=best, rpa_layout=best_cfg, max_abs_diff=diff, note=note)
+                del k, v, q, ours_out
+                gc.collect()
+
+
+# ----------------------------------------------------------------------------------------- 2. generate
+
+
+def roofline_s(config, counts: mb.Counts, shape: mb.Shape, batch: int, prompt: int, bandwidth: float) -> float:
+    """Every parameter + the K/V of the tokens held (mean over the 63 timed steps), read once per step."""
+    held = prompt + (1 + NEW_TOKENS) / 2
+    return (counts.param_bytes + kv_bytes(shape, batch, 1, config.num_layers) * held) / (bandwidth * 1e9)
+
+
+def time_generate(model, tokens, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``generate(model, tokens, 1)`` and of ``generate(model, tokens, 64)``, alternated (drifts
+    hit both), after a call of each that compiles everything (1 and 64 share the bucket at the chip's sizes)."""
+    import jax
+
+    import ringsplash as rs
+
+    for n in (1, NEW_TOKENS):
+        jax.block_until_ready(rs.inference.generate(model, tokens, n))
+    ones, manys = [], []
+    for _ in range(repeats):
+        for n, out in ((1, ones), (NEW_TOKENS, manys)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(rs.inference.generate(model, tokens, n))
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ones), statistics.median(manys)
+
+
+def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
+    import jax
+    import numpy as np
+
+    from ringsplash.inference import bucket_length
+    from ringsplash.model import Transformer
+
+    gen = importlib.import_module("ringsplash.inference.generate")
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_inference_tpu import prefill_flops
+
+    print(f"\n## generate(model, prompts, {NEW_TOKENS}) with its defaults\n")
+    print("| model | prompt | batch | cache slots | 1 token s | prefill MFU (lower bound) | ms / token "
+          "| tokens/s | roofline ms / token | % of roofline | note |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, shape in shapes.items():
+        config = mb.model_config(shape, max(prompts) + NEW_TOKENS, param_dtype=args.dtype, compute_dtype=args.dtype)
+        counts = mb.param_counts(config)
+        model = Transformer(config, key=jax.random.key(0))
+        for prompt in prompts:
+            for batch in batches:
+                slots = bucket_length(prompt + NEW_TOKENS, 128)
+                cells = [name, str(prompt), str(batch), str(slots)]
+                need = kv_bytes(shape, batch, slots, config.num_layers) + counts.param_bytes
+                if hbm is not None and need > HBM_SHARE * hbm:
+                    print("| " + " | ".join(cells + ["-"] * 6) + f" | skipped: KV cache + parameters "
+                          f"{need / 2**30:.1f} GiB > {HBM_SHARE:.0%} of {hbm / 2**30:.0f} GiB HBM |", flush=True)
+                    continue
+                tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32)
+                repeats = args.repeats if batch * prompt <= args.long_tokens else max(1, args.repeats - 1)
+                for per_call in args.steps_per_program:
+                    saved, gen.STEPS_PER_PROGRAM = gen.STEPS_PER_PROGRAM, per_call
+                    try:
+                        one, many = time_generate(model, tokens, repeats)
+                    except Exception as exc:
+                        why = "does not fit (out of memory)" if mb.is_oom(exc) else mb.short_error(exc)
+                        print("| " + " | ".join(cells + ["-"] * 6) + f" | {why} |", flush=True)
+                        gc.collect()
+                        continue
+                    finally:
+                        gen.STEPS_PER_PROGRAM = saved
+                    per_token = (many - one) / (NEW_TOKENS - 1)
+                    roof = roofline_s(config, counts, shape, batch, prompt, bandwidth) if bandwidth else None
+                    mfu = prefill_flops(config, counts, batch, prompt) / one / 1e12 / peak if peak else None
+                    note = f"{repeats} repeats" + ("; CPU times, not a TPU speed" if args.cpu_smoke else "")
+                    if len(args.steps_per_program) > 1:
+                        note = f"{per_call} steps per program; " + note
+                    row = cells + [f"{one:.3f}", "-" if mfu is None else f"{100 * mfu:.1f}%",
+                                   f"{1e3 * per_token:.3f}", f"{batch / per_token:,.0f}" if per_token > 0 else "-",
+                                   "-" if roof is None else f"{1e3 * roof:.3f}",
+                                   "-" if roof is None or per_token <= 0 else f"{100 * roof / per_token:.0f}%", note]
+                    print("| " + " | ".join(row) + " |", flush=True)
+                    mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
+                                steps_per_program=per_call, one_s=one, many_s=many, ms_per_token=1e3 * per_token,
+                                roofline_ms=None if roof is None else 1e3 * roof, prefill_mfu=mfu)
+                gc.collect()
+        del model
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--parts", default="attention,generate", help="attention and/or generate, comma-separated")
+    p.add_argument("--prompt-lens", default="8192,32768,131072", help="prompt lengths, comma-separated")
+    p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--models", default="mha,gqa", help="mha (8 kv heads) and/or gqa (2 kv heads), comma-separated")
+    p.add_argument("--dtype", default="bfloat16", help="parameter and compute dtype of the generate model")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is printed)")
+    p.add_argument("--long-tokens", type=int, default=262144,
+                   help="generate rows of more prompt tokens (batch x prompt) than this take one repeat fewer "
+                        "(their prefill dominates the run's time)")
+    p.add_argument("--block-bytes", default=None,
+                   help="decode kernel: bytes of K per grid step to try, comma-separated (the fastest is reported; "
+                        "default: decode_kernel.BLOCK_BYTES)")
+    p.add_argument("--steps-per-program", default=None,
+                   help="generate: STEPS_PER_PROGRAM values to try, comma-separated, a row each (default: "
+                        "generate's own)")
+    p.add_argument("--attention-calls", type=int, default=20, help="kernel calls per timed run")
+    p.add_argument("--rpa-configs", default=RPA_CONFIGS,
+                   help="ragged_paged_attention layouts tried, page_size:pages_per_block, comma-separated")
+    p.add_argument("--peak-tflops", type=float, help="the chip's peak TF/s (default: the table for the device kind)")
+    p.add_argument("--hbm-gbps", type=float, help="the chip's HBM GB/s (default: the table for the device kind)")
+    p.add_argument("--log", default="bench_decode_tpu.jsonl", help="one JSON line per row (appended)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on the CPU (2 layers, prompt 200, batch 2): checks the script")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    device = mb.start("bench_decode_tpu.py", args.cpu_smoke)
+    parts = set(args.parts.split(","))
+    if not parts <= {"attention", "generate"}:
+        sys.exit(f"--parts: expected attention and/or generate, got {args.parts!r}")
+    shapes = {name: MODELS[name] for name in args.models.split(",")}
+    kernel_module = importlib.import_module("ringsplash.inference.decode_kernel")
+    args.block_bytes = [int(x) for x in (args.block_bytes or str(kernel_module.BLOCK_BYTES)).split(",")]
+    gen_module = importlib.import_module("ringsplash.inference.generate")
+    args.steps_per_program = [int(x) for x in (args.steps_per_program or str(gen_module.STEPS_PER_PROGRAM)).split(",")]
+    prompts = [int(s) for s in args.prompt_lens.split(",")]
+    batches = [int(s) for s in args.batches.split(",")]
+    if args.cpu_smoke:
+        shapes = {name: SMOKE_MODELS[name] for name in shapes}
+        prompts, batches, args.repeats, args.attention_calls = [200], [2], 2, 2
+    peak = mb.chip_rate(mb.PEAK_BF16_TFLOPS, device, args.peak_tflops)
+    bandwidth = mb.chip_rate(mb.HBM_GBPS, device, args.hbm_gbps)
+    chip = mb.chip_name(device)
+    hbm = None
+    if chip:
+        from ringsplash import aot
+
+        hbm = aot.chip(chip).hbm_bytes
+    print(mb.device_line(device))
+    print(f"command: {' '.join([os.path.basename(sys.argv[0]), *(sys.argv[1:] if argv is None else argv)])}")
+    if args.cpu_smoke:
+        print("--cpu-smoke: tiny shapes on the CPU: these are CPU times, not a TPU speed")
+    print(f"peak: {f'{peak:g} TF/s bf16' if peak else 'unknown'}; HBM bandwidth: "
+          f"{f'{bandwidth:g} GB/s' if bandwidth else 'unknown'} (--peak-tflops / --hbm-gbps set them)")
+    decode = importlib.import_module("ringsplash.inference.decode")
+    generate = importlib.import_module("ringsplash.inference.generate")
+    print(f"decode defaults: DECODE_ATTENTION={decode.DECODE_ATTENTION!r} (the kernel on a TPU), "
+          f"STEPS_PER_PROGRAM={generate.STEPS_PER_PROGRAM}, bucket=True")
+    start = time.perf_counter()
+    with open(args.log, "a") as log:
+        args.log_file = log
+        if "attention" in parts:
+            attention_rows(args, shapes, prompts, batches, hbm)
+        if "generate" in parts:
+            generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""``decode_attention``: a Pallas TPU kernel for one new query per row against its KV cache, reading only the
+cache blocks that hold visible slots.
+
+Each row ``b`` attends the slots ``starts[b] <= slot < lengths[b]`` of its cache ``[kv_heads, max_len, d]``
+(``starts`` 0 for a causal mask; a sliding window or a chunk raises it). The grid runs over ``(batch, kv
+blocks)``; the kv blocks' index map starts at the row's first live block and clamps to its last, so the steps
+past a row's length name the block already in VMEM and the pipeline issues no copy for them: slots past the
+length (a bucket's padding, a row shorter than the batch's longest) cost no HBM bandwidth, only a grid step
+each. One block holds every kv head of its slots, and the kernel runs all the query heads of a GQA group
+against their kv head's block: K and V are read from HBM once per step, whatever the group size.
+
+The arithmetic is the oracle's (``_local_partial`` in ``decode.py``): float32 scores times ``scale``, the
+optional soft-cap, online softmax in float32, ``P`` cast to V's dtype for ``P @ V``. It returns the partial
+``(o, lse)`` (float32) that ``decode.py`` merges with the tokens fed earlier in the same program and with the
+token itself; a row with nothing visible gives ``o = 0``, ``lse = MASKED_LSE``.
+
+Stale slots (past a row's length) must hold finite values, as for the XLA path: their scores are masked, and
+``0 * V`` of a finite ``V`` is 0.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ringsplash._softmax import MASKED_LSE
+from ringsplash._types import Array, Float, Int
+
+NUM_LANES = 128
+#: bytes of K that one grid step reads (all kv heads of ``block_kv`` slots; V as much again): large enough that
+#: a step's copy (about 2.6 us for K and V at v5e's 819 GB/s) hides the pipeline's fixed cost per step (about
+#: 0.35 us, the Pallas TPU guide's figure), small enough that the double-buffered K and V blocks (4 MiB) sit
+#: well inside v5e's 16 MiB scoped VMEM. Not tuned on a chip yet (2026-12-07).
+BLOCK_BYTES = 1 << 20
+#: the largest block of slots a step reads (one kv head of 128: 1 MiB of bfloat16)
+MAX_BLOCK_KV = 4096
+_F32 = jnp.float32
+
+
+def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None) -> int:
+    """The slots per grid step: the largest multiple of 128 that divides ``max_len`` and keeps a K block within
+    ``block_bytes`` (None: ``BLOCK_BYTES``; at least 128 slots, at most ``MAX_BLOCK_KV``). ``max_len`` must be a
+    multiple of 128."""
+    if max_len % NUM_LANES:
+        raise ValueError(f"decode_attention: the cache's max_len must be a multiple of {NUM_LANES}, got {max_len=}")
+    block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+    target = max(1, min(block_bytes // (kv_heads * head_dim * itemsize), MAX_BLOCK_KV) // NUM_LANES)
+    lanes = max_len // NUM_LANES
+    return NUM_LANES * max(k for k in range(1, min(target, lanes) + 1) if lanes % k == 0)
+
+
+# ----------------------------------------------------------------------------------------
+# kernel body
+
+
+def _decode_kernel(
+    # prefetched
+    layer_ref, starts_ref, lengths_ref,
+    # inputs
+    q_ref, k_ref, v_ref,
+    # outputs
+    o_ref, lse_ref,
+    # scratch
+    m_ref, l_ref, acc_ref,
+    *, block_kv: int, scale: float, soft_cap: float | None,
+):
+    b, j = pl.program_id(0), pl.program_id(1)
+    start, length = starts_ref[b], lengths_ref[b]
+    block = lax.div(start, block_kv) + j  # the block this step stands for (its copy is skipped past the last)
+    kv_heads = k_ref.shape[0]
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, _F32)
+        l_ref[...] = jnp.zeros(l_ref.shape, _F32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
+
+    @pl.when((block * block_kv < length) & (start < length))
+    def _compute():
+        slot = block * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        visible = (slot >= start) & (slot < length)
+        for h in range(kv_heads):  # static: every query head of the group against this kv head's block
+            q = q_ref[h]  # [group, d]
+            s = lax.dot_general(q, k_ref[h], (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(visible, s, -jnp.inf)  # [group, block_kv]; every processed block has a visible slot
+            m_prev = m_ref[h]  # [group, 128], the lanes equal
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s - m_next[:, :1])
+            l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+            m_ref[h] = m_next
+            pv = lax.dot_general(p.astype(v_ref.dtype), v_ref[h], (((1,), (0,)), ((), ())),
+                                 preferred_element_type=_F32)
+            acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _finish():
+        for h in range(kv_heads):
+            l = l_ref[h]
+            empty = l == 0.0  # nothing visible: o = 0, lse = MASKED_LSE
+            safe = jnp.where(empty, 1.0, l)
+            o_ref[h] = (acc_ref[h] / safe[:, :1]).astype(o_ref.dtype)
+            lse_ref[h] = jnp.where(empty, MASKED_LSE, m_ref[h] + jnp.log(safe))
+
+
+# ----------------------------------------------------------------------------------------
+# index maps
+
+
+def _row_map(b, j, layer_ref, starts_ref, lengths_ref):
+    return b, 0, 0, 0
+
+
+def _kv_map(b, j, layer_ref, starts_ref, lengths_ref, *, block_kv: int):
+    """Block ``first + j`` of row ``b`` in layer ``layer_ref[0]``, clamped to the row's last live block: no copy
+    past the length."""
+    first = lax.div(starts_ref[b], block_kv)  # lax.div: the operands are >= 0 (jnp's // lowers through sign)
+    last = jnp.maximum(lax.div(jnp.maximum(lengths_ref[b] - 1, 0), block_kv), first)
+    return layer_ref[0], b, 0, jnp.minimum(first + j, last), 0
+
+
+# ----------------------------------------------------------------------------------------
+# pallas_call wrapper
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "block_kv", "interpret"))
+def decode_attention(
+    q: Float[Array, "batch heads d"],
+    k: Float[Array, "*layers batch kv_heads max_len d"],
+    v: Float[Array, "*layers batch kv_heads max_len dv"],
+    lengths: Int[Array, " batch"],
+    starts: Int[Array, " batch"] | None = None,
+    layer: Int[Array, ""] | int = 0,
+    *,
+    scale: float | None = None,
+    soft_cap: float | None = None,
+    block_kv: int | None = None,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> tuple[Float[Array, "batch heads dv"], Float[Array, "batch heads"]]:
+    """Float32 ``(o, lse)`` of each row's query heads over its cache slots ``starts[b] <= slot < lengths[b]``
+    (``starts`` None: 0). ``k`` and ``v`` may hold every layer's cache (``[layers, batch, ...]``, the
+    ``KVCache`` arrays): ``layer`` (an int32 scalar, traced or not) picks one, read in place (a slice passed to the
+    kernel would be copied first, every layer of every step). ``heads`` is a multiple of ``kv_heads`` (query head
+    ``i`` reads kv head ``i // (heads // kv_heads)``); ``max_len`` a multiple of 128. ``scale`` None: ``d ** -0.5``.
+    ``block_kv``: slots per grid step (None: ``block_kv_for``). ``interpret``: the Pallas TPU interpreter (CPU
+    tests)."""
+    if k.ndim == 4:  # one layer: a leading axis of 1 (a bitcast, no copy)
+        k, v = k[None], v[None]
+    batch, heads, d = q.shape
+    _, _, kv_heads, max_len, dv = v.shape
+    if k.shape[1:] != (batch, kv_heads, max_len, d) or v.shape[0] != k.shape[0] or heads % kv_heads:
+        raise ValueError(f"decode_attention: expected q [batch, heads, d], k [batch, kv_heads, max_len, d] and v "
+                         f"[batch, kv_heads, max_len, dv] with kv_heads dividing heads, got q.shape={q.shape}, "
+                         f"k.shape={k.shape}, v.shape={v.shape}")
+    if lengths.shape != (batch,) or (starts is not None and starts.shape != (batch,)):
+        raise ValueError(f"decode_attention: lengths and starts must be int [batch={batch}], got "
+                         f"lengths.shape={lengths.shape}, starts.shape={None if starts is None else starts.shape}")
+    if block_kv is None:
+        block_kv = block_kv_for(max_len, kv_heads, d, k.dtype.itemsize)
+    if max_len % block_kv or block_kv % NUM_LANES:
+        raise ValueError(f"decode_attention: block_kv must be a multiple of {NUM_LANES} dividing max_len={max_len}, "
+                         f"got {block_kv=}")
+    group = heads // kv_heads
+    scale = d**-0.5 if scale is None else float(scale)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, max_len)
+    starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.maximum(starts.astype(jnp.int32), 0)
+    empty = starts >= lengths  # nothing visible: (0, 0), so the index map names block 0, never one past the end
+    starts, lengths = jnp.where(empty, 0, starts), jnp.where(empty, 0, lengths)
+    qg = q.reshape(batch, kv_heads, group, d)
+    kv_map = functools.partial(_kv_map, block_kv=block_kv)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(batch, max_len // block_kv),
+        in_specs=[
+            pl.BlockSpec((None, kv_heads, group, d), _row_map),
+            pl.BlockSpec((None, None, kv_heads, block_kv, d), kv_map),
+            pl.BlockSpec((None, None, kv_heads, block_kv, dv), kv_map),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, kv_heads, group, dv), _row_map),
+            pl.BlockSpec((None, kv_heads, group, NUM_LANES), _row_map),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((kv_heads, group, NUM_LANES), _F32),  # m
+            pltpu.VMEM((kv_heads, group, NUM_LANES), _F32),  # l
+            pltpu.VMEM((kv_heads, group, dv), _F32),  # acc
+        ],
+    )
+    kernel = functools.partial(_decode_kernel, block_kv=block_kv, scale=scale, soft_cap=soft_cap)
+    live = batch * kv_heads * max_len  # an upper bound: the slots read are at most these
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, group, dv), _F32),
+                   jax.ShapeDtypeStruct((batch, kv_heads, group, NUM_LANES), _F32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=None if interpret else ("parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * live * group * (d + dv), transcendentals=live * group,
+            bytes_accessed=int(live * (d * k.dtype.itemsize + dv * v.dtype.itemsize) + q.size * q.dtype.itemsize)),
+        interpret=interpret,
+        name="ringsplash_decode_attention",
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), starts, lengths, qg, k, v)
+    return o.reshape(batch, heads, dv), lse[..., 0].reshape(batch, heads)
+
+
+def decode_attention_reference(q, k, v, lengths, starts=None, *, scale=None, soft_cap=None):
+    """The dense float32 oracle of ``decode_attention`` (same arguments but the kernel's): every slot scored,
+    the invisible ones masked."""
+    batch, heads, d = q.shape
+    kv_heads, max_len = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    starts = jnp.zeros((batch,), jnp.int32) if starts is None else starts
+    qg = q.astype(_F32).reshape(batch, kv_heads, heads // kv_heads, d)
+    s = jnp.einsum("bhgd,bhkd->bhgk", qg, k.astype(_F32), precision="highest") * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    slot = jnp.arange(max_len)
+    visible = (slot[None] >= starts[:, None]) & (slot[None] < lengths[:, None])
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, -1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, -1)
+    safe = jnp.where(l == 0, 1.0, l)
+    o = jnp.einsum("bhgk,bhkd->bhgd", p, v.astype(_F32), precision="highest") / safe[..., None]
+    lse = jnp.where(l == 0, MASKED_LSE, m[..., 0] + jnp.log(safe))
+    return o.reshape(batch, heads, -1), lse.reshape(batch, heads)
+
+
+__all__ = ["BLOCK_BYTES", "block_kv_for", "decode_attention", "decode_attention_reference"]
