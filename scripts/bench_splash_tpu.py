@@ -281,7 +281,7 @@ class RowResult(NamedTuple):
 def measure_row(measure_one, candidates: dict, rounds: int) -> RowResult:
     """Measure one row: ringsplash's default and each implementation's candidates, ``rounds`` times, the
     order reversed every other round, so that a slow spell of the chip (one process measured the same
-    row 1.9x slower once, session 7) falls on each side; each entry keeps its fastest round.
+    row 1.9x slower once, 2026-12-06) falls on each side; each entry keeps its fastest round.
     ``measure_one(impl, cand) -> (ms or None, error)``; ``candidates``: implementation -> its candidates."""
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
