@@ -105,7 +105,7 @@ def main(config: Config) -> list[dict]:
     import numpy as np
 
     from ringsplash import data, train
-    from ringsplash.model import Transformer, TransformerConfig
+    from ringsplash.model import ContextParallel, Transformer, TransformerConfig
     from ringsplash.splash import SplashConfig
 
     S, b = config.seq_len, config.block
@@ -113,7 +113,7 @@ def main(config: Config) -> list[dict]:
         vocab_size=config.vocab_size, d_model=config.d_model, num_layers=config.num_layers,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim or None,
         mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
-        max_seq_len=S, sinks=True, logit_soft_cap=30.0,
+        max_seq_len=S, sinks=True, logit_soft_cap=30.0, context_parallel=ContextParallel("reference"),  # the oracle
         splash=SplashConfig(block_q=b, block_kv=b, block_q_dkv=b, block_kv_dkv=b, backend=config.backend),
     )
     model = Transformer(base, key=jax.random.key(config.seed))

@@ -46,6 +46,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _figures
 import _model_bench as mb
 
 MODELS = {"mha": mb.Shape(), "gqa": mb.Shape(kv_heads=2)}
@@ -234,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time generate with bucket=True (its default: the cache sized by bucket_length, each step "
                         "reading the live slots with the decode kernel) instead of the exact length")
     p.add_argument("--raise-errors", action="store_true", help="raise errors other than out-of-memory")
+    p.add_argument("--record", action="store_true",
+                   help="write each row's prefill, decode and generate figures into docs/figures.json "
+                        "(scripts/_figures.py)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (2 layers, prompt 256, batches 1 / 2): checks the script")
     return p
@@ -324,8 +328,37 @@ def main(argv=None) -> None:
                                     hbm_gbps=bandwidth)
                         print(f"| {name} ({shape.label}) | {prompt} | {batch} | " + " | ".join(cells) + " |",
                               flush=True)
+                        if args.record and not args.cpu_smoke:
+                            record_row(row, config, counts, name, batch, prompt, args, peak, bandwidth, per_call,
+                                       device.device_kind)
             del model
             gc.collect()
+
+
+def record_row(row: Row, config, counts, name: str, batch: int, prompt: int, args, peak, bandwidth, per_call: int,
+               device_kind: str) -> None:
+    """``inference_tpu/<model>:<prompt>:<batch>:<steps per program>[:bucket]`` in docs/figures.json: prefill
+    seconds and MFU, the decode program's ms per step, ``generate``'s ms per token, each against the roofline."""
+    values = {"note": row.note} if row.note else {}
+    roof = None
+    if row.prefill_s is not None:
+        tflops = prefill_flops(config, counts, batch, prompt) / row.prefill_s / 1e12
+        values |= {"prefill_s": round(row.prefill_s, 3), "prefill_tflops": round(tflops, 1)}
+        if peak:
+            values["prefill_mfu_pct"] = round(100 * tflops / peak, 1)
+    if row.decode_s is not None:
+        context = prompt + (2 * per_call + decoded(args, per_call)) / 2
+        roof = decode_bytes(config, counts, batch, context) / (bandwidth * 1e9) if bandwidth else None
+        values |= {"decode_ms": round(1e3 * row.decode_s, 3), "decode_tokens_per_s": round(batch / row.decode_s)}
+        if roof:
+            values |= {"roofline_ms": round(1e3 * roof, 3), "decode_roofline_pct": round(100 * roof / row.decode_s)}
+    if row.generate_s is not None and row.generate_s > 0:
+        values |= {"generate_ms": round(1e3 * row.generate_s, 3),
+                   "generate_tokens_per_s": round(batch / row.generate_s)}
+        if roof:
+            values["generate_roofline_pct"] = round(100 * roof / row.generate_s)
+    key = f"{name}:{prompt}:{batch}:{per_call}" + (":bucket" if row.generate_bucket else "")
+    _figures.record("inference_tpu", key, values, _figures.provenance(device_kind))
 
 
 def cells_of(row: Row, config, counts, batch: int, prompt: int, args, peak, bandwidth, per_call: int = 1) -> list[str]:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _figures
 from _bench import median_of
 
 HEADS, HEAD_DIM = 16, 128
@@ -65,6 +66,13 @@ class Row:
         name = {"causal": "causal", "local": f"window {WINDOW}", "docs": f"{DOCS} docs"}[self.mask]
         return f"{name} {self.seq_len // 1024}K {'fwd+bwd' if self.bwd else 'fwd'}" + (
             f" ({', '.join(extra)})" if extra else "")
+
+    @property
+    def spec(self) -> str:
+        """The row as ``--rows`` spells it (its key in docs/figures.json)."""
+        extra = ([f"d={self.head_dim}"] if self.head_dim != HEAD_DIM else []) + (
+            [f"group={self.heads // self.kv_heads}"] if self.kv_heads != self.heads else [])
+        return ":".join([self.mask, str(self.seq_len), "bwd" if self.bwd else "fwd", *extra])
 
     def pairs(self) -> int:
         """Attended (query, key) pairs of one head."""
@@ -281,7 +289,7 @@ class RowResult(NamedTuple):
 def measure_row(measure_one, candidates: dict, rounds: int) -> RowResult:
     """Measure one row: ringsplash's default and each implementation's candidates, ``rounds`` times, the
     order reversed every other round, so that a slow spell of the chip (one process measured the same
-    row 1.9x slower once, session 7) falls on each side; each entry keeps its fastest round.
+    row 1.9x slower once, 2026-12-06) falls on each side; each entry keeps its fastest round.
     ``measure_one(impl, cand) -> (ms or None, error)``; ``candidates``: implementation -> its candidates."""
     if rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {rounds}")
@@ -304,6 +312,24 @@ def measure_row(measure_one, candidates: dict, rounds: int) -> RowResult:
     return RowResult(min(default) if default else None, error, max(default) / min(default) if default else 1.0, best)
 
 
+def record_row(row: Row, result: RowResult, impls: list[str], args, device_kind: str) -> None:
+    """``splash_tpu/<row spec>`` in docs/figures.json: ringsplash's default and each peer's best, ms and TF/s,
+    and the faster peer's time over the default."""
+    tf = lambda ms: round(row.flops() / (ms * 1e-3) / 1e12, 1)
+    values = {"ringsplash_ms": round(result.default, 3), "ringsplash_tflops": tf(result.default)}
+    peers = []
+    for impl in impls:
+        ms = result.best[impl][0]
+        if impl != "ringsplash" and ms:
+            values |= {f"{impl}_ms": round(ms, 3), f"{impl}_tflops": tf(ms)}
+            peers.append(ms)
+    if peers:
+        values["faster_peer_over_ringsplash"] = round(min(peers) / result.default, 3)
+    values["timing"] = (f"back to back, {args.back_to_back} calls a sample" if args.back_to_back > 1
+                        else "blocked on every call") + f", {args.rounds} round(s)"
+    _figures.record("splash_tpu", row.spec, values, _figures.provenance(device_kind))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
@@ -320,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="best / all: the candidate blocks of each implementation; none: only ringsplash's default")
     parser.add_argument("--impls", default="ringsplash,jax,tokamax", help="implementations with candidates")
     parser.add_argument("--log", default="bench_splash_tpu.jsonl", help="one JSON line per measurement")
+    parser.add_argument("--record", action="store_true",
+                        help="write each row's default and peers' times into docs/figures.json (scripts/_figures.py)")
     parser.add_argument("--set", dest="overrides",
                         help="SplashConfig fields for every ringsplash config, key=value,... (e.g. "
                              "skip_empty_quadrants=false)")
@@ -377,6 +405,8 @@ def main(argv=None):
                 ratios.append(f"{ms / base:.2f}" if ms and base else "-")
             spread = f" | {result.default_spread:.2f}" if args.rounds > 1 else ""
             print(f"| {row.label} | " + " | ".join(cells) + " | " + " | ".join(ratios) + spread + " |", flush=True)
+            if args.record and base:
+                record_row(row, result, impls, args, device.device_kind)
 
 
 if __name__ == "__main__":

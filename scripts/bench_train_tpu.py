@@ -42,6 +42,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _figures
 import _model_bench as mb
 
 ATTENTIONS = ("ringsplash", "ringsplash-noseg", "xla", "jax-splash")
@@ -220,6 +221,20 @@ def row_cells(config, counts, res: Result, batch: int, seq_len: int, peak: float
             f"{res.loss:.4f}", ""]
 
 
+def record_row(config, counts, res: Result, attention: str, label: str, batch: int, seq_len: int,
+               peak: float | None, device_kind: str) -> None:
+    """``train_tpu/<attention>:<S>:<layers x d_model>`` in docs/figures.json: step ms, tokens/s, TF/s, MFU."""
+    if res.step_s is None:
+        values = {"error": "out of memory" if res.oom else str(res.error)}
+    else:
+        tflops = train_flops(config, counts, batch, seq_len) / res.step_s / 1e12
+        values = {"step_ms": round(1e3 * res.step_s, 1), "tokens_per_s": round(batch * seq_len / res.step_s),
+                  "tflops": round(tflops, 1), "batch": batch}
+        if peak:
+            values["mfu_pct"] = round(100 * tflops / peak, 1)
+    _figures.record("train_tpu", f"{attention}:{seq_len}:{label}", values, _figures.provenance(device_kind))
+
+
 HEADER = ("| row | attention | model (layers x d_model) | S | batch | step ms | tokens/s | TF/s | MFU | first loss "
           "| note |")
 
@@ -258,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=3, help="steps traced with --profile")
     p.add_argument("--top", type=int, default=15, help="ops printed by --profile")
     p.add_argument("--log", default="bench_train_tpu.jsonl", help="one JSON line per measurement (appended)")
+    p.add_argument("--record", action="store_true",
+                   help="write each (a)/(c) row's step time and MFU into docs/figures.json (scripts/_figures.py)")
     p.add_argument("--raise-errors", action="store_true", help="raise errors other than out-of-memory")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (2 layers, d_model 256, S 256, 1 timed step): checks the script")
@@ -322,6 +339,8 @@ def main(argv=None) -> None:
                             flops=train_flops(cfg, counts, args.batch, s), peak_tflops=peak)
                 print(f"| (a)/(c) | {attention} | {shape.label} | {s} | {args.batch} | " + " | ".join(cells) + " |",
                       flush=True)
+                if args.record and not args.cpu_smoke:
+                    record_row(cfg, counts, res, attention, shape.label, args.batch, s, peak, device.device_kind)
         if not args.find_largest:
             return
         for s in find_lengths:

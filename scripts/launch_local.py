@@ -166,7 +166,7 @@ def launch(args) -> int:
             penv = {**env, **local_launch_env(coordinator, args.processes, i, args.devices,
                                               heartbeat_timeout=args.heartbeat_timeout)}
             cmd = [sys.executable, "-m", "ringsplash.distributed", args.script, "--", *args.script_args]
-            # own session: the whole process group can be stopped, children included
+            # a process group of its own: the whole group can be stopped, children included
             p = subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  start_new_session=True)
             procs.append(p)

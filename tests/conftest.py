@@ -1,4 +1,4 @@
-"""Test session set-up: CPU platform with 8 simulated devices, set before JAX initialises.
+"""Test-run set-up: CPU platform with 8 simulated devices, set before JAX initialises.
 
 TPU code is proven here without a TPU: Pallas interpret mode for numerics, libtpu compiles for
 real TPU topologies (``jax.experimental.topologies``) and simulated CPU meshes.
@@ -85,7 +85,7 @@ import pytest  # noqa: E402
 EXPENSIVE_KINDS = ("tpu_compile", "multiprocess", "e2e")
 #: a fast-tier test over this many seconds (setup + call) is listed in the terminal summary
 FAST_BUDGET_S = float(os.environ.get("RINGSPLASH_FAST_BUDGET_S", "5"))
-#: RINGSPLASH_FAST_BUDGET_STRICT=1: a fast-tier test over 3x the budget fails the session (off by
+#: RINGSPLASH_FAST_BUDGET_STRICT=1: a fast-tier test over 3x the budget fails the run (off by
 #: default: this machine is shared and its timings are noisy)
 FAST_BUDGET_STRICT = os.environ.get("RINGSPLASH_FAST_BUDGET_STRICT") == "1"
 _fast_durations: dict[str, float] = {}  # nodeid -> setup + call seconds

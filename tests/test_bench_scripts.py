@@ -213,7 +213,7 @@ def test_bench_splash_tpu_rounds_alternate_the_order_and_keep_each_entrys_fastes
     with pytest.raises(ValueError, match="--rounds must be at least 1, got 0"):
         bench.measure_row(measure_one, candidates, rounds=0)
     # ringsplash's own candidates: its best is the fastest candidate, never the default entry (which has no
-    # blocks to print) even when the default is faster (session 8's run crashed printing it)
+    # blocks to print) even when the default is faster (the chip run of 2026-12-06 crashed printing it)
     own = bench.measure_row(lambda impl, cand: (1.0 if cand is None else 2.0, ""), {"ringsplash": ["x"]}, 1)
     assert own.default == 1.0 and own.best == {"ringsplash": (2.0, "x")}
 

@@ -114,7 +114,7 @@ def test_padding_bad_input_names_the_argument():
 @pytest.fixture(scope="module")
 def reference():
     """(model, batch, the reference strategy's logits on it)."""
-    model = Transformer(_config(), key=jax.random.key(0))
+    model = Transformer(_config(context_parallel=ContextParallel("reference")), key=jax.random.key(0))  # the oracle
     batch = _batch()
     forward = eqx.filter_jit(lambda m, b: jax.vmap(m)(b.tokens, b.positions, b.segment_ids))
     return model, batch, np.asarray(forward(model, batch))

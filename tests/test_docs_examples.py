@@ -10,6 +10,11 @@ and a file whose blocks each run in a fresh interpreter says so once, anywhere i
 
     <!-- docs examples: each block alone -->
 
+A file whose ```bash blocks run too, in the page's order with its python blocks (``python`` is this
+interpreter; ``scripts/`` is the repository's), says::
+
+    <!-- docs examples: shell blocks run too -->
+
 Every other block runs; one that raises fails its file's test, pointing at the markdown's own line (the
 blocks are compiled with the markdown's file name and line numbers).
 """
@@ -30,6 +35,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->\s*$")
 EACH_ALONE = "<!-- docs examples: each block alone -->"
+WITH_SHELL = "<!-- docs examples: shell blocks run too -->"
+#: a ```bash block as python: the block run by bash -e, ``python`` being this interpreter
+SHELL = "import subprocess; subprocess.run(['bash', '-ec', {script!r}], check=True)\n"
 TIMEOUT_S = 600  # generous for a loaded 2-core machine; a file's blocks take ~10-60 s of CPU
 
 
@@ -43,10 +51,12 @@ class Block:
 
 def python_blocks(path: pathlib.Path) -> list[Block]:
     """The ```python blocks of a markdown file, each with the reason it is not run (or None)."""
-    lines = path.read_text().splitlines()
+    text = path.read_text()
+    lines = text.splitlines()
+    fences = ("```python", "```bash") if WITH_SHELL in text else ("```python",)
     blocks, i = [], 0
     while i < len(lines):
-        if lines[i].strip() == "```python":
+        if lines[i].strip() in fences:
             j = i + 1
             while j < len(lines) and lines[j].strip() != "```":
                 j += 1
@@ -56,6 +66,8 @@ def python_blocks(path: pathlib.Path) -> list[Block]:
                 k -= 1
             mark = NOT_RUN.match(lines[k].strip()) if k >= 0 else None
             code = textwrap.dedent("\n".join(lines[i + 1:j]) + "\n")  # a block in a list item is indented
+            if lines[i].strip() == "```bash":
+                code = SHELL.format(script=f'python() {{ "{sys.executable}" "$@"; }}\n' + code)
             blocks.append(Block(path, i + 2, code, mark and mark["reason"]))
             i = j
         i += 1
@@ -75,6 +87,8 @@ for b in json.load(open(sys.argv[1])):
 
 def run_blocks(blocks: list[Block], cwd: pathlib.Path) -> subprocess.CompletedProcess:
     """Run ``blocks`` in order in a fresh interpreter started in ``cwd`` (one namespace)."""
+    if not (cwd / "scripts").exists():
+        (cwd / "scripts").symlink_to(ROOT / "scripts")  # shell blocks run the repository's scripts
     spec = cwd / ".docs_blocks.json"
     spec.write_text(json.dumps([{"path": str(b.path), "line": b.line, "code": b.code} for b in blocks]))
     return subprocess.run([sys.executable, "-c", RUNNER, str(spec)], cwd=cwd, capture_output=True, text=True,

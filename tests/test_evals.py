@@ -536,7 +536,7 @@ def test_lm_eval_cli_runs_model_ringsplash_on_a_local_task(hf_dir, tmp_path, com
         script = pathlib.Path(sys.executable).parent / "lm_eval"
         prefix = [str(script)] if script.exists() else [
             sys.executable, "-c", "import sys; from lm_eval.__main__ import cli_evaluate; sys.exit(cli_evaluate())"]
-        env.pop("PYTHONPATH", None)  # what the installed package gives, nothing from the test session
+        env.pop("PYTHONPATH", None)  # what the installed package gives, nothing from the test run
     else:
         prefix = [sys.executable, "-m", "ringsplash.evals.lm_eval_cli"]
 

@@ -32,7 +32,7 @@ def _job(name):
 
 
 def _user_env(**extra):
-    """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test session's TPU settings."""
+    """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test run's TPU settings."""
     env = child_env()
     for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):
         env.pop(name, None)
@@ -126,7 +126,7 @@ def _table(stdout):
 
 @pytest.mark.e2e
 def test_byte_lm_killed_resumes_to_the_uninterrupted_state_and_continues(corpora, tmp_path):
-    # as a user runs them, from the command line in processes of the script's own (the test session compiles
+    # as a user runs them, from the command line in processes of the script's own (the test run compiles
     # some programs with other XLA:CPU options than a script does: tests/conftest.py): the killed run and the
     # refused one each alone; the resumed, uninterrupted and continued runs one after another in one process
     # (the resumed run first, so it resumes in a fresh process; the others reuse its compiled programs)
@@ -164,7 +164,7 @@ def test_byte_lm_killed_resumes_to_the_uninterrupted_state_and_continues(corpora
 @pytest.mark.e2e
 def test_extend_context_killed_resumes_to_the_uninterrupted_results_and_continues(corpora, tmp_path):
     # as a user runs them, from the command line in processes of the script's own (the base and the
-    # evaluations are one-device programs, which the test session compiles with other XLA:CPU emitters
+    # evaluations are one-device programs, which the test run compiles with other XLA:CPU emitters
     # than a script does: tests/conftest.py): the killed run alone; the resumed, uninterrupted and
     # continued runs one after another in one process (the resumed run first, so it resumes in a fresh
     # process; a later run reuses the programs an earlier one compiled: the train steps, the evaluations)

@@ -14,7 +14,7 @@ import pytest
 
 import ringsplash as rs
 from ringsplash import layouts, masks
-from ringsplash.model import Attention, TransformerConfig
+from ringsplash.model import Attention, ContextParallel, TransformerConfig
 from ringsplash.splash.config import SplashConfig
 from support.attention_inputs import inputs, max_err
 from support.head_dims import HEAD_DIMS, INTERPRET_HEAD_DIMS, head_dim_params
@@ -148,7 +148,8 @@ def test_model_attention_v_head_dim_splash_matches_reference(key):
     seq = 256
     splash_config = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="xla")
     ref_config = TransformerConfig(vocab_size=8, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=12,
-                                   v_head_dim=20, max_seq_len=seq, sinks=True, splash=splash_config)
+                                   v_head_dim=20, max_seq_len=seq, sinks=True, splash=splash_config,
+                                   context_parallel=ContextParallel("reference"))  # the dense oracle
     attn = Attention(ref_config, key=key)
     assert attn.wv.shape == (32, 2 * 20) and attn.wo.shape == (4 * 20, 32)
     x = jax.random.normal(jax.random.fold_in(key, 1), (seq, 32), jnp.float32)

@@ -578,7 +578,7 @@ def test_imported_models_under_ring_and_usp_on_4_devices(hf_models, kind, strate
 
 
 OTHER_STRATEGIES = {
-    "splash": dict(context_parallel=ContextParallel("splash")),
+    "reference": dict(context_parallel=ContextParallel("reference")),  # the default, splash, runs for every family
     "allgather-4": dict(context_parallel=ContextParallel("allgather", ring_size=4, layout="striped")),
     "ulysses-2": dict(context_parallel=ContextParallel("ulysses", ulysses_size=2)),
 }
@@ -587,12 +587,12 @@ OTHER_STRATEGIES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(OTHER_STRATEGIES))
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])
-def test_imported_models_under_splash_allgather_and_ulysses(hf_models, kind, strategy):
+def test_imported_models_under_reference_allgather_and_ulysses(hf_models, kind, strategy):
     """The remaining strategies on the families with the most mask / logit features (Mistral's window
     on every layer; Gemma 2's alternating windows, attention soft-cap and query_pre_attn_scalar)."""
     directory, _, expected = hf_models(kind)
     model = rhf.load_hf(directory, max_seq_len=SEQ, splash=BLOCKS, **OTHER_STRATEGIES[strategy])
-    got = our_logits(model, _tokens()) if strategy == "splash" else _logits_in_shard_map(model, _tokens())
+    got = our_logits(model, _tokens()) if strategy == "reference" else _logits_in_shard_map(model, _tokens())
     np.testing.assert_allclose(got, expected, rtol=0, atol=LOGITS_ATOL)
 
 

@@ -16,13 +16,14 @@ import pytest
 import ringsplash as rs
 from ringsplash import train
 from ringsplash.inference import bucket_length, decode_step, empty_cache, filter_logits, generate, prefill, sample
-from ringsplash.model import ModelFeatures, Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, ModelFeatures, Transformer, TransformerConfig
 
 # measured max |decode - full forward| logits (f32, logits of magnitude ~1-5): llama 9.5e-7, sliding 1.2e-6,
 # gemma 1.9e-6; sharded vs unsharded 1.4e-6; the tolerance is 10x the largest
 ATOL = 2e-5
 SEQ = 24
-TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=1024)
+TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=1024,
+            context_parallel=ContextParallel("reference"))  # the dense oracle the decode paths are compared with
 CONFIGS = {
     "llama": TransformerConfig(**TINY),
     # one window on every layer, biases, sinks, attention-logit soft cap
@@ -357,7 +358,7 @@ def test_prefill_of_8_rows_of_32k_fits_one_v5e_chip():
     temporaries); rows run 32K tokens at a time, the keys and values written into the cache's slots."""
     from ringsplash import aot
     from ringsplash.inference.prefill import prefill_program
-    from ringsplash.model import ContextParallel, abstract_model
+    from ringsplash.model import abstract_model
 
     batch, prompt, max_len = 8, 32768, 32768 + 128
     config = TransformerConfig(vocab_size=32768, d_model=1024, num_layers=8, num_heads=8, num_kv_heads=8,

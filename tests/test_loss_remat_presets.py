@@ -57,7 +57,7 @@ def test_chunked_loss_rejects_a_chunk_that_does_not_divide(key):
 @pytest.mark.slow
 def test_every_remat_policy_gives_the_gradients_of_none(key):
     config = TransformerConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
-                               sinks=True)
+                               sinks=True, context_parallel=ContextParallel("reference"))  # as measured (<= 1e-7)
     model = Transformer(config, key=key)
     tokens = jax.random.randint(jax.random.fold_in(key, 1), (64,), 0, 40)
 

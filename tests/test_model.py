@@ -69,7 +69,7 @@ def test_model_strategies_agree():
     # two layers (the default), not one: at num_layers=1 the ring's gradient program trips an XLA:CPU collective
     # race (jax 0.10.2, seen while compiling with XLA:CPU's legacy emitters; a collective-permute rendezvous
     # joined by 5 of 4 devices): about half the runs aborted, one returned a wrong loss. Two layers: no failure in 144
-    ref_config = _config(max_seq_len=seq)
+    ref_config = _config(max_seq_len=seq, context_parallel=ContextParallel("reference"))  # the dense oracle
     model = Transformer(ref_config, key=jax.random.key(0))
     batch = _batch(seq)
     ref_logits, ref_grads, ref_loss = _run(ref_config, model, batch)

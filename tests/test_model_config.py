@@ -71,7 +71,7 @@ def test_config_rejects_unknown_mode_string(changes, field, value):
 
 # ContextParallel: its own checks name the field (ContextParallel.<field>) and what was given
 CONTEXT_PARALLEL_REJECTED = [
-    (dict(ring_size=2), ["ContextParallel.ring_size=2 needs strategy in", "strategy='reference'", "ring_size=1"]),
+    (dict(ring_size=2), ["ContextParallel.ring_size=2 needs strategy in", "strategy='splash'", "ring_size=1"]),
     (dict(strategy="ring", ring_size=0), ["ContextParallel.ring_size must be a positive int"]),
     (dict(strategy="ulysses", ring_size=2, ulysses_size=2), ["ContextParallel.ring_size=2 needs strategy in"]),
     (dict(strategy="usp", ring_axis="x", ulysses_axis="x"), ["strategy='usp' needs two different mesh axes"]),
@@ -132,3 +132,19 @@ def test_config_mask_shapes():
                         ("prefix_lm", {"prefix_len": 3}), ("full", {})):
         m = make(mask=mask, **extra).make_mask(32)
         assert m.shape == (32, 32)
+
+
+def test_default_config_attends_with_splash_and_compiles_at_32k():
+    """A plain TransformerConfig is a long-context model: its default strategy is "splash" (block-sparse, the
+    xla backend on CPU), so a 32K forward holds no S x S scores (the dense reference's would be 4 GiB)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ringsplash.model import Transformer
+
+    config = TransformerConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=1, max_seq_len=32768)
+    assert config.context_parallel == ContextParallel("splash")
+    model = jax.eval_shape(lambda: Transformer(config, key=jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((32768,), jnp.int32)
+    compiled = jax.jit(lambda m, t: m(t, jnp.arange(32768))).lower(model, tokens).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 2**30

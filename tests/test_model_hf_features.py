@@ -437,7 +437,7 @@ def _strategy_logits(config, model, tokens, *, fsdp=False):
 
 @pytest.fixture(scope="module")
 def patterned_reference():
-    config = _patterned(2)
+    config = _patterned(2, context_parallel=ContextParallel("reference"))  # the dense oracle
     model = Transformer(config, key=jax.random.key(3))
     tokens = _tokens(1)
     return model, tokens, np.asarray(eqx.filter_jit(model)(jnp.asarray(tokens), jnp.arange(S)))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ringsplash import masks
-from ringsplash.model import Transformer, TransformerConfig
+from ringsplash.model import ContextParallel, Transformer, TransformerConfig
 from support.errors import assert_refused
 from test_model_strategies import S, _batch, _config, _run
 
@@ -90,7 +90,7 @@ def test_model_with_a_function_mask_matches_the_same_rule_dense_and_under_the_ri
     independent of FunctionMask); the ring over 4 devices (zigzag: the kernels evaluate ``fn`` on
     permuted positions) gives the reference's logits and gradients."""
     batch = _batch()
-    fn_config = _config(mask=sink_window)
+    fn_config = _config(mask=sink_window, context_parallel=ContextParallel("reference"))  # the dense oracle
     model = Transformer(fn_config, key=jax.random.key(0))
     logits, grads = _run(fn_config, model, batch)
     dense_config = fn_config.replace(mask=masks.NumpyMask(_dense(sink_window, S)))

@@ -60,7 +60,7 @@ def _run(config, model, batch):
 
 @pytest.fixture(scope="module")
 def reference():
-    config = _config()
+    config = _config(context_parallel=ContextParallel("reference"))  # the dense oracle
     model = Transformer(config, key=jax.random.key(0))
     batch = _batch()
     return model, batch, _run(config, model, batch)

@@ -174,7 +174,7 @@ MAIN_TINY = ["--seq-len", "512", "--num-pairs", "4", "--num-queries", "4", "--nu
 
 
 def _user_env():
-    """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test session's TPU settings."""
+    """A user's environment on a CPU machine: no JAX_PLATFORMS, none of the test run's TPU settings."""
     env = child_env()
     for name in ("JAX_PLATFORMS", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES"):
         env.pop(name, None)

@@ -4,6 +4,8 @@ Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash k
 (``splash_attention``) -> ring attention over a mesh axis (``ring_attention``) -> model.
 """
 
+from importlib import metadata as _metadata
+
 from ringsplash import layouts, masks
 from ringsplash._caches import clear_caches
 from ringsplash._softmax import MASKED_LSE
@@ -11,6 +13,11 @@ from ringsplash._types import AttentionOutput
 from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.reference import reference_attention
+
+try:
+    __version__ = _metadata.version("ringsplash")  # the installed distribution's, from pyproject.toml
+except _metadata.PackageNotFoundError:  # a source tree on sys.path without being installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "MASKED_LSE",

@@ -3,7 +3,7 @@
 (a JSON list: the run's arguments), one run after another in this one process: a later run reuses
 what an earlier one compiled (a run's jitted train step, initialisation and evaluations are built
 once per process for equal configs), as a notebook or a sweep would. The process is a script's, not
-the test session's: its programs compile as a user's do (``tests/conftest.py`` sets the session's
+the test run's: its programs compile as a user's do (``tests/conftest.py`` sets the test run's
 compile options, not its children's).
 
 Run ``i`` (from 0) writes its stdout and stderr (file descriptors 1 and 2: also what XLA, absl and

@@ -113,7 +113,7 @@ def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32
             the default device.
         param_dtype, compute_dtype: names or numpy dtypes (``compute_dtype=None``: ``param_dtype``).
         attention: a single-device strategy, short for ``context_parallel=ContextParallel(attention)``
-            (None: ``"reference"``, or the ``context_parallel`` override, e.g.
+            (None: the default ``"splash"``, or the ``context_parallel`` override, e.g.
             ``ContextParallel("ring", ring_size=4)``); any other ``TransformerConfig`` field (``splash``,
             ``max_seq_len``, ...) goes in ``overrides``.
 

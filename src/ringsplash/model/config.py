@@ -45,8 +45,9 @@ class TransformerConfig:
     """Decoder-only transformer: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
     ``context_parallel`` (a ``ContextParallel``) is the attention strategy and its context
-    parallelism: ``"reference"`` (the dense float32 oracle, the only one that supports
-    ``attention_dropout``), ``"splash"`` (block-sparse Splash kernels on one device), or ``"ring"`` /
+    parallelism: ``"splash"`` (the default: block-sparse Splash kernels on one device, Mosaic on a TPU and
+    the ``xla`` backend elsewhere), ``"reference"`` (the dense float32 oracle, S x S scores per head, the only
+    one that supports ``attention_dropout``), or ``"ring"`` /
     ``"allgather"`` / ``"ulysses"`` / ``"usp"``, which run inside ``shard_map`` on the local shard of
     tokens laid out by its ``layout`` (the mask is evaluated on original positions). The same
     parameters give the same function under each strategy.

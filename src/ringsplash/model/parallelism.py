@@ -60,7 +60,8 @@ __all__ = ["CONTEXT", "RING_AXIS_STRATEGIES", "RULES", "SINGLE_DEVICE_STRATEGIES
 class ContextParallel:
     """The attention ``strategy`` and its context parallelism (a frozen, hashable value):
 
-    * ``"reference"`` / ``"splash"``: one device (the dense oracle / block-sparse Splash kernels);
+    * ``"splash"`` (the default) / ``"reference"``: one device (block-sparse Splash kernels: Mosaic on a TPU, the
+      ``xla`` backend elsewhere, at any length / the dense float32 oracle, S x S scores per head);
     * ``"ring"`` / ``"allgather"``: the sequence over ``ring_axis`` (``ring_size`` devices);
     * ``"ulysses"``: over ``ulysses_axis`` (``ulysses_size`` devices, which must split the heads);
     * ``"usp"``: Ulysses over ``ulysses_axis`` inside, the ring over ``ring_axis`` across; local shard
@@ -71,7 +72,7 @@ class ContextParallel:
     permuted by ``layout`` over ``layout_shards`` before it is sharded.
     """
 
-    strategy: Strategy = "reference"
+    strategy: Strategy = "splash"
     ring_axis: str | None = None
     ring_size: int = 1
     ulysses_axis: str | None = None

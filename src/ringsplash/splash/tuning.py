@@ -38,7 +38,8 @@ _SMALL = TunedBlocks(512, 512, 512, 512, 512)
 #: generation -> {head sizes up to: [(from kv length, blocks), ...] ascending}. v5e: measured on one
 #: v5e chip (TPU v5 lite, jax 0.10.2, libtpu 0.0.42.1), causal, 16 heads, bfloat16, head size 128
 #: (docs/tpu.md); larger head sizes (and float32, which counts double) keep 1024-blocks, not measured.
-#: The 8K row (session 8): kv blocks of 2048 took the causal forward at 16K from 8.51 to 8.15 ms.
+#: The 8K row (measured 2026-12-06, recorded in commit e7fd6ff): kv blocks of 2048 took the causal forward
+#: at 16K from 8.51 to 8.15 ms.
 _MEASURED = {
     "v5e": {
         128: ((0, _SMALL), (4096, TunedBlocks(1024, 1024, 512, 1024, 1024)),
