@@ -67,17 +67,22 @@ def test_strategies_compute_banded_partial_tiles_from_block_starts(mask):
     assert "partial_tiles" in " ".join(key.differences(ScheduleKey.of(m, n, "zigzag", SplashConfig(), 2, 2)))
 
 
+STRATEGY_CASES = [("ring", "causal"), ("ring", "window"), ("ring", "docs"), ("allgather", "causal"),
+                  ("ulysses", "docs")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["causal", "window", "docs"])
-def test_one_device_ring_is_single_device_splash(kind):
-    """On a one-device mesh the ring is one Splash call: the same kernels (fused backward, position-computed
+@pytest.mark.parametrize("strategy, kind", STRATEGY_CASES, ids=["-".join(c) for c in STRATEGY_CASES])
+def test_one_device_strategy_is_single_device_splash(strategy, kind):
+    """On a one-device mesh a strategy is one Splash call: the same kernels (fused backward, position-computed
     partial tiles), no merge, outputs and gradients written in the inputs' dtype, so out, dq, dk and dv are
     bit-identical to ``splash_attention``'s (Pallas interpreter, bfloat16, GQA 2:1; with segment ids within
-    one bfloat16 ulp). Before, the ring merged a float32 output and ran the split backward."""
-    s, heads, kv_heads, d = 512, 2, 1, 64
+    one bfloat16 ulp). Before, the ring merged a float32 output and ran the split backward, and the all-gather
+    and Ulysses wrote float32 outputs and gradients."""
+    s, heads, kv_heads, d = 256, 2, 1, 64
     m = masks.CausalMask((s, s))
     if kind == "window":
-        m = m & masks.LocalMask((s, s), window=(200, 0))
+        m = m & masks.LocalMask((s, s), window=(100, 0))
     seg = None
     if kind == "docs":
         ids = jnp.repeat(jnp.arange(4), s // 4)
@@ -88,8 +93,10 @@ def test_one_device_ring_is_single_device_splash(kind):
     cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret")
     mesh = jax.make_mesh((1,), ("c",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
     splash = lambda q, k, v: rs.splash_attention(q, k, v, m, config=cfg, segment_ids=seg)
-    ring = lambda q, k, v: rs.ring_attention_sharded(q, k, v, m, mesh=mesh, axis_name="c", layout="zigzag",
-                                                     config=cfg, segment_ids=seg)
+    sharded = {"ring": rs.ring_attention_sharded, "allgather": rs.allgather_attention_sharded,
+               "ulysses": rs.ulysses_attention_sharded}[strategy]
+    ring = lambda q, k, v: sharded(q, k, v, m, mesh=mesh, axis_name="c", layout="zigzag", config=cfg,
+                                   segment_ids=seg)
     out_a, vjp_a = jax.vjp(splash, q, k, v)
     out_b, vjp_b = jax.vjp(ring, q, k, v)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out_a, *vjp_a(do)), (out_b, *vjp_b(do))):

@@ -113,9 +113,12 @@ def allgather_attention(
                                                                    **common)
     if segment_ids is not None:
         segment_ids = SegmentIds(q=segment_ids.q, kv=lax.all_gather(segment_ids.kv, axis_name, axis=0, tiled=True))
+    # dK / dV partials are summed across the N devices (the reduce-scatter) in float32, with one final
+    # rounding; on one device there is no sum: written in k's dtype, as single-device Splash writes them
     result = splash_info_attention(q, k, v, info, info_dkv, q_shard=lax.axis_index(axis_name),
                                    segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
-                                   config=config, partial_dtype=jnp.float32, return_max_logits=want.max_logits,
+                                   config=config, partial_dtype=None if n == 1 else jnp.float32,
+                                   return_max_logits=want.max_logits,
                                    kv_exchange=_GatherSequence(axis_name))
     if want.max_logits:  # each device saw its own q rows against every key: one pmax
         out, mx = result

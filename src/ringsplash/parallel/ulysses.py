@@ -161,8 +161,11 @@ def ulysses_attention(
     info = build_mask_info(local_mask, blocks.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, blocks.block_shape_dkv,
                                                                    transpose=True, **common)
+    # dK / dV partials are summed over the kv-head copies and devices in float32 (one final rounding);
+    # on one device there is no sum: written in k's dtype, as single-device Splash writes them
     out = splash_info_attention(q, k, v, info, info_dkv, segment_ids=segment_ids, scale=scale,
-                                logit_soft_cap=logit_soft_cap, sinks=sinks, config=config, partial_dtype=jnp.float32,
+                                logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
+                                partial_dtype=None if n == 1 else jnp.float32,
                                 return_max_logits=want.max_logits, kv_exchange=KvToHeads(axis_name, split.kv_repeat))
     if want.max_logits:
         out, mx = out

@@ -180,7 +180,7 @@ class _VjpStatic:
 
     backend: BackendStatic
     q_shard: int  # the q shard when it is static (the traced argument is then None)
-    partial_dtype: object  # dtype of the kernels' out and gradients (None = q's), before the final cast
+    partial_dtype: object  # dtype of the kernels' gradients (None = q's), before the final cast
     sinks_vma: frozenset  # the manual mesh axes the sinks vary over
     return_residuals: bool
     return_max_logits: bool
@@ -196,7 +196,9 @@ def _attention_fwd(static: _VjpStatic, q, k, v, sinks, q_seg, kv_seg, q_shard):
     if static.kv_exchange is not None:  # the gathered K / V are the residuals (no re-gather backward)
         k, v = static.kv_exchange.gather(k), static.kv_exchange.gather(v)
     shard = static.q_shard if q_shard is None else q_shard
-    out, lse, *mx = pair_forward(static.backend, q, k, v, q_seg, kv_seg, q_shard=shard, out_dtype=static.partial_dtype,
+    # the output is this call's own rows: written in q's dtype (as every path does), only the
+    # gradients a KvExchange sums across devices or heads need unrounded partials
+    out, lse, *mx = pair_forward(static.backend, q, k, v, q_seg, kv_seg, q_shard=shard, out_dtype=None,
                                  return_max_logits=static.return_max_logits)
     out, lse = _softmax.fold_sinks(out, lse, sinks)  # sinks join the denominator only (docs/INTERNALS.md)
     out = out.astype(q.dtype)
@@ -265,8 +267,8 @@ def splash_info_attention(
         scale, logit_soft_cap, config: as in :func:`splash_forward`.
         sinks: per-head sink logits ``[heads]`` or None; inside ``shard_map`` their gradient over
             these rows is summed over the mesh axes the rows vary over and the sinks do not.
-        partial_dtype: dtype the kernels write the sink-free output and the gradients in before
-            the sink fold and the cast to the input dtypes; None = q's dtype.
+        partial_dtype: dtype the kernels write the gradients in before ``kv_exchange``'s sum and the
+            cast to the input dtypes; None = q's dtype (the output is always written in q's dtype).
         return_residuals, return_max_logits: as in :func:`splash_attention` (max logits of
             these rows only: a sharded caller reduces them).
         kv_exchange: a :class:`KvExchange` (a strategy's collective) inside the custom VJP,
