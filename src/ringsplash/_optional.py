@@ -27,10 +27,11 @@ def require(module: str, *, extra: str | None, needed_for: str) -> ModuleType:
     """``module`` imported, or ``MissingDependency`` (an ``ImportError``) when its package is not
     installed: ``<needed_for> needs <package>: pip install -e ".[<extra>]"``. An import error
     from inside an installed package (one of its own dependencies missing) is raised as it is."""
+    top = module.split(".")[0]
     try:
+        importlib.import_module(top)  # first: a cached submodule would be found even with its package gone
         return importlib.import_module(module)
     except ImportError as e:
-        top = module.split(".")[0]
         if e.name is None or e.name.split(".")[0] != top:
             raise
         package = PIP_NAMES.get(top, top)
