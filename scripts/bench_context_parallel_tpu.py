@@ -112,13 +112,18 @@ def supported(name: str, row: Row, have_tokamax: bool) -> str | None:
     return None
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--rows", help="mask:S:fwd|bwd[:d=N][:group=G], comma-separated (default: every row)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, from " + ", ".join(STRATEGIES))
     p.add_argument("--repeats", type=int, default=5, help="timed samples per cell (median)")
     p.add_argument("--back-to-back", type=int, default=5, help="calls dispatched per sample, blocked once")
     p.add_argument("--log", default="bench_context_parallel_tpu.jsonl", help="one JSON line per cell")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if jax.devices()[0].platform != "tpu":
         sys.exit("bench_context_parallel_tpu.py measures TPU kernels: run it on a TPU (CPU timings mean nothing)")

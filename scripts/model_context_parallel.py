@@ -60,7 +60,7 @@ def best_usp(s: int, n: int, block_us: float, link_gbs: float):
     return best
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--seq", default="128K,1M", help="sequence lengths (K = 1024, M = 1024K), comma-separated")
     p.add_argument("--chips", default="4,8,16,32,64,128,256", help="chips on the context axis, comma-separated")
@@ -69,7 +69,11 @@ def main(argv=None):
                    help="measured microseconds of one 512 x 512 causal block, forward+backward (default: v5e's, "
                         "scaled by peak for other chips)")
     p.add_argument("--link-gbs", type=float, default=None, help="GB/s of one ICI link, one direction")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     block_us = args.block_us_fwd_bwd or V5E_BLOCK_US * PEAK_TFLOPS["v5e"] / PEAK_TFLOPS[args.chip]
     link = args.link_gbs or LINK_GBS[args.chip]
     seqs = [int(x[:-1]) * (K if x.endswith("K") else K * K) if x[-1] in "KM" else int(x) for x in args.seq.split(",")]

@@ -143,7 +143,7 @@ def test_bench_train_tpu_cpu_smoke_prints_rows():
     env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_train_tpu.py"), "--cpu-smoke", "--find-largest",
-         "--peak-tflops", "0.5", "--log", os.devnull],
+         "--peak-tflops", "0.5", "--log", os.devnull, "--strategies", "ring"],
         capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -156,6 +156,9 @@ def test_bench_train_tpu_cpu_smoke_prints_rows():
     for name, c in rows.items():
         assert float(c[5]) > 0 and c[8].endswith("%") and not c[10], c  # step ms, MFU, no error note
         assert abs(losses[name] - losses["ringsplash"]) < 2e-3 * losses["ringsplash"], losses
+    ring = next(c for c in map(_cells, out.splitlines()) if c[0] == "(a)" and c[1] == "ringsplash ring")
+    assert float(ring[5]) > 0 and not ring[10], ring  # the model trained over the ring (one-device mesh)
+    assert abs(float(ring[9]) - losses["ringsplash"]) < 2e-3 * losses["ringsplash"], (ring, losses)
     largest = next(c for c in map(_cells, out.splitlines()) if c[0] == "(b) largest")
     assert largest[3] == "512" and float(largest[5]) > 0 and "layers tried: 2: fits" in largest[10], largest
 
@@ -283,3 +286,18 @@ def test_bench_decode_tpu_cpu_smoke_prints_both_tables():
     assert float(attention[4]) > 0 and attention[5] == "384" and "not a TPU speed" in attention[10], attention
     assert float(generate[4]) > 0 and generate[5].endswith("%") and float(generate[8]) > 0, generate
     assert "not a TPU speed" in generate[10], generate
+
+
+def test_model_context_parallel_prints_a_pick_per_row(capsys):
+    """scripts/model_context_parallel.py: one row per (S, chips) with each strategy's modelled ms and the pick; the
+    ring's compute term is the measured block time x the busiest device's blocks (4 chips at 128K: causal zigzag
+    work splits evenly, so about a quarter of one chip's 256 x 257 / 2 blocks x 32 heads)."""
+    spec = importlib.util.spec_from_file_location("model_context_parallel", ROOT / "scripts" / "model_context_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--seq", "128K", "--chips", "4,8"])
+    rows = [c for c in map(_cells, capsys.readouterr().out.splitlines()) if c and c[0] == "128K"]
+    assert [r[1] for r in rows] == ["4", "8"], rows
+    one_chip_ms = 32 * 256 * 257 / 2 * module.V5E_BLOCK_US * 1e-3
+    assert 0.24 * one_chip_ms <= float(rows[0][2]) <= 0.27 * one_chip_ms, rows[0]
+    assert all(r[6] in ("ring", "all-gather", "Ulysses", "USP") for r in rows), rows
