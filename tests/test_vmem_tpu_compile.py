@@ -157,6 +157,17 @@ def test_default_float32_head_256_backward_compiles_for_v5e():
     aot.compile_report(fused, x, x, x, x, row)
 
 
+def test_float32_head_512_fused_backward_near_the_limit_is_refused_for_v5e():
+    """Head size 512 (beyond the head sizes the temporaries were fitted on), float32, blocks (2048, 1024): the
+    fused backward's estimate was 111 MiB, under the 112 MiB a kernel may take on v5e, and Mosaic needed more
+    than the 115 MiB compiled with (at most 127: a limit of 127 MiB compiles it). Now refused at lowering (the
+    forward first: beyond the fitted head sizes both kernels count their temporaries 1.5 times)."""
+    case = Case("v5e:2x2", 4096, 512, 512, "float32", heads=2, kv_heads=2, blocks=(2048, 1024, 512, 2048, 1024),
+                grads=True)
+    outcome = compile_case(case)
+    assert outcome.startswith("refused: the Splash forward kernel"), outcome
+
+
 def test_limit_is_most_of_the_chips_vmem_and_portable_when_the_chip_is_unknown():
     """Each kernel compiles with 90% of the traced chip's VMEM; traced without a TPU (this host), with the
     largest such limit of the known chips; the estimate only refuses, checked at lowering for the chip."""
