@@ -19,6 +19,21 @@ from ringsplash.cli import (  # noqa: F401
 
 #: the model's parameter / compute dtypes (ringsplash.model.config.DTYPES)
 DTYPES = ("float32", "bfloat16", "float16")
+#: ``--compute-dtype``: a dtype, or ``auto`` (the default): :func:`compute_dtype` chooses
+COMPUTE_DTYPES = (*DTYPES, "auto")
+
+
+def compute_dtype(config) -> str:
+    """The compute dtype of ``--compute-dtype``, the one rule of every experiment: as given, or for
+    ``auto`` bfloat16 (with float32 parameters: the usual choice) where the run computes on a TPU or
+    compiles for one (``--preflight``), float32 elsewhere (the CPU, where bfloat16 matmuls are slow
+    and the tests compare at float32 tolerances). Call it once the platform is chosen
+    (:func:`choose_devices`): it starts JAX."""
+    if config.compute_dtype != "auto":
+        return config.compute_dtype
+    import jax
+
+    return "bfloat16" if getattr(config, "preflight", "") or jax.default_backend() == "tpu" else "float32"
 
 
 # ------------------------------------------------------------------------------------ platform

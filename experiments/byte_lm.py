@@ -37,10 +37,12 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
 from _runtime import (
+    COMPUTE_DTYPES,
     DTYPES,
     check_block,
     check_flags,
     choose_devices,
+    compute_dtype,
     context_devices,
     continue_to,
     run_script,
@@ -76,9 +78,9 @@ class Config:
     backend: str = "auto"  # Splash backend: auto (mosaic_tpu on a TPU, xla elsewhere) | mosaic_tpu | interpret | xla
     block: int = 0  # Splash block size (tokens, a multiple of 128), every block of the kernels; 0 = auto: tuned
     param_dtype: str = "float32"  # parameter (master weight) dtype: float32 | bfloat16 | float16
-    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 (bfloat16 with float32
-    #: parameters: the usual choice on a TPU)
-    compute_dtype: str = "float32"
+    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 | auto (bfloat16 on a TPU,
+    #: float32 elsewhere: _runtime.compute_dtype)
+    compute_dtype: str = "auto"
     data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
     #: devices on the ring (attention="ring" only; otherwise 1); 0 = auto: 4 simulated devices on the CPU,
     #: every device (over --data-parallel) on a TPU
@@ -103,7 +105,7 @@ class Config:
 
         check_flags(self, choices={"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS,
                                    "backend": BACKENDS, "packing": POLICIES, "param_dtype": DTYPES,
-                                   "compute_dtype": DTYPES},
+                                   "compute_dtype": COMPUTE_DTYPES},
                     positive=("seq_len", "d_model", "num_layers", "num_heads", "mlp_multiple", "data_parallel",
                               "steps", "batch_size", "eval_batches", "log_every"),
                     non_negative=("num_kv_heads", "head_dim", "warmup_steps", "checkpoint_every", "context_parallel",
@@ -132,7 +134,7 @@ def model_config(config: Config, vocab_size: int = 256):
         num_kv_heads=config.num_kv_heads or None, head_dim=config.head_dim or None, mlp_ratio=config.mlp_ratio,
         mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta, remat=config.remat,
         max_seq_len=config.seq_len, context_parallel=cp,
-        splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
+        splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=compute_dtype(config),
     )
 
 
@@ -250,7 +252,7 @@ def main(config: Config, hooks=()) -> dict:
     print(distributed.device_line())
     print(f"{config.attention} over {model_cfg.context_parallel.shards} device(s), seq_len={config.seq_len}, backend="
           f"{config.backend}, blocks={config.block or 'auto'}, dtypes param={config.param_dtype} "
-          f"compute={config.compute_dtype}", flush=True)
+          f"compute={compute_dtype(config)}", flush=True)
     state = train.fit(model_cfg, tc, loader, run_dir, mesh=mesh, hooks=hooks)
 
     logits_fn = train.make_logits_fn(model_cfg, mesh, plan=train.sharding_plan(model_cfg, mesh, tc.fsdp))

@@ -52,10 +52,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
 from _runtime import (
+    COMPUTE_DTYPES,
     DTYPES,
     check_block,
     check_flags,
     choose_devices,
+    compute_dtype,
     context_devices,
     continue_to,
     flag_error,
@@ -107,9 +109,9 @@ class Config:
     backend: str = "auto"  # Splash backend: auto (mosaic_tpu on a TPU, xla elsewhere) | mosaic_tpu | interpret | xla
     block: int = 0  # Splash block size (tokens, a multiple of 128); 0 = auto: the blocks tuned for the platform
     param_dtype: str = "float32"  # parameter (master weight) dtype: float32 | bfloat16 | float16
-    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 (bfloat16 with float32
-    #: parameters: the usual choice on a TPU)
-    compute_dtype: str = "float32"
+    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 | auto (bfloat16 on a TPU,
+    #: float32 elsewhere: _runtime.compute_dtype)
+    compute_dtype: str = "auto"
     eval_docs: int = 2  # held-out windows per evaluation length (perplexity)
     passkey_samples: int = 8  # passkey prompts per (length, depth) cell
     depths: str = "0,0.5,1"  # passkey depths (fraction of the haystack before the key)
@@ -148,7 +150,7 @@ class Config:
                 raise ValueError(f"--{name.replace('_', '-')} {name}={getattr(self, name)} is not accepted: "
                                  f"expected >= 1")
         check_flags(self, choices={"layout": LAYOUTS, "backend": BACKENDS, "param_dtype": DTYPES,
-                                   "compute_dtype": DTYPES},
+                                   "compute_dtype": COMPUTE_DTYPES},
                     positive=("d_model", "num_layers", "num_heads"),
                     non_negative=("num_kv_heads", "checkpoint_every", "seed"),
                     positive_numbers=("rope_theta",), non_negative_numbers=("base_lr", "finetune_lr"))
@@ -182,7 +184,7 @@ def base_model_config(config: Config, vocab_size: int):
         vocab_size=vocab_size, d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads or None, rope_theta=config.rope_theta, max_seq_len=config.base_len,
         context_parallel=ContextParallel("splash"), splash=splash_config(config), param_dtype=config.param_dtype,
-        compute_dtype=config.compute_dtype)
+        compute_dtype=compute_dtype(config))
 
 
 def extended(base, method: str, factor: int, base_len: int):
@@ -363,7 +365,7 @@ def preflight(config: Config, base, methods) -> int:
         c = extended(base, method, config.factor, config.base_len)
         args = ["--topology", config.preflight, "--seq-len", str(c.max_seq_len),
                 *(["--block", str(config.block)] if config.block else []),  # 0 (auto): the preflight's default
-                "--param-dtype", config.param_dtype, "--compute-dtype", config.compute_dtype,
+                "--param-dtype", config.param_dtype, "--compute-dtype", compute_dtype(config),
                 "--layout", config.layout, "--vocab-size", str(c.vocab_size), "--d-model", str(c.d_model),
                 "--num-layers", str(c.num_layers), "--num-heads", str(c.num_heads), "--num-kv-heads",
                 str(c.num_kv_heads), "--head-dim", str(c.head_dim), "--rope-theta", repr(c.rope_theta),
@@ -441,7 +443,7 @@ def main(config: Config, hooks=()) -> dict:
     print(f"run directory: {run_dir}" + (" (resuming: finished parts are restored from their checkpoints)"
                                          if trained else f" (rerun with --run-dir {run_dir} to resume it)"))
     print(f"{distributed.device_line()}; backend={config.backend} blocks={config.block or 'auto'}; dtypes "
-          f"param={config.param_dtype} compute={config.compute_dtype}", flush=True)
+          f"param={config.param_dtype} compute={compute_dtype(config)}", flush=True)
     long_len = config.factor * config.base_len
     lengths = [config.base_len * 2**i for i in range(int(math.log2(config.factor)) + 1)]
     if lengths[-1] != long_len:

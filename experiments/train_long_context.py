@@ -22,11 +22,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _runtime: the experiments' shared start-up
 from _runtime import (
+    COMPUTE_DTYPES,
     DTYPES,
     check_block,
     check_flags,
     check_optional_flags,
     choose_devices,
+    compute_dtype,
     context_devices,
     continue_to,
     run_script,
@@ -76,9 +78,9 @@ class Config:
     backend: str = "auto"  # Splash backend: auto (mosaic_tpu on a TPU, xla elsewhere) | mosaic_tpu | interpret | xla
     block: int = 0  # Splash block size (tokens, a multiple of 128), every block of the kernels; 0 = auto: tuned
     param_dtype: str = "float32"  # parameter (master weight) dtype: float32 | bfloat16 | float16
-    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 (bfloat16 with float32
-    #: parameters: the usual choice on a TPU)
-    compute_dtype: str = "float32"
+    #: compute dtype of activations and matmuls: float32 | bfloat16 | float16 | auto (bfloat16 on a TPU,
+    #: float32 elsewhere: _runtime.compute_dtype)
+    compute_dtype: str = "auto"
     # parallelism (on CPU: simulated devices = data_parallel * context_parallel * ulysses_parallel)
     data_parallel: int = 1  # devices on the mesh's data axis (batch rows)
     #: devices on the mesh's context axis (the sequence is sharded over them); 0 = auto: 4 simulated
@@ -111,7 +113,7 @@ class Config:
         from ringsplash.splash.config import BACKENDS
 
         check_flags(self, choices={"remat": REMAT_POLICIES, "attention": STRATEGIES, "layout": LAYOUTS,
-                                   "backend": BACKENDS, "param_dtype": DTYPES, "compute_dtype": DTYPES},
+                                   "backend": BACKENDS, "param_dtype": DTYPES, "compute_dtype": COMPUTE_DTYPES},
                     positive=("seq_len", "num_pairs", "num_queries", "num_keys", "num_values", "num_filler", "d_model",
                               "num_layers", "num_heads", "num_kv_heads", "mlp_multiple", "data_parallel",
                               "ulysses_parallel", "steps", "batch_size", "eval_batches", "log_every"),
@@ -193,7 +195,7 @@ def make_model_config(config: Config, vocab_size: int):
         mlp_ratio=config.mlp_ratio, mlp_multiple=config.mlp_multiple, rope_theta=config.rope_theta,
         remat=config.remat, max_seq_len=config.seq_len,
         context_parallel=context_parallel(config),
-        splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=config.compute_dtype,
+        splash=splash_config(config), param_dtype=config.param_dtype, compute_dtype=compute_dtype(config),
         qk_clip_threshold=config.qk_clip_threshold,
         features=ModelFeatures(rope_scaling=rope_scaling_from_flags(config.rope_scaling, config.rope_factor,
                                                                     config.rope_original_max_len)),
@@ -264,7 +266,7 @@ def main(config: Config, hooks=()) -> dict:
                                        if resumed_at is not None else ""))
     say(f"{distributed.device_line()}; mesh {dict(mesh.shape)}; attention={config.attention} layout={config.layout} "
         f"backend={config.backend} blocks={config.block or 'auto'}; dtypes param={config.param_dtype} "
-        f"compute={config.compute_dtype}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
+        f"compute={compute_dtype(config)}; seq_len={config.seq_len}; curriculum {stages}", flush=True)
     state = train.fit(model_config, tc, stream, run_dir, mesh=mesh, on_log=on_log, hooks=hooks)
     final = train.evaluate(state.model, heldout, config.eval_batches, mesh, model_config, eval_step)
     plot = log.plot(title=f"associative recall, seq {config.seq_len}, {config.attention}")

@@ -4,7 +4,9 @@ with libtpu) and compare it with ringsplash's estimate (``splash/vmem.py``).
 Mosaic reports, when a kernel exceeds its scoped-VMEM limit, the cumulative allocation at which
 it failed; raising the limit to each reported size until the compile succeeds gives the kernel's
 size. One JSON line per configuration (kernel, blocks, head size, dtype, Mosaic's bytes, the
-estimate and their ratio, which must stay above 1: the estimate is the limit ringsplash sets).
+estimate and their ratio). The estimate chooses blocks and refuses what cannot fit; each kernel is
+compiled with 90% of the chip's VMEM as its limit, so a ratio a little under 1 is no failure, but
+the refusals are only as right as the ratio is close to 1 or above.
 
     JAX_PLATFORMS=cpu python scripts/calibrate_vmem.py --target v5e:2x2 > vmem.jsonl
 """

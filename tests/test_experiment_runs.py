@@ -402,6 +402,26 @@ def test_context_parallel_auto_is_the_simulated_devices_on_cpu_and_every_device_
         main_job.make_model_config(default, 100)
 
 
+def test_compute_dtype_defaults_to_bfloat16_on_a_tpu_in_every_experiment(monkeypatch):
+    """One rule (``_runtime.compute_dtype``) for the three experiments: ``--compute-dtype auto`` (the
+    default) computes in bfloat16 on a TPU (and when extend_context preflights one), float32 elsewhere;
+    a dtype given is kept. Before 2026-12-07 extend_context trained its base model in float32 on a v5e."""
+    import jax
+
+    byte_lm, main_job, extend = _job("byte_lm"), _job("train_long_context"), _job("extend_context")
+    runtime = sys.modules["_runtime"]
+    builders = [lambda argv: byte_lm.model_config(runtime.choose_devices(byte_lm.parse_args(argv), cpu_context=4)),
+                lambda argv: main_job.make_model_config(
+                    runtime.choose_devices(main_job.parse_args(argv), cpu_context=4), 100),
+                lambda argv: extend.base_model_config(extend.parse_args(argv), 100)]
+    assert [build([]).compute_dtype for build in builders] == ["float32"] * 3  # this host computes on the CPU
+    assert extend.base_model_config(extend.parse_args(["--preflight", "v5e:2x2"]), 100).compute_dtype == "bfloat16"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert [build([]).compute_dtype for build in builders] == ["bfloat16"] * 3
+    assert [build(["--compute-dtype", "float32"]).compute_dtype for build in builders] == ["float32"] * 3
+    assert [c.param_dtype for c in (build([]) for build in builders)] == ["float32"] * 3
+
+
 def test_dtype_backend_and_block_flags_reach_the_model_config():
     dtypes = ["--param-dtype", "float32", "--compute-dtype", "bfloat16"]
     byte_lm, main_job, extend = _job("byte_lm"), _job("train_long_context"), _job("extend_context")

@@ -153,16 +153,15 @@ def forward(inputs: ForwardInputs, static: BackendStatic, *, backend: str = "int
     raw logit, with ``count_steps`` (last) the number of computing grid steps per head."""
     q, config, info = inputs.q, static.config, static.info
     block_kv_compute = min(config.block_kv_compute, info.block_shape[1])
+    operands = _mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
+                              transposed=False, block=info.block_shape[0])
     vmem = kernel_vmem("forward", q, inputs.k, inputs.v, info.block_shape, block_kv_compute=block_kv_compute,
-                       out_dtype=out_dtype, mask_blocks=_static_operands(info).blocks is not None,
-                       vmem_limit_bytes=config.vmem_limit_bytes)
+                       out_dtype=out_dtype, operands=operands, vmem_limit_bytes=config.vmem_limit_bytes)
     if backend == "mosaic_tpu":
         q = vmem_guard(mosaic_tpu_guard(q), vmem)
     quadrants = _skippable_band(config, info, q.shape[1], info.q_len)
     return kernel_forward.splash_forward_kernel(
-        q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]),
-        **_mask_operands(_static_operands(info), inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg,
-                         transposed=False, block=info.block_shape[0]),
+        q, inputs.k, inputs.v, inputs.schedule, _heads_to_list(info, q.shape[0]), **operands,
         block_shape=info.block_shape, block_kv_compute=block_kv_compute,
         scale=static.scale, logit_soft_cap=static.logit_soft_cap, out_dtype=out_dtype,
         probs_dtype=config.matmul_dtype(q.dtype), precision=config.matmul_precision(q.dtype),
@@ -196,14 +195,13 @@ def backward(inputs: BackwardInputs, static: BackendStatic, *, backend: str = "i
     positions = (inputs.q_pos, inputs.kv_pos, inputs.q_seg, inputs.kv_seg)
 
     def kernel(name, fn, sched, view, transposed, **extra):
-        vmem = kernel_vmem(name, q, inputs.k, inputs.v, view.block_shape, out_dtype=grad_dtype,
-                           mask_blocks=_static_operands(view).blocks is not None,
+        operands = _mask_operands(_static_operands(view), *positions, transposed=transposed,
+                                  block=view.block_shape[1 if transposed else 0])
+        vmem = kernel_vmem(name, q, inputs.k, inputs.v, view.block_shape, out_dtype=grad_dtype, operands=operands,
                            vmem_limit_bytes=config.vmem_limit_bytes)
         guarded = vmem_guard(mosaic_tpu_guard(q), vmem) if backend == "mosaic_tpu" else q
         return fn(guarded, inputs.k, inputs.v, inputs.d_out, inputs.lse, inputs.delta, sched,
-                  _heads_to_list(view, heads), **_mask_operands(_static_operands(view), *positions,
-                                                                transposed=transposed,
-                                                                block=view.block_shape[1 if transposed else 0]),
+                  _heads_to_list(view, heads), **operands,
                   block_shape=view.block_shape, vmem_limit_bytes=vmem.limit, **common, **extra)
 
     if parts == ("dq",):

@@ -8,9 +8,9 @@ blocks of the forward and of forward + backward, causal, 16 heads, bfloat16.
 
 Generations not measured yet take v5e's rows when they have at least 64 MiB of VMEM per core,
 else 512-blocks; on every known chip the blocks are then halved until the kernels' scoped VMEM
-(``splash/vmem.py``, which also sets the limit each kernel needs) fits the chip. A host without a
-TPU (CPU, or an ahead-of-time compile for a TPU target from a CPU host, where the target is
-unknown at trace time) takes v5e's rows as they are.
+(``splash/vmem.py``'s estimate; each kernel is compiled with most of the chip's VMEM as its
+limit) fits the chip. A host without a TPU (CPU, or an ahead-of-time compile for a TPU target
+from a CPU host, where the target is unknown at trace time) takes v5e's rows as they are.
 """
 
 from typing import NamedTuple
@@ -101,18 +101,19 @@ def tuned_blocks(*, kv_len: int, head_dim: int | None = None, dtype=None, device
 
 def _within_vmem(blocks: TunedBlocks, info, head_dim: int, dtype) -> TunedBlocks:
     """``blocks`` halved until the forward, the fused backward and the dq kernel fit the chip's VMEM
-    (``splash/vmem.py``'s estimates; unchanged on an unknown chip)."""
+    (``splash/vmem.py``'s estimates with every optional operand present: partial mask blocks,
+    positions and segment ids; unchanged on an unknown chip)."""
     if info is None:
         return blocks
     usable, name = usable_vmem_bytes(info), str(dtype)
     half = lambda b: max(b // 2, NUM_LANES)
+    need = lambda kernel, shape, compute, out: KernelVmem(kernel, shape, compute, head_dim, head_dim, name, out, True,
+                                                          None, q_side=2, kv_side=2).bytes
     while True:
-        fwd = KernelVmem("forward", (blocks.block_q, blocks.block_kv), blocks.block_kv_compute, head_dim, head_dim,
-                         name, name, True, None).bytes
-        bwd = KernelVmem("fused", (blocks.block_q_dkv, blocks.block_kv_dkv), blocks.block_kv_dkv, head_dim,
-                         head_dim, name, "float32", True, None).bytes
-        dq = KernelVmem("dq", (blocks.block_q, blocks.block_kv), blocks.block_kv, head_dim, head_dim, name,
-                        "float32", True, None).bytes  # the ring's split backward runs it at the forward's blocks
+        fwd = need("forward", (blocks.block_q, blocks.block_kv), blocks.block_kv_compute, name)
+        bwd = need("fused", (blocks.block_q_dkv, blocks.block_kv_dkv), blocks.block_kv_dkv, "float32")
+        # the ring's split backward runs the dq kernel at the forward's blocks
+        dq = need("dq", (blocks.block_q, blocks.block_kv), blocks.block_kv, "float32")
         if max(fwd, bwd, dq) <= usable or max(blocks) <= NUM_LANES:
             return blocks
         if max(fwd, dq) > usable:
