@@ -14,7 +14,7 @@ import os
 import sys
 
 from ringsplash import data
-from ringsplash._optional import MissingDependency
+from ringsplash._internal.optional import MissingDependency
 from ringsplash.cli import PATH_ERRORS, output_dir_problem
 
 

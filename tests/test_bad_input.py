@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import ringsplash as rs
-from ringsplash import _checks, _scalar_checks, layouts, masks
+from ringsplash import layouts, masks
+from ringsplash._internal import checks as _checks
+from ringsplash._internal import scalar_checks as _scalar_checks
 
 S4 = (4, 4)
 

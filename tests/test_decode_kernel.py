@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash._softmax import MASKED_LSE
+from ringsplash._internal.softmax import MASKED_LSE
 from ringsplash.inference import decode, decode_step, decode_steps, prefill
 from ringsplash.inference.decode_kernel import (
     _kv_map,

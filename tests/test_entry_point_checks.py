@@ -512,7 +512,7 @@ def test_model_config_accepts_what_splash_attention_accepts():
 
 # ----------------------------------------------------------------------------------------
 # configs and entry points: a bad string option, out-of-range number or wrong type is an
-# error naming the argument (one validation path: ringsplash._checks)
+# error naming the argument (one validation path: ringsplash._internal.checks)
 
 
 def _train_config(**kw):

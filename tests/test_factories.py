@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import ringsplash as rs
-from ringsplash import _caches, masks
+from ringsplash import masks
+from ringsplash._internal import caches as _caches
 from ringsplash.splash import factory
 
 XLA = rs.SplashConfig(backend="xla")

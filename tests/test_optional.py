@@ -1,4 +1,4 @@
-"""Optional dependencies (``ringsplash._optional``): a package that is not installed is one line naming
+"""Optional dependencies (``ringsplash._internal.optional``): a package that is not installed is one line naming
 what needs it and the extra that installs it, wherever it is imported; never a traceback from deep inside.
 Each test makes the package missing as Python sees it (``sys.modules[name] = None``)."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ringsplash import data
-from ringsplash._optional import MissingDependency, require
+from ringsplash._internal.optional import MissingDependency, require
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
 from ringsplash import layouts, masks
-from ringsplash._checks import default_scale
+from ringsplash._internal.checks import default_scale
 from ringsplash.splash import xla
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from support.attention_inputs import inputs, max_err

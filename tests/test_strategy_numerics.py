@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import ringsplash as rs
-from ringsplash import _softmax, layouts, masks
+from ringsplash import layouts, masks
+from ringsplash._internal import softmax as _softmax
 from support.meshes import mesh
 from support.strategies import XLA, strategy
 

@@ -7,9 +7,9 @@ Masks (``ringsplash.masks``) -> block metadata (``build_mask_info``) -> Splash k
 from importlib import metadata as _metadata
 
 from ringsplash import layouts, masks
-from ringsplash._caches import clear_caches
-from ringsplash._softmax import MASKED_LSE
-from ringsplash._types import AttentionOutput
+from ringsplash._internal.caches import clear_caches
+from ringsplash._internal.softmax import MASKED_LSE
+from ringsplash._internal.types import AttentionOutput
 from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.reference import reference_attention

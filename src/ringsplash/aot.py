@@ -186,3 +186,19 @@ def compile_report(fn, *abstract_args, **jit_kwargs) -> AotReport:
     hbm = None if info is None else info.hbm_bytes
     return AotReport(temp, args, out, code, alias, total, hbm, None if hbm is None else total <= hbm,
                      compiled.as_text(), seconds)
+
+
+def trace_chip() -> str | None:
+    """The ``device_kind`` of JAX's default device when it is a TPU, else None; also None before
+    JAX has started its backends: blocks are fitted when a config is checked too, and starting
+    JAX there would fix the device count before a script sets it (a later trace sees the chip)."""
+    import jax
+    from jax._src import xla_bridge  # no public way to ask without starting the backends
+
+    if not getattr(xla_bridge, "backends_are_initialized", lambda: True)():
+        return None
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return None
+    return device.device_kind if device.platform == "tpu" else None

@@ -254,7 +254,7 @@ def run_script(main, parse_args, argv=None):
             check_output_dirs(config)
         except (ValueError, TypeError) as e:  # the config's own checks (each names its flag)
             sys.exit(_one_line(prog, e))
-    from ringsplash._optional import MissingDependency
+    from ringsplash._internal.optional import MissingDependency
 
     try:
         return main(config)

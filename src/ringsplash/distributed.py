@@ -64,7 +64,7 @@ def inherited_xla_flags(xla_flags: str | None) -> str:
 def timeouts() -> dict[str, int]:
     """``jax.distributed.initialize``'s timeout arguments, from ``RINGSPLASH_HEARTBEAT_TIMEOUT`` /
     ``_INIT_TIMEOUT`` / ``_SHUTDOWN_TIMEOUT`` (seconds, positive ints) or the defaults."""
-    from ringsplash._scalar_checks import check_positive_int
+    from ringsplash._internal.scalar_checks import check_positive_int
 
     def read(env: str, default: int) -> int:
         raw = os.environ.get(env, "")
@@ -141,7 +141,7 @@ def initialize() -> None:
     import jax
 
     if launched_locally():
-        from ringsplash._scalar_checks import check_positive_int
+        from ringsplash._internal.scalar_checks import check_positive_int
 
         num_processes = check_positive_int(ENV_NUM_PROCESSES, int(os.environ[ENV_NUM_PROCESSES]))
         process_id = int(os.environ[ENV_PROCESS_ID])

@@ -14,8 +14,8 @@ from typing import Literal
 
 import numpy as np
 
-from ringsplash import _caches as caches
-from ringsplash._scalar_checks import check_choice, check_positive_int, literal_choices
+from ringsplash._internal import caches
+from ringsplash._internal.scalar_checks import check_choice, check_positive_int, literal_choices
 
 Layout = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = literal_choices(Layout)

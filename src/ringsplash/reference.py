@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
-from ringsplash._checks import check_attention_call
-from ringsplash._scalar_checks import as_scalar, check_float
-from ringsplash._softmax import MASKED_LSE
-from ringsplash._types import Array, AttentionOutput, Float, outputs
+from ringsplash._internal.checks import check_attention_call
+from ringsplash._internal.scalar_checks import as_scalar, check_float
+from ringsplash._internal.softmax import MASKED_LSE
+from ringsplash._internal.types import Array, AttentionOutput, Float, outputs
 from ringsplash.masks.segment_ids import SegmentIds
 
 
@@ -34,7 +34,7 @@ def reference_attention(
         q: queries ``[heads, q_len, d]``, floating point (per example; batch with ``jax.vmap``).
         k: keys ``[kv_heads, kv_len, d]``, the dtype of ``q``; ``kv_heads`` divides ``heads``
             (GQA; 1 = MQA). A q / k / v dtype mix is refused as by ``splash_attention`` (one rule,
-            ``ringsplash._checks``), never upcast silently.
+            ``ringsplash._internal.checks``), never upcast silently.
         v: values ``[kv_heads, kv_len, dv]``, the dtype of ``k``; their head size ``dv`` may
             differ from ``d`` (the output has it).
         mask: a ``ringsplash.masks`` mask of shape ``(q_len, kv_len)`` (``MultiHeadMask``: one

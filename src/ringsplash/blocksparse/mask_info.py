@@ -19,9 +19,15 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from ringsplash import _caches as caches
 from ringsplash import masks as masks_lib
-from ringsplash._scalar_checks import check_bool, check_choice, check_divides, check_positive_int, literal_choices
+from ringsplash._internal import caches
+from ringsplash._internal.scalar_checks import (
+    check_bool,
+    check_choice,
+    check_divides,
+    check_positive_int,
+    literal_choices,
+)
 from ringsplash.blocksparse.builder import (
     MAX_STORED_PARTIAL_BLOCKS,
     assemble,

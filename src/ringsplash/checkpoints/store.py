@@ -47,7 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ringsplash._scalar_checks import check_positive_int
+from ringsplash._internal.scalar_checks import check_positive_int
 from ringsplash.checkpoints.checksums import array_checksums, data_checksums, data_digest
 from ringsplash.checkpoints.full_disk import held_logs, join_writers, no_space
 from ringsplash.checkpoints.leaves import (

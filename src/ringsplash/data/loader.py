@@ -32,8 +32,8 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
-from ringsplash._optional import require
-from ringsplash._scalar_checks import plain_fields
+from ringsplash._internal.optional import require
+from ringsplash._internal.scalar_checks import plain_fields
 from ringsplash.data.batch import Batch
 from ringsplash.data.corpus import TokenizedCorpus
 from ringsplash.data.holdout import HELD_OUT_EVERY, held_out_documents

@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from ringsplash._optional import require
+from ringsplash._internal.optional import require
 from ringsplash.data.corpus import FORMAT, MANIFEST, file_fingerprint, file_sha256
 
 JSONL_SUFFIXES = (".jsonl",)

@@ -22,7 +22,7 @@ import inspect
 
 import numpy as np
 
-from ringsplash._optional import require
+from ringsplash._internal.optional import require
 from ringsplash.evals.loading import inference_generate_fn, load_model
 from ringsplash.evals.scoring import GenerateFn, Scorer
 from ringsplash.evals.tokenizer import Tokenizer, load_tokenizer

@@ -15,7 +15,7 @@ import sys
 
 from _ringsplash_lm_eval import ENTRY_POINT_GROUP
 from _ringsplash_lm_eval import register_entry_points as _register
-from ringsplash._optional import MissingDependency, require
+from ringsplash._internal.optional import MissingDependency, require
 
 _NEEDED_FOR = "python -m ringsplash.evals.lm_eval_cli (lm-eval's command line)"
 

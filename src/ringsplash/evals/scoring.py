@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.model import Transformer
 
 #: ``generate_fn(prompts [batch, len] int32 (right-padded), prompt_lengths [batch], max_new_tokens)

@@ -4,7 +4,7 @@
 import os
 from typing import Protocol, runtime_checkable
 
-from ringsplash._optional import require
+from ringsplash._internal.optional import require
 
 
 @runtime_checkable

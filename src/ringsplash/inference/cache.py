@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.inference.checks import as_count
 from ringsplash.model import TransformerConfig
 

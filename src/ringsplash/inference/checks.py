@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from ringsplash._scalar_checks import as_scalar, check_bool
+from ringsplash._internal.scalar_checks import as_scalar, check_bool
 from ringsplash.model import Transformer, TransformerConfig
 
 

@@ -5,7 +5,7 @@ norms and RoPE: ``Attention.project_qkv`` / ``project_out``, with the batch wher
 the sequence; the reference's arithmetic on one query per row, ``_local_partial``) and returns a partial
 output and its log-sum-exp; one ``all_gather`` of those (``[heads, batch, dv + 1]`` floats) per layer and
 the online-softmax
-``merge`` (``ringsplash._softmax``) give the exact attention over the whole cache, no key or value
+``merge`` (``ringsplash._internal.softmax``) give the exact attention over the whole cache, no key or value
 moves. The new token attends itself as one more partial, merged once; sinks join at the end
 (``fold_sinks``). After the layers, the new token's keys and values are written into the slot
 that holds its position, on the device that owns that slot.
@@ -35,9 +35,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts, masks
-from ringsplash._scalar_checks import as_scalar
-from ringsplash._softmax import MASKED_LSE, fold_sinks, merge
-from ringsplash._types import Array, Bool, Float, Int
+from ringsplash._internal.scalar_checks import as_scalar
+from ringsplash._internal.softmax import MASKED_LSE, fold_sinks, merge
+from ringsplash._internal.types import Array, Bool, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_cache
 from ringsplash.inference.checks import check_model, is_int
 from ringsplash.inference.decode_kernel import NUM_LANES, decode_attention

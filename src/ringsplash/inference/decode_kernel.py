@@ -26,8 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash._softmax import MASKED_LSE
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.softmax import MASKED_LSE
+from ringsplash._internal.types import Array, Float, Int
 
 NUM_LANES = 128
 #: bytes of K that one grid step reads (all kv heads of ``block_kv`` slots; V as much again): large enough that

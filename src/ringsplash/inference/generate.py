@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash._types import Array, Int
+from ringsplash._internal.types import Array, Int
 from ringsplash.inference.cache import KVCache
 from ringsplash.inference.checks import as_count, check_flags, check_key, check_model, check_stop_tokens
 from ringsplash.inference.decode import decode_step, decode_steps

@@ -30,9 +30,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import _caches as caches
 from ringsplash import layouts
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal import caches
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.inference.cache import KVCache, cache_specs, check_decodable, check_mesh, model_key, place
 from ringsplash.inference.checks import as_count, check_flags, check_model
 from ringsplash.model import Transformer, TransformerConfig, abstract_model, attend, layer_segments

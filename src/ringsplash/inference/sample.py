@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ringsplash._scalar_checks import as_scalar
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.scalar_checks import as_scalar
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.inference.checks import check_key, is_int
 
 #: temperatures below this (float32's smallest normal number, 2**-126) sample as greedy. Below it the temperature

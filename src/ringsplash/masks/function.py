@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ringsplash import _caches as caches
+from ringsplash._internal import caches
 from ringsplash.masks.base import _HI, _LO, EMPTY, FULL, PARTIAL, BoundIntervals, Mask, _check_shape, candidate_runs
 
 __all__ = ["TILE_CHUNK_ELEMENTS", "FunctionMask"]

@@ -2,7 +2,7 @@
 
 from typing import NamedTuple
 
-from ringsplash._types import Array, Int
+from ringsplash._internal.types import Array, Int
 
 
 class SegmentIds(NamedTuple):

@@ -7,7 +7,7 @@ on the interface and algebra of ``ringsplash.masks.base`` (``Mask``, ``&`` / ``|
 
 import numpy as np
 
-from ringsplash._scalar_checks import check_int
+from ringsplash._internal.scalar_checks import check_int
 from ringsplash.masks.base import (  # noqa: F401  (re-exported: the one import path for masks)
     _HI,
     _LO,

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash import masks as masks_lib
 from ringsplash import parallel
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.model.config import TransformerConfig, dtype_of
 from ringsplash.model.norm import RMSNorm

@@ -10,9 +10,9 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
-from ringsplash import _caches as caches
 from ringsplash import masks as masks_lib
-from ringsplash._scalar_checks import (
+from ringsplash._internal import caches
+from ringsplash._internal.scalar_checks import (
     check_bool,
     check_choice,
     check_float,

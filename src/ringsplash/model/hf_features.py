@@ -11,7 +11,7 @@ with ``local_window = sliding_window - 1`` (what a Mistral checkpoint maps to).
 import dataclasses
 from typing import Literal, NamedTuple
 
-from ringsplash._scalar_checks import (
+from ringsplash._internal.scalar_checks import (
     check_bool,
     check_choice,
     check_float,

@@ -4,7 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ringsplash._types import Array, Float
+from ringsplash._internal.types import Array, Float
 
 
 class RMSNorm(eqx.Module):

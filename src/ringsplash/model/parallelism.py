@@ -14,7 +14,13 @@ from typing import Literal, NamedTuple
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
-from ringsplash._scalar_checks import check_choice, check_name, check_positive_int, literal_choices, plain_fields
+from ringsplash._internal.scalar_checks import (
+    check_choice,
+    check_name,
+    check_positive_int,
+    literal_choices,
+    plain_fields,
+)
 from ringsplash.parallel.heads import usp_factorisations, valid_ulysses_degrees
 from ringsplash.parallel.ring_plan import fit_ring_blocks
 from ringsplash.splash.blocks import Extent, fit_blocks

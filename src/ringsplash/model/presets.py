@@ -14,7 +14,7 @@ flag (``ringsplash.cli.parse_config(..., presets=PRESETS)``).
 
 import dataclasses
 
-from ringsplash._scalar_checks import check_choice
+from ringsplash._internal.scalar_checks import check_choice
 from ringsplash.model.config import TransformerConfig
 
 

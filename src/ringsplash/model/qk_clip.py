@@ -24,7 +24,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax.numpy as jnp
 
-from ringsplash._types import Array, Float
+from ringsplash._internal.types import Array, Float
 
 __all__ = ["QKClipFactors", "apply_qk_clip", "qk_clip_factors"]
 

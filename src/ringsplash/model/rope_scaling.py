@@ -42,8 +42,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ringsplash import _caches as caches
-from ringsplash._scalar_checks import check_choice, check_float, check_positive_int, literal_choices
+from ringsplash._internal import caches
+from ringsplash._internal.scalar_checks import check_choice, check_float, check_positive_int, literal_choices
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
 ROPE_TYPES: tuple[str, ...] = literal_choices(RopeType)

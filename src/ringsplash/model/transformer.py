@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.model.attention import ATTENTION_LSE, ATTENTION_OUT, Attention
 from ringsplash.model.config import RematPolicy, TransformerConfig, dtype_of
 from ringsplash.model.hf_features import layer_segments

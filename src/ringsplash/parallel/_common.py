@@ -9,8 +9,8 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ringsplash._checks import check_attention_call
-from ringsplash._types import Outputs
+from ringsplash._internal.checks import check_attention_call
+from ringsplash._internal.types import Outputs
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import GENERIC_INTERPRETER, SplashConfig

@@ -8,7 +8,7 @@ its online-softmax merge and its backward: :mod:`ringsplash.parallel.ring_loop`)
 :mod:`ringsplash.parallel.ring_plan`) once; the :class:`RingAttention` it returns is called
 inside ``shard_map`` with arrays. :func:`ring_attention` is a thin wrapper: it validates the
 call, takes the object for its arguments from the one bounded cache
-(``ringsplash._caches.factories``, emptied by ``rs.clear_caches()``) and calls it.
+(``ringsplash._internal.caches.factories``, emptied by ``rs.clear_caches()``) and calls it.
 """
 
 import dataclasses
@@ -19,11 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._caches import factories
-from ringsplash._checks import AttentionCall, check_attention_call
-from ringsplash._scalar_checks import check_positive_int, check_unroll
-from ringsplash._shard_map import axis_size, vma
-from ringsplash._types import Array, AttentionOutput, Float, Outputs, outputs
+from ringsplash._internal.caches import factories
+from ringsplash._internal.checks import AttentionCall, check_attention_call
+from ringsplash._internal.scalar_checks import check_positive_int, check_unroll
+from ringsplash._internal.shard_map import axis_size, vma
+from ringsplash._internal.types import Array, AttentionOutput, Float, Outputs, outputs
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import interpreter_for_mesh
 from ringsplash.parallel.ring_loop import RingStatic, run_ring

@@ -48,9 +48,9 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from ringsplash import _softmax
-from ringsplash._shard_map import varying, vma
-from ringsplash._softmax import MASKED_LSE
+from ringsplash._internal import softmax as _softmax
+from ringsplash._internal.shard_map import varying, vma
+from ringsplash._internal.softmax import MASKED_LSE
 from ringsplash.parallel.ring_blocks import block_backward, block_forward, shares_segment
 from ringsplash.parallel.ring_plan import RingPlan
 from ringsplash.splash.attention import KvExchange

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._caches import factories
-from ringsplash._scalar_checks import check_divides, check_positive_int
+from ringsplash._internal.caches import factories
+from ringsplash._internal.scalar_checks import check_divides, check_positive_int
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.splash import work_pieces
 from ringsplash.splash.blocks import Blocks, Extent, fit_blocks, tuned_for_call
@@ -113,7 +113,7 @@ def ring_plan(mask: masks_lib.AnyMask, num_shards: int, layout: layouts.Layout, 
             (``build_mask_info(q_shard_rows=)``; ``()`` = none: the plan's shapes, ``active``,
             partial blocks and pieces, as every process needs them, without any list).
 
-    Plans live in the one bounded cache of host work (``ringsplash._caches.factories``, emptied by
+    Plans live in the one bounded cache of host work (``ringsplash._internal.caches.factories``, emptied by
     ``rs.clear_caches()``, which also empties ``build_mask_info``'s).
     """
     seq_len = masks_lib.head_masks(mask)[0].shape[0]

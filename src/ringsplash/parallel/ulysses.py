@@ -31,8 +31,8 @@ from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._shard_map import axis_size
-from ringsplash._types import Array, AttentionOutput, Float, outputs
+from ringsplash._internal.shard_map import axis_size
+from ringsplash._internal.types import Array, AttentionOutput, Float, outputs
 from ringsplash.blocksparse.mask_info import build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import (

@@ -17,9 +17,9 @@ import jax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._scalar_checks import check_positive_int, check_unroll
-from ringsplash._shard_map import axis_size
-from ringsplash._types import Array, AttentionOutput, Float, outputs
+from ringsplash._internal.scalar_checks import check_positive_int, check_unroll
+from ringsplash._internal.shard_map import axis_size
+from ringsplash._internal.types import Array, AttentionOutput, Float, outputs
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.parallel._common import (
     check_global_inputs,

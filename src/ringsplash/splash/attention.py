@@ -9,10 +9,10 @@ from typing import Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 
-from ringsplash import _softmax
-from ringsplash._checks import check_attention_call, default_scale
-from ringsplash._shard_map import vma
-from ringsplash._types import Array, Float
+from ringsplash._internal import softmax as _softmax
+from ringsplash._internal.checks import check_attention_call, default_scale
+from ringsplash._internal.shard_map import vma
+from ringsplash._internal.types import Array, Float
 from ringsplash.blocksparse.mask_info import MaskInfo
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash import work_pieces

@@ -16,7 +16,7 @@ everything static lives in ``BackendStatic``.
 import dataclasses
 from typing import NamedTuple
 
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo
 from ringsplash.splash.config import SplashConfig
 

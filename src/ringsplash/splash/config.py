@@ -21,7 +21,12 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash._scalar_checks import check_choice, check_positive_int, check_positive_multiple, literal_choices
+from ringsplash._internal.scalar_checks import (
+    check_choice,
+    check_positive_int,
+    check_positive_multiple,
+    literal_choices,
+)
 from ringsplash.splash.tpu_tiles import NUM_LANES
 from ringsplash.splash.tuning import tuned_blocks
 

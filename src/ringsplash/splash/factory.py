@@ -4,7 +4,7 @@
 once; the :class:`SplashAttention` it returns takes arrays only. :func:`splash_attention`, the
 functional entry point, is a thin wrapper: it validates the call, takes the object for its
 (mask, config, head size, dtype, sparsity) from the one bounded cache
-(``ringsplash._caches.factories``, emptied by ``rs.clear_caches()``) and calls it.
+(``ringsplash._internal.caches.factories``, emptied by ``rs.clear_caches()``) and calls it.
 """
 
 import dataclasses
@@ -12,10 +12,10 @@ import dataclasses
 import jax.numpy as jnp
 
 from ringsplash import masks as masks_lib
-from ringsplash._caches import factories
-from ringsplash._checks import AttentionCall, check_attention_call
-from ringsplash._scalar_checks import check_bool, check_positive_int
-from ringsplash._types import Array, AttentionOutput, Float, Outputs, outputs
+from ringsplash._internal.caches import factories
+from ringsplash._internal.checks import AttentionCall, check_attention_call
+from ringsplash._internal.scalar_checks import check_bool, check_positive_int
+from ringsplash._internal.types import Array, AttentionOutput, Float, Outputs, outputs
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
 from ringsplash.splash.attention import splash_info_attention
@@ -66,7 +66,7 @@ class SplashAttention:
         return self.run(call, q, k, v, sinks, want)
 
     def run(self, call: AttentionCall, q, k, v, sinks, want: Outputs):
-        """The call on inputs :func:`~ringsplash._checks.check_attention_call` validated."""
+        """The call on inputs :func:`~ringsplash._internal.checks.check_attention_call` validated."""
         result = splash_info_attention(q, k, v, self.info, self.info_dkv, segment_ids=call.segment_ids,
                                        scale=call.scale, logit_soft_cap=call.logit_soft_cap, sinks=sinks,
                                        config=self.config, return_residuals=want.lse,

@@ -11,20 +11,12 @@ With ``s`` the (scaled, soft-capped) scores, ``P = exp(s - lse)``, ``dP = dO @ V
 * dq kernel: grid ``(heads, max_steps)`` over the forward work list (sorted by q block);
   dq accumulates in float32 VMEM over a q block's run of steps. Used alone (``parts=("dq",)``,
   the ring's last step).
-* dK/dV kernel: grid ``(kv_heads, steps, inner)``; dK / dV of a kv block accumulate in
-  float32 VMEM over every (q head of the group, q block) that attends it, and K / V are never
-  repeated in memory. Two ways to walk a GQA group:
-
-  - *uniform* (every q head of a group uses the same mask list — one 2-D mask, or a
-    ``MultiHeadMask`` whose groups are uniform): kv head ``g`` walks its list's transposed
-    work list once, ``inner = group`` q heads innermost, so the prefetched list keeps its
-    base size ``[lists, steps]``;
-  - *merged* (heads of a group have different masks): the transposed lists of the group's
-    q heads are merged by kv block into one list per kv head, ``[kv_heads, group * steps]``
-    plus the q head of each entry, and ``inner = 1``.
-
-  Tiles are computed transposed, ``(kv, q)``, so lse / delta rows broadcast without
-  transposes. Work lists are packed as in ``_kernel_common`` (two int32 words per entry).
+* dK/dV kernel: grid ``(kv_heads, steps, inner)``; dK / dV of a kv block accumulate in float32 VMEM over
+  every (q head of the group, q block) that attends it; K / V are never repeated in memory. A GQA group walks
+  *uniform* (every q head of the group has the same mask list: kv head ``g`` walks it once, ``inner = group``
+  q heads innermost, the prefetched list ``[lists, steps]``) or *merged* (different masks: the group's
+  transposed lists merged by kv block, ``[kv_heads, group * steps]`` plus each entry's q head, ``inner = 1``).
+  Tiles are computed transposed, ``(kv, q)``: lse / delta rows broadcast without transposes.
 
 Nothing is materialised per kv block: temporaries are the outputs and the lse-shaped rows.
 """
@@ -37,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash._softmax import MASK_VALUE
+from ringsplash._internal.softmax import MASK_VALUE
 from ringsplash.splash._kernel_common import (
     LOG2E,
     NN_DIMS,

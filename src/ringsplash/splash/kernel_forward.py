@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash._softmax import MASK_VALUE, MASKED_LSE
+from ringsplash._internal.softmax import MASK_VALUE, MASKED_LSE
 from ringsplash.splash._kernel_common import (
     LN2,
     LOG2E,

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from ringsplash import _caches as caches
-from ringsplash._shard_map import varying, vma
+from ringsplash._internal import caches
+from ringsplash._internal.shard_map import varying, vma
 from ringsplash.blocksparse.mask_info import MaskInfo
 from ringsplash.splash import kernel_backward, kernel_forward
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ringsplash._types import Array, Int
+from ringsplash._internal.types import Array, Int
 from ringsplash.blocksparse.mask_info import BlockSchedule
 from ringsplash.masks import FULL
 

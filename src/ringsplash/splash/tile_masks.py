@@ -11,7 +11,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 from jax import lax
 
-from ringsplash._softmax import MASK_VALUE
+from ringsplash._internal.softmax import MASK_VALUE
 from ringsplash.splash._kernel_common import NT_DIMS
 from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
 

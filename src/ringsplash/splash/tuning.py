@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringsplash import aot
+from ringsplash.aot import trace_chip
 from ringsplash.splash.tpu_tiles import NUM_LANES
 from ringsplash.splash.vmem import KernelVmem, usable_vmem_bytes
 
@@ -53,22 +54,6 @@ _LARGE_VMEM = 64 << 20  # generations with at least this much VMEM per core take
 #: 1024: on v5e at 32K, 16 packed documents ran 41 ms at 2048-blocks and 7.8 ms at 1024 (a partial
 #: 2048 x 512 tile costs far more than four 1024 x 512 ones); window 4096: 11.5 vs 10.8
 _SPARSE_MAX_BLOCK_KV = 1024
-
-
-def trace_chip() -> str | None:
-    """The ``device_kind`` of JAX's default device when it is a TPU, else None; also None before
-    JAX has started its backends: blocks are fitted when a config is checked too, and starting
-    JAX there would fix the device count before a script sets it (a later trace sees the chip)."""
-    import jax
-    from jax._src import xla_bridge  # no public way to ask without starting the backends
-
-    if not getattr(xla_bridge, "backends_are_initialized", lambda: True)():
-        return None
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return None
-    return device.device_kind if device.platform == "tpu" else None
 
 
 def _table(device_kind: str | None):

@@ -213,9 +213,7 @@ def kernel_vmem(kernel: str, q, k, v, block_shape, *, block_kv_compute=None, out
                 vmem_limit_bytes) -> KernelVmem:
     """The :class:`KernelVmem` of a ``kernel`` call on ``q, k, v`` (arrays or shapes) with the
     keyword ``operands`` its wrapper takes (positions, segment ids, partial mask blocks); the chip
-    is the one JAX traces on (``splash.tuning.trace_chip``)."""
-    from ringsplash.splash.tuning import trace_chip  # tuning sizes its blocks with this module
-
+    is the one JAX traces on (``aot.trace_chip``)."""
     blocks = operands.get("mask_blocks_t" if kernel in _TRANSPOSED else "mask_blocks")
     return KernelVmem(
         kernel=kernel, block_shape=tuple(int(b) for b in block_shape),
@@ -223,5 +221,5 @@ def kernel_vmem(kernel: str, q, k, v, block_shape, *, block_kv_compute=None, out
         head_dim_v=int(v.shape[-1]), dtype=str(np.dtype(q.dtype)),
         out_dtype=str(np.dtype(q.dtype if out_dtype is None else out_dtype)), mask_blocks=blocks is not None,
         explicit_limit=vmem_limit_bytes, q_side=_side_count(operands, ("q_pos", "q_seg")),
-        kv_side=_side_count(operands, ("kv_pos", "kv_seg")), chip=trace_chip(),
+        kv_side=_side_count(operands, ("kv_pos", "kv_seg")), chip=aot.trace_chip(),
     )

@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ringsplash import _caches as caches
 from ringsplash import aot
+from ringsplash._internal import caches
 from ringsplash.blocksparse.mask_info import BlockSchedule, MaskInfo
 from ringsplash.masks import EMPTY
 from ringsplash.splash._kernel_common import uniform_group_lists
@@ -376,7 +376,7 @@ def fused_in_pieces(inputs, pieces_dkv: PieceSchedules, block_kv: int, run_fused
     :func:`kernels_in_pieces`."""
     import jax.numpy as jnp
 
-    from ringsplash._shard_map import varying, vma
+    from ringsplash._internal.shard_map import varying, vma
 
     dq_acc, dk, dv = (None, None, None) if acc is None else acc
     fresh = lambda: varying(jnp.zeros(inputs.q.shape, jnp.float32), vma(inputs.q))  # q's mesh axes (shard_map)

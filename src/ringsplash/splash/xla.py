@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ringsplash._checks import default_scale
-from ringsplash._shard_map import varying, vma
-from ringsplash._softmax import MASKED_LSE
-from ringsplash._types import Array, Float
+from ringsplash._internal.checks import default_scale
+from ringsplash._internal.shard_map import varying, vma
+from ringsplash._internal.softmax import MASKED_LSE
+from ringsplash._internal.types import Array, Float
 from ringsplash.splash._kernel_common import LOG2E as _LOG2E
 from ringsplash.splash.backend_interface import BackendStatic, BackwardInputs, ForwardInputs
 from ringsplash.splash.xla_steps import (

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
-from ringsplash._scalar_checks import check_divides, check_positive_int
+from ringsplash._internal.scalar_checks import check_divides, check_positive_int
 from ringsplash.data import Batch, BatchSource, check_token_ids
 from ringsplash.model import PAD_SEGMENT, TransformerConfig
 from ringsplash.train.mesh import DATA, batch_spec

@@ -8,7 +8,7 @@ import warnings
 
 import optax
 
-from ringsplash._scalar_checks import (
+from ringsplash._internal.scalar_checks import (
     check_bool,
     check_divides,
     check_float,

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from ringsplash import _caches as caches
 from ringsplash import checkpoints
+from ringsplash._internal import caches
 from ringsplash.data import BatchSource
 from ringsplash.distributed import is_main_process
 from ringsplash.model import Transformer, TransformerConfig

@@ -5,7 +5,7 @@
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ringsplash._scalar_checks import check_positive_int
+from ringsplash._internal.scalar_checks import check_positive_int
 from ringsplash.model import TransformerConfig
 from ringsplash.model.parallelism import CONTEXT, ULYSSES
 

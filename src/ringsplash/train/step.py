@@ -14,7 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ringsplash import partitioning
-from ringsplash._types import Array, Float, Int
+from ringsplash._internal.types import Array, Float, Int
 from ringsplash.data import Batch, BatchSource
 from ringsplash.model import Transformer, TransformerConfig, abstract_model
 from ringsplash.model.config import dtype_of

@@ -1,7 +1,7 @@
 """Scalar argument checks (ints, floats, choices, divisibility) shared by every module.
 
 This module imports nothing from ringsplash, so the lowest layers (``masks``, ``layouts``,
-config dataclasses) can use it; :mod:`ringsplash._checks` re-exports every helper together
+config dataclasses) can use it; :mod:`ringsplash._internal.checks` re-exports every helper together
 with the attention-input checks (which need ``masks`` and so cannot live here without an
 import cycle). Every helper names the argument, what was expected and what was given, and
 returns the normalised value.

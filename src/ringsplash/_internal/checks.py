@@ -8,7 +8,7 @@ order, before any work that could fail for another reason. Shape and dtype check
 trace-time only; values are read only from concrete (non-traced) segment ids.
 
 The scalar helpers (``check_int`` ... ``check_divides``, ``literal_choices``) live in
-:mod:`ringsplash._scalar_checks`, which imports nothing from ringsplash so that ``masks`` and
+:mod:`ringsplash._internal.scalar_checks`, which imports nothing from ringsplash so that ``masks`` and
 the configs can use them; they are re-exported here.
 """
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ringsplash._scalar_checks import (
+from ringsplash._internal.scalar_checks import (
     as_scalar,
     check_bool,
     check_float,
