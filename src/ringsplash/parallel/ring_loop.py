@@ -32,11 +32,13 @@ contribution at ``t - 1``) while it computes its own contribution for that shard
 last step one more hop brings each accumulator home (N hops in all). dq accumulates locally.
 Around the last step (its incoming hop and the final one) dK and dV travel as one transfer
 (``send_together``): two separate ones outside the scan were not always both hidden.
-Every hop is issued before the step's kernel so the transfer overlaps it; the final
-accumulator hop depends only on the last dK/dV kernel, so with the Mosaic backend (separate dq
-and dK/dV kernels) XLA hides it behind the last dq kernel (checked on compiled TPU HLO in
-tests/test_ring_tpu_compile.py). On TPU, ``lax.cond`` disappears where every shard pair is
-active (e.g. causal + zigzag): XLA folds the constant predicate.
+Every hop is issued before the step's kernel so the transfer overlaps it. Every step but the last
+runs the fused backward kernel (dq accumulated inside the dK/dV kernel, as single-device Splash);
+the last step runs the dK/dV kernel, then the dq kernel, so the final accumulator hop, which
+depends only on the last dK/dV kernel, hides behind the last dq kernel (checked on compiled TPU
+HLO in tests/test_ring_tpu_compile.py). On TPU, ``lax.cond`` disappears where every shard pair is
+active (e.g. causal + zigzag): XLA folds the constant predicate. A one-device ring (N = 1) is one
+Splash call: no merge, its output and gradients written in the inputs' dtype.
 """
 
 import dataclasses
