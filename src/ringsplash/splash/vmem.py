@@ -4,9 +4,10 @@ before Mosaic's own ``CompileTimeScopedVmemOom`` where a chip cannot hold a conf
 Mosaic compiles a kernel under a scoped-VMEM limit (16 MiB by default on v5e, 32 MiB on v6e)
 far below the VMEM a core has (128 MiB on v5e and v6e, 64 MiB on v5p), and fails when the
 kernel's blocks, scratch and tile temporaries need more. So no kernel depends on a tight figure:
-unless ``SplashConfig.vmem_limit_bytes`` says otherwise, each kernel call is compiled with
-``_LIMIT_SHARE`` (90%) of the VMEM of the chip it is traced on (:func:`compile_limit`; Pallas TPU
-kernels commonly set their limit from the chip's capacity so). A host that traces without a TPU
+unless ``SplashConfig.vmem_limit_bytes`` says otherwise, each kernel call is compiled with twice its
+estimate (at least 32 MiB), at most ``_LIMIT_SHARE`` (90%) of the VMEM of the chip it is traced on
+(:func:`compile_limit`): not the whole ceiling, as VMEM a kernel's limit reserves is VMEM XLA cannot use
+for the program's own buffers (``KernelVmem.limit``). A host that traces without a TPU
 (CPU, or an ahead-of-time compile for a TPU target from a CPU host) cannot know the chip then; it
 compiles with the largest such limit of the chips in ``aot.CHIPS`` (:func:`portable_limit`): a
 limit is a ceiling, not an allocation (Mosaic allocates what the kernel needs), and the check
