@@ -17,6 +17,7 @@ from ringsplash.inference.decode_kernel import (
     decode_attention_reference,
 )
 from ringsplash.model import ModelFeatures, Transformer, TransformerConfig
+from support.decode_compile import v5e_decode_inputs
 
 INTERPRET = pltpu.InterpretParams(uninitialized_memory="nan")
 # measured max |kernel - dense float32 oracle| over 2 seeds, MHA and GQA, with and without a soft-cap (head size
@@ -162,25 +163,14 @@ def test_decode_attention_compiles_for_v5e(kv_heads):
 def test_decode_steps_with_the_kernel_compile_for_v5e(monkeypatch):
     """The program ``generate`` launches on a v5e chip (4 steps, GQA 4:2, head size 128, bfloat16, 8 rows of 8K
     slots) reads the cache with the Mosaic kernel, once per layer and step, and copies no cache."""
-    from ringsplash import aot
-    from ringsplash.inference import empty_cache
-    from ringsplash.model import abstract_model
-
     monkeypatch.setattr(decode, "DECODE_ATTENTION", "kernel")
     config = TransformerConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
                                max_seq_len=8192, param_dtype="bfloat16", compute_dtype="bfloat16")
-    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices("v5e:1x1")[0])
-    put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if hasattr(a, "shape") else a
-    model = jax.tree.map(put, abstract_model(config))
-    cache = jax.tree.map(put, jax.eval_shape(lambda: empty_cache(config, 8, 8192)))
-    token = put(jax.ShapeDtypeStruct((8,), jnp.int32))
-    compiled = jax.jit(lambda m, c, t: decode_steps(m, c, t, 4), donate_argnums=1).trace(
-        model, cache, token).lower().compile()
-    text = compiled.as_text()
-    entry = text[text.index("ENTRY"):]
+    inputs = v5e_decode_inputs(config, 8, 8192)
+    text, copies, temp = inputs.report(lambda m, c, t: decode_steps(m, c, t, 4))
     assert text.count("ringsplash_decode_attention") >= 4 * config.num_layers
-    assert not [line for line in entry.splitlines() if " copy(" in line and ",8192," in line]
-    assert compiled.memory_analysis().temp_size_in_bytes < cache.k.size * cache.k.dtype.itemsize / 4
+    assert not copies
+    assert temp < inputs.cache_bytes / 4
 
 
 @pytest.mark.tpu

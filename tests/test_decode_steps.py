@@ -8,6 +8,7 @@ import pytest
 from ringsplash import train
 from ringsplash.inference import decode_step, decode_steps, empty_cache, prefill
 from ringsplash.model import ModelFeatures, Transformer, TransformerConfig
+from support.decode_compile import v5e_decode_inputs
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=1024)
 CONFIGS = {
@@ -67,24 +68,11 @@ def test_decode_steps_compiles_for_v5e_without_copying_the_cache():
     """XLA's compile for one v5e chip (head size 128, bfloat16, GQA 4:2, 8 rows of 8K slots): 8 steps as one
     program hold no copy of the cache and temporaries far below it, while 8 ``decode_step`` calls in one
     program copy the whole cache after every step's write (why ``decode_steps`` keeps it read-only)."""
-    from ringsplash import aot
-    from ringsplash.model import abstract_model
-
     config = TransformerConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
                                max_seq_len=8192, param_dtype="bfloat16", compute_dtype="bfloat16")
-    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices("v5e:1x1")[0])
-    put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if hasattr(a, "shape") else a
-    model = jax.tree.map(put, abstract_model(config))
-    cache = jax.tree.map(put, jax.eval_shape(lambda: empty_cache(config, 8, 8192)))
-    token = put(jax.ShapeDtypeStruct((8,), jnp.int32))
-    cache_bytes = cache.k.size * cache.k.dtype.itemsize
-
-    def report(fn):
-        compiled = jax.jit(fn, donate_argnums=1).trace(model, cache, token).lower().compile()
-        text = compiled.as_text()
-        entry = text[text.index("ENTRY"):]
-        copies = [line for line in entry.splitlines() if " copy(" in line and f",{cache.k.shape[3]}," in line]
-        return copies, compiled.memory_analysis().temp_size_in_bytes
+    inputs = v5e_decode_inputs(config, 8, 8192)
+    cache_bytes = inputs.cache_bytes
+    report = lambda fn: inputs.report(fn)[1:]
 
     copies, temp = report(lambda m, c, t: decode_steps(m, c, t, 8))
     assert not copies and temp < cache_bytes / 4, (copies[:2], temp, cache_bytes)
@@ -120,20 +108,9 @@ def test_write_side_of_one_row_equals_the_scatter(length):
 def test_decode_steps_at_batch_one_compiles_for_v5e_without_copying_the_cache():
     """At batch 1 the program holds no copy of the cache either: the new slots go in with a dynamic_update_slice
     (the scatter made XLA lay the cache out again and back around the write, two copies per program)."""
-    from ringsplash import aot
-    from ringsplash.model import abstract_model
-
     config = TransformerConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=128,
                                max_seq_len=8192, param_dtype="bfloat16", compute_dtype="bfloat16")
-    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices("v5e:1x1")[0])
-    put = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) if hasattr(a, "shape") else a
-    model = jax.tree.map(put, abstract_model(config))
-    cache = jax.tree.map(put, jax.eval_shape(lambda: empty_cache(config, 1, 8192)))
-    token = put(jax.ShapeDtypeStruct((1,), jnp.int32))
-    compiled = jax.jit(lambda m, c, t: decode_steps(m, c, t, 4), donate_argnums=1).trace(
-        model, cache, token).lower().compile()
-    text = compiled.as_text()
-    entry = text[text.index("ENTRY"):]
-    copies = [line for line in entry.splitlines() if " copy(" in line and ",8192," in line]
+    inputs = v5e_decode_inputs(config, 1, 8192)
+    _, copies, temp = inputs.report(lambda m, c, t: decode_steps(m, c, t, 4))
     assert not copies, copies[:2]
-    assert compiled.memory_analysis().temp_size_in_bytes < cache.k.size * cache.k.dtype.itemsize / 4
+    assert temp < inputs.cache_bytes / 4
