@@ -9,7 +9,8 @@ rows up to 32K where ``import tokamax`` works.
 
 Rows: causal, sliding window 4096 and 16 packed causal documents (segment ids); S = 8K, 32K, 64K forward and 8K,
 16K (causal), 32K forward+backward; at 16K also GQA 4:1 and head size 64; bfloat16, 16 heads, head size 128.
-Milliseconds are medians of ``--repeats`` samples, each ``--back-to-back`` calls dispatched back to back and
+Segment ids are jit arguments, as in a training step (closed over as constants, they would let XLA refine
+single-device Splash's work lists at compile time). Milliseconds are medians of ``--repeats`` samples, each ``--back-to-back`` calls dispatched back to back and
 blocked once (the host round trip hidden, as in a training loop).
 
     python scripts/bench_context_parallel_tpu.py              # every row (on a v5e: ~6 min)
@@ -30,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from bench_splash_tpu import HEADS, Row, inputs, parse_rows, segment_ids, timed, tokamax_available, with_grad
+from bench_splash_tpu import HEADS, Row, inputs, parse_rows, segment_ids, timed, tokamax_available
 from ringsplash import masks
 
 STRATEGIES = ("splash", "ring", "allgather", "ulysses", "usp", "tokamax_ring")
@@ -54,32 +55,43 @@ def the_mask(row: Row):
 
 
 def strategy_fn(name: str, row: Row):
-    """``attn(q, k, v)`` of one strategy on global arrays (one device)."""
+    """``attn(q, k, v, ids)`` of one strategy on global arrays (one device); ``ids``: the row's segment ids
+    (None but for the docs rows), a jit argument as in a training step, so no path refines its work lists
+    at compile time from constant ids."""
     mask = the_mask(row)
-    seg = None
-    if row.mask == "docs":
-        ids = jnp.asarray(segment_ids(row))
-        seg = rs.SegmentIds(q=ids, kv=ids)
     device = jax.devices()[:1]
     mesh = jax.make_mesh((1,), ("ctx",), devices=device, axis_types=(jax.sharding.AxisType.Auto,))
+    seg = lambda ids: None if ids is None else rs.SegmentIds(q=ids, kv=ids)
     if name == "splash":
-        return lambda q, k, v: rs.splash_attention(q, k, v, mask, segment_ids=seg)
+        return lambda q, k, v, ids: rs.splash_attention(q, k, v, mask, segment_ids=seg(ids))
     if name == "ring":
-        return lambda q, k, v: rs.ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx", layout="zigzag",
-                                                         segment_ids=seg)
+        return lambda q, k, v, ids: rs.ring_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx",
+                                                              layout="zigzag", segment_ids=seg(ids))
     if name == "allgather":
-        return lambda q, k, v: rs.allgather_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx",
-                                                              layout="zigzag", segment_ids=seg)
+        return lambda q, k, v, ids: rs.allgather_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx",
+                                                                   layout="zigzag", segment_ids=seg(ids))
     if name == "ulysses":
-        return lambda q, k, v: rs.ulysses_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx",
-                                                            layout="zigzag", segment_ids=seg)
+        return lambda q, k, v, ids: rs.ulysses_attention_sharded(q, k, v, mask, mesh=mesh, axis_name="ctx",
+                                                                 layout="zigzag", segment_ids=seg(ids))
     if name == "usp":
         mesh2 = jax.make_mesh((1, 1), ("uly", "ring"), devices=device, axis_types=(jax.sharding.AxisType.Auto,) * 2)
-        return lambda q, k, v: rs.usp_attention_sharded(q, k, v, mask, mesh=mesh2, ulysses_axis="uly",
-                                                        ring_axis="ring", layout="zigzag", segment_ids=seg)
+        return lambda q, k, v, ids: rs.usp_attention_sharded(q, k, v, mask, mesh=mesh2, ulysses_axis="uly",
+                                                             ring_axis="ring", layout="zigzag", segment_ids=seg(ids))
     if name == "tokamax_ring":
-        return tokamax_ring_fn(row, mesh)
+        ring = tokamax_ring_fn(row, mesh)
+        return lambda q, k, v, ids: ring(q, k, v)
     raise ValueError(f"unknown strategy {name!r}")
+
+
+def with_ids_grad(attn, bwd: bool):
+    """``attn(q, k, v, ids)`` or its forward+backward (value and the q, k, v gradients), jitted."""
+    if not bwd:
+        return jax.jit(attn)
+
+    def loss(q, k, v, do, ids):
+        return jnp.vdot(attn(q, k, v, ids).astype(jnp.float32), do.astype(jnp.float32))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def tokamax_ring_fn(row: Row, mesh):
@@ -140,6 +152,7 @@ def main(argv=None):
     with open(args.log, "a") as log:
         for row in rows:
             q, k, v, do = inputs(row)
+            ids = jnp.asarray(segment_ids(row)) if row.mask == "docs" else None
             cells, base = [], None
             for name in names:
                 why = supported(name, row, have_tokamax)
@@ -147,8 +160,8 @@ def main(argv=None):
                     cells.append(f"- ({why})")
                     continue
                 try:
-                    fn = jax.jit(with_grad(strategy_fn(name, row), row.bwd))
-                    args_ = (q, k, v, do) if row.bwd else (q, k, v)
+                    fn = with_ids_grad(strategy_fn(name, row), row.bwd)
+                    args_ = (q, k, v, do, ids) if row.bwd else (q, k, v, ids)
                     ms = timed(fn, args_, args.repeats, args.back_to_back)
                 except Exception as exc:  # a cell that fails prints why; the table goes on
                     cells.append(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")

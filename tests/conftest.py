@@ -10,11 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: ``JAX_PLATFORMS=tpu pytest -m tpu`` on a TPU machine runs the on-chip tier (``tpu`` marker);
 #: everywhere else those tests skip, saying why
 ON_CHIP = "tpu" in os.environ["JAX_PLATFORMS"].split(",")
-if not ON_CHIP:
-    # libtpu looks for TPU metadata on import; on a CPU machine tell it there is none to find.
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+# libtpu looks for TPU metadata on import; on a CPU machine tell it there is none to find. The names set
+# here (not inherited) are removed again for a child that runs on the chip (test_docs_examples.py).
+_NO_TPU_METADATA = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+FAKED_TPU_ENV = () if ON_CHIP else tuple(name for name in _NO_TPU_METADATA if name not in os.environ)
+for _name in FAKED_TPU_ENV:
+    os.environ[_name] = _NO_TPU_METADATA[_name]
 # test subprocesses (scripts) load libtpu too; let them share it
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # The suite compiles hundreds of CPU programs that run once on tiny shapes: XLA:CPU's backend

@@ -17,10 +17,14 @@ interpreter; ``scripts/`` is the repository's), says::
 
 Every other block runs; one that raises fails its file's test, pointing at the markdown's own line (the
 blocks are compiled with the markdown's file name and line numbers).
+
+On a TPU machine the same blocks run on the chip: ``RINGSPLASH_DOCS_PLATFORM=tpu python -m pytest -n 0
+tests/test_docs_examples.py`` (pytest itself stays on the CPU; each file's interpreter takes the chip in turn).
 """
 
 import dataclasses
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -29,6 +33,7 @@ import textwrap
 
 import pytest
 
+from conftest import FAKED_TPU_ENV
 from support.processes import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,6 +44,8 @@ WITH_SHELL = "<!-- docs examples: shell blocks run too -->"
 #: a ```bash block as python: the block run by bash -e, ``python`` being this interpreter
 SHELL = "import subprocess; subprocess.run(['bash', '-ec', {script!r}], check=True)\n"
 TIMEOUT_S = 600  # generous for a loaded 2-core machine; a file's blocks take ~10-60 s of CPU
+#: the platform the blocks run on (``tpu`` on a TPU machine: the module docstring)
+PLATFORM = os.environ.get("RINGSPLASH_DOCS_PLATFORM", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +98,12 @@ def run_blocks(blocks: list[Block], cwd: pathlib.Path) -> subprocess.CompletedPr
         (cwd / "scripts").symlink_to(ROOT / "scripts")  # shell blocks run the repository's scripts
     spec = cwd / ".docs_blocks.json"
     spec.write_text(json.dumps([{"path": str(b.path), "line": b.line, "code": b.code} for b in blocks]))
+    env = child_env(JAX_PLATFORMS=PLATFORM)
+    if PLATFORM != "cpu":  # the chip's own metadata, not this process's stand-ins
+        for name in FAKED_TPU_ENV:
+            env.pop(name, None)
     return subprocess.run([sys.executable, "-c", RUNNER, str(spec)], cwd=cwd, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env=child_env(JAX_PLATFORMS="cpu"))
+                          timeout=TIMEOUT_S, env=env)
 
 
 def _failure(proc: subprocess.CompletedProcess, blocks: list[Block]) -> str:

@@ -165,6 +165,11 @@ def test_configs_beyond_the_chips_vmem_name_kernel_bytes_limit_and_a_fitting_con
     with pytest.raises(ValueError, match=r"over SplashConfig.vmem_limit_bytes=4194304 \(4.0 MiB\).* or raise "
                                          r"SplashConfig.vmem_limit_bytes"):
         jax.jit(lambda q, k, v: rs.splash_attention(q, k, v, mask, config=small)).lower(q, k, v)
+    # one over what the chip compiles with is refused by name, with the most it may be (not other blocks)
+    large = rs.SplashConfig(backend="mosaic_tpu", vmem_limit_bytes=128 * 2**20)
+    with pytest.raises(ValueError, match=r"SplashConfig.vmem_limit_bytes=134217728 \(128.0 MiB\) is over the \d+ MiB "
+                                         r"a kernel may be compiled with on v5e .*pass at most \d+, or None"):
+        jax.jit(lambda q, k, v: rs.splash_attention(q, k, v, mask, config=large)).lower(q, k, v)
 
 
 def test_ring_large_head_dim_compiles_with_the_limit_it_needs():

@@ -78,9 +78,13 @@ def test_allgather_tpu_compile_gathers_kv_and_reduce_scatters_grads():
     assert counts["all-gather"] >= 2 and counts["reduce-scatter"] + counts["all-reduce"] >= 1, counts
     assert counts["all-to-all"] == 0 and counts["collective-permute"] == 0, counts
     assert kernels(text) == ONE_CALL, kernels(text)
-    # the gathered K, V (kv_heads x S x d each, = the local q size here) and float32 dK, dV of S
-    print(f"allgather temp {mem.temp / 2**20:.0f} MiB = {mem.temp / LOCAL_Q:.1f} x local q")
-    assert mem.temp <= 16 * LOCAL_Q
+    # O(S), the backward's peak read off the buffer assignment: the gathered K and V (bf16 kv_heads x S x d each,
+    # 2x local q each), the fused kernel's float32 dK, dV of S (4x each), its float32 dq (2x) and the reduced
+    # dK / dV (2x): 16x local q, plus under 1 MiB of small buffers (lse, delta, work lists). Measured 16.05x
+    # since 46d4cc7 (the forward writes its output in bf16): before it XLA staged the gathered K / V through
+    # copies that ended before the fused backward's outputs were live (12.06x); since, it keeps the gathers live.
+    print(f"allgather temp {mem.temp / 2**20:.0f} MiB = {mem.temp / LOCAL_Q:.2f} x local q")
+    assert mem.temp <= 16 * LOCAL_Q + 2**20
 
 
 def test_ulysses_tpu_compile_uses_all_to_all():

@@ -72,8 +72,11 @@ def test_ring_compiles_in_pieces_with_per_device_schedule():
     bf16 = [shape for dt, shape in params if dt == "bf16"]
     assert len(params) == len(sched_params) + 4 and sum(2 * int(np.prod(x)) for x in bf16) == local_qkvd
     assert _kernel_calls(hlo, "splash_forward") >= len(sched.fwd_pieces)
-    # the ring's split backward (parallel/ring_blocks.py::block_backward): dK/dV per transposed piece, no fused kernel
-    assert _kernel_calls(hlo, "splash_dkv") >= len(sched.dkv_pieces) and _kernel_calls(hlo, "splash_fused_bwd") == 0
+    # the ring's backward (parallel/ring_loop.py): the fused kernel per transposed piece in every step but the
+    # last, whose dK/dV and dq kernels run apart (dK/dV per transposed piece, dq per piece)
+    calls = {name: _kernel_calls(hlo, name) for name in ("splash_fused_bwd", "splash_dkv", "splash_dq")}
+    assert calls["splash_fused_bwd"] >= len(sched.dkv_pieces), calls
+    assert calls["splash_dkv"] == len(sched.dkv_pieces) and calls["splash_dq"] == len(sched.fwd_pieces), calls
 
 
 def test_single_device_splash_compiles_in_pieces():

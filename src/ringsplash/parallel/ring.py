@@ -301,7 +301,8 @@ def ring_attention_sharded(
     if axis_name not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}, no axis_name={axis_name!r}")
     n = mesh.shape[axis_name]
-    config = ring_config(config, mask, n, head_dim=q.shape[-1], dtype=q.dtype, segment_ids=segment_ids is not None)
+    config = ring_config(config, mask, n, head_dim=q.shape[-1], dtype=q.dtype, segment_ids=segment_ids is not None,
+                         device_kind=_kind(mesh))
     fit_ring_blocks(call.q_len, n, layout, config)
     segment_ids = call.segment_ids  # int32, renumbered exactly if wider ids were given
     seq = P(None, axis_name)

@@ -158,9 +158,11 @@ class KernelVmem:
         if self.explicit_limit is not None and need > self.explicit_limit:
             problem = f"over SplashConfig.vmem_limit_bytes={self.explicit_limit} ({self.explicit_limit / _MIB:.1f} MiB)"
         elif self.explicit_limit is not None and self.explicit_limit > compile_limit(info):
-            problem = (f"with SplashConfig.vmem_limit_bytes={self.explicit_limit} ({self.explicit_limit / _MIB:.1f} "
-                       f"MiB) over the {compile_limit(info) / _MIB:.0f} MiB a kernel may be compiled with on "
-                       f"{info.name} ({chip!r})")
+            raise ValueError(
+                f"SplashConfig.vmem_limit_bytes={self.explicit_limit} ({self.explicit_limit / _MIB:.1f} MiB) is over "
+                f"the {compile_limit(info) / _MIB:.0f} MiB a kernel may be compiled with on {info.name} ({chip!r}): "
+                f"pass at most {compile_limit(info)}, or None (the limit set from the estimate and the chip; this "
+                f"{self.kernel} kernel needs about {need / _MIB:.1f} MiB)")
         elif need > cap:
             problem = f"over the {cap / _MIB:.0f} MiB of VMEM a kernel may take on {info.name} ({chip!r})"
         else:
