@@ -10,7 +10,7 @@ import pytest
 import ringsplash as rs
 from ringsplash import masks
 from ringsplash.parallel.ring import make_ring_attention, ring_schedule
-from ringsplash.parallel.ring_plan import ScheduleKey
+from ringsplash.parallel.ring_plan import ScheduleKey, ring_config
 from ringsplash.parallel.usp import usp_ring_config
 from ringsplash.splash import pallas
 from ringsplash.splash.config import SplashConfig
@@ -33,6 +33,17 @@ def test_ring_blocks_are_single_device_splash_blocks_for_the_same_kernel_call(se
         assert ring.blocks.block_shape == one.info.block_shape
         assert ring.blocks.block_shape_dkv == one.info_dkv.block_shape
         assert ring.blocks.config.block_kv_compute == one.config.block_kv_compute
+
+
+def test_ring_runs_the_split_backward_on_v5p_only_over_more_than_one_device():
+    """``ring_config`` keeps the fused backward on v5e / v6e and on any one-device ring, and turns it off for a
+    ring of N > 1 on v5p (SPLIT_BACKWARD_CHIPS: the compiled forward loop's overlap, tests/test_ring_tpu_compile.py);
+    the chip is the mesh's device kind when given, else the one traced on (none here: the CPU)."""
+    mask = masks.CausalMask((8 * K, 8 * K))
+    fused = lambda n, kind: ring_config(SplashConfig(), mask, n, device_kind=kind).fused_backward
+    assert fused(4, "TPU v5") is False and fused(4, "TPU v5p") is False
+    assert fused(4, "TPU v5 lite") and fused(4, "TPU v6 lite") and fused(1, "TPU v5") and fused(4, None)
+    assert ring_config(SplashConfig(fused_backward=False), mask, 4, device_kind="TPU v5 lite").fused_backward is False
 
 
 @pytest.mark.parametrize("mask", ["causal", "window"])
