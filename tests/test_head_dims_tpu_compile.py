@@ -192,11 +192,13 @@ VMEM_GRID = [  # (block_q, block_kv, block_kv_compute, head size, dtype): near a
 ]
 
 
-@pytest.mark.parametrize("target", ["v5e:2x2", "v6e:2x2", "v5p:2x2x1"])
+@pytest.mark.parametrize("target", ["v5p:2x2x1"])
 def test_no_accepted_config_fails_in_mosaic_for_vmem(target):
     """Forward + backward (forward, fused dK/dV + dq kernels) of configurations near and past the
     chip's VMEM: each compiles, with the scoped limit ringsplash sets, or is refused by ringsplash's
-    own error before Mosaic (never ``CompileTimeScopedVmemOom``)."""
+    own error before Mosaic (never ``CompileTimeScopedVmemOom``). On v5p, the smallest VMEM of the three
+    chips (v5e and v6e took 127-154 s more of this grid on 2 cores: tests/test_vmem_tpu_compile.py's property
+    draws every target)."""
     s = 4096
     mask = masks.CausalMask((s, s))
     sharding = jax.sharding.SingleDeviceSharding(device(target))
