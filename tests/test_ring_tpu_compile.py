@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import aot, masks
 from ringsplash.parallel.ring import ring_attention_sharded
-from ringsplash.parallel.ring_plan import SPLIT_BACKWARD_CHIPS
+from ringsplash.parallel.ring_tuning import SPLIT_BACKWARD_CHIPS
 from ringsplash.splash.config import SplashConfig
 from ringsplash.splash.factory import splash_attention
 from support.hlo import count_permute_starts, overlap_violations
@@ -129,7 +129,7 @@ def test_ring_tpu_compile_overlaps_every_transfer_with_a_kernel(topology, layout
     # one kernel per peeled step / loop body: forward (loop, last), the fused backward (first,
     # loop) and, on the last step, the dK/dV kernel then the dq kernel that hides the final hop --
     # the last step's two conds must not run a kernel twice. On v5p every step runs the split
-    # backward (ring_plan.SPLIT_BACKWARD_CHIPS: with the fused kernel XLA moved the forward loop's
+    # backward (ring_tuning.SPLIT_BACKWARD_CHIPS: with the fused kernel XLA moved the forward loop's
     # transfers after its kernel, which overlap_violations above then reports)
     names = ("splash_forward", "splash_fused_bwd", "splash_dq", "splash_dkv")
     counts = {k: len(re.findall(rf"%{k}[.\d]* = .*custom-call", text)) for k in names}

@@ -10,7 +10,8 @@ import pytest
 import ringsplash as rs
 from ringsplash import masks
 from ringsplash.parallel.ring import make_ring_attention, ring_schedule
-from ringsplash.parallel.ring_plan import ScheduleKey, ring_config
+from ringsplash.parallel.ring_plan import ScheduleKey
+from ringsplash.parallel.ring_tuning import ring_config
 from ringsplash.parallel.usp import usp_ring_config
 from ringsplash.splash import pallas
 from ringsplash.splash.config import SplashConfig

@@ -34,10 +34,10 @@ from ringsplash.parallel.ring_plan import (
     ScheduleKey,
     check_schedule,
     fit_ring_blocks,
-    ring_config,
     ring_plan,
     ring_schedule,
 )
+from ringsplash.parallel.ring_tuning import ring_config
 from ringsplash.splash.attention import KvExchange
 from ringsplash.splash.config import SplashConfig
 

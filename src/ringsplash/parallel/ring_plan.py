@@ -29,18 +29,19 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ringsplash import aot, layouts
+from ringsplash import layouts
 from ringsplash import masks as masks_lib
 from ringsplash._internal.caches import factories
 from ringsplash._internal.scalar_checks import check_divides, check_positive_int
 from ringsplash.blocksparse.mask_info import MaskInfo, build_mask_info
+from ringsplash.parallel.ring_tuning import ring_config
 from ringsplash.splash import work_pieces
-from ringsplash.splash.blocks import Blocks, Extent, fit_blocks, tuned_for_call
+from ringsplash.splash.blocks import Blocks, Extent, fit_blocks
 from ringsplash.splash.config import NUM_LANES, SplashConfig
 from ringsplash.splash.partial_tiles import partial_mode
 from ringsplash.splash.work_pieces import Piece, SplitLists
 
-__all__ = ["SPLIT_BACKWARD_CHIPS", "RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "check_schedule",
+__all__ = ["RingBlocks", "RingPlan", "RingSchedule", "ScheduleKey", "check_schedule",
            "critical_path", "fit_ring_blocks", "process_rows", "ring_config", "ring_plan", "ring_schedule", "ring_work",
            "rows_schedule", "schedule_arrays", "schedule_from_splits", "schedule_shapes"]
 
@@ -59,33 +60,6 @@ class RingPlan:
 
 #: the ring's fitted blocks (``splash/blocks.py``: the rule every path follows)
 RingBlocks = Blocks
-
-
-#: chips on which a ring over more than one device runs the split backward (dK/dV kernel, then dq kernel, in
-#: every step): compiled for v5p:2x2x2 (ring fwd+bwd at 32K, causal, zigzag, 8 heads; tuned or 512-blocks, stored
-#: or position-computed tiles alike), the fused backward kernel made XLA schedule the *forward* loop's K / V
-#: transfers after that loop's kernel instead of behind it, which serialises every forward step; with the split
-#: backward every transfer stays hidden (tests/test_ring_tpu_compile.py). v5e (2x2, 4x4) and v6e keep the fused one.
-SPLIT_BACKWARD_CHIPS = ("v5p",)
-
-
-def ring_config(config: SplashConfig, mask: masks_lib.AnyMask, num_shards: int, *, head_dim: int | None = None,
-                dtype=None, segment_ids: bool = False, device_kind: str | None = None) -> SplashConfig:
-    """``config`` with the blocks left at None tuned as ``splash_attention`` tunes them for the
-    kernel calls of a ring over ``num_shards`` devices: each sees one shard of ``S / N`` keys,
-    q's ``head_dim`` / ``dtype`` (None: 128, bfloat16), and is sparse with ``segment_ids`` or a
-    banded mask (``splash.blocks.tuned_for_call``, for the chip traced on). Every ring entry point
-    (and :func:`ring_schedule`) resolves its config through this, so plan, schedule and kernels
-    agree. On the chips of :data:`SPLIT_BACKWARD_CHIPS` (``device_kind``, a mesh's; None: the chip
-    traced on) a ring of more than one device also runs the split backward
-    (``fused_backward=False``, which no schedule depends on)."""
-    seq_len = masks_lib.head_masks(mask)[0].shape[0]
-    config = tuned_for_call(config, kv_len=max(seq_len // int(num_shards), 1), head_dim=head_dim, dtype=dtype,
-                            mask=mask, segment_ids=segment_ids)
-    chip = aot.find_chip(device_kind or aot.trace_chip())
-    if int(num_shards) > 1 and config.fused_backward and chip is not None and chip.name in SPLIT_BACKWARD_CHIPS:
-        config = dataclasses.replace(config, fused_backward=False)
-    return config
 
 
 def fit_ring_blocks(seq_len: int, num_shards: int, layout: layouts.Layout, config: SplashConfig) -> RingBlocks:
