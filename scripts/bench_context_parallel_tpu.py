@@ -10,8 +10,9 @@ rows up to 32K where ``import tokamax`` works.
 Rows: causal, sliding window 4096 and 16 packed causal documents (segment ids); S = 8K, 32K, 64K forward and 8K,
 16K (causal), 32K forward+backward; at 16K also GQA 4:1 and head size 64; bfloat16, 16 heads, head size 128.
 Segment ids are jit arguments, as in a training step (closed over as constants, they would let XLA refine
-single-device Splash's work lists at compile time). Milliseconds are medians of ``--repeats`` samples, each ``--back-to-back`` calls dispatched back to back and
-blocked once (the host round trip hidden, as in a training loop).
+single-device Splash's work lists at compile time). Milliseconds are medians of ``--repeats`` samples, each
+``--back-to-back`` calls dispatched back to back and blocked once (the host round trip hidden, as in a training
+loop).
 
     python scripts/bench_context_parallel_tpu.py              # every row (on a v5e: ~6 min)
     python scripts/bench_context_parallel_tpu.py --rows causal:32768:bwd --strategies ring,tokamax_ring
@@ -31,7 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
-from bench_splash_tpu import HEADS, Row, inputs, parse_rows, segment_ids, timed, tokamax_available
+from bench_splash_tpu import HEADS, Row, inputs, parse_rows, segment_ids, timed, tokamax_available, with_grad
 from ringsplash import masks
 
 STRATEGIES = ("splash", "ring", "allgather", "ulysses", "usp", "tokamax_ring")
@@ -81,17 +82,6 @@ def strategy_fn(name: str, row: Row):
         ring = tokamax_ring_fn(row, mesh)
         return lambda q, k, v, ids: ring(q, k, v)
     raise ValueError(f"unknown strategy {name!r}")
-
-
-def with_ids_grad(attn, bwd: bool):
-    """``attn(q, k, v, ids)`` or its forward+backward (value and the q, k, v gradients), jitted."""
-    if not bwd:
-        return jax.jit(attn)
-
-    def loss(q, k, v, do, ids):
-        return jnp.vdot(attn(q, k, v, ids).astype(jnp.float32), do.astype(jnp.float32))
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def tokamax_ring_fn(row: Row, mesh):
@@ -160,7 +150,7 @@ def main(argv=None):
                     cells.append(f"- ({why})")
                     continue
                 try:
-                    fn = with_ids_grad(strategy_fn(name, row), row.bwd)
+                    fn = with_grad(strategy_fn(name, row), row.bwd)
                     args_ = (q, k, v, do, ids) if row.bwd else (q, k, v, ids)
                     ms = timed(fn, args_, args.repeats, args.back_to_back)
                 except Exception as exc:  # a cell that fails prints why; the table goes on

@@ -139,12 +139,13 @@ def timed(fn, args, repeats: int, back_to_back: int = 1) -> float:
 
 
 def with_grad(attn, bwd: bool):
-    """``attn(q, k, v)`` or its forward+backward (value and the three input gradients)."""
+    """``attn(q, k, v, *rest)`` or its forward+backward ``(q, k, v, do, *rest)`` (value and the q, k, v
+    gradients), jitted; ``rest``: further jit arguments (segment ids), passed through."""
     if not bwd:
         return jax.jit(attn)
 
-    def loss(q, k, v, do):
-        return jnp.vdot(attn(q, k, v).astype(jnp.float32), do.astype(jnp.float32))
+    def loss(q, k, v, do, *rest):
+        return jnp.vdot(attn(q, k, v, *rest).astype(jnp.float32), do.astype(jnp.float32))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
