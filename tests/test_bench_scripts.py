@@ -78,9 +78,10 @@ def test_bench_inference_tiny_prints_tables():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "| prompt | ringsplash (s) | transformers (s) | speed-up |" in out
-    assert "| batch | prompt | generate, ringsplash (tok/s) | generate, transformers (tok/s) | ratio |" in out, out
+    assert ("| batch | prompt | host memory roofline (tok/s) | generate, ringsplash (tok/s) | "
+            "generate, transformers (tok/s) | ratio |") in out, out
     rows = [ln for ln in out.splitlines() if ln.startswith(("| 1 | 256 |", "| 2 | 256 |"))]
-    # every rate measured: both generates, both step loops, the sharded column
+    # every rate measured: the host's roofline, both generates, both step loops, the sharded column
     assert len(rows) == 2 and all(float(c) > 0 for r in rows for c in _cells(r)[2:]), out
 
 

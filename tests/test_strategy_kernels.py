@@ -118,3 +118,55 @@ def test_one_device_strategy_is_single_device_splash(strategy, kind):
             np.testing.assert_array_equal(a, b, err_msg=name)
         else:  # with segment ids, under the suite's XLA flags, 19 of 32768 dv entries differed by one bf16 ulp
             np.testing.assert_allclose(b, a, rtol=2.0**-7, atol=0, err_msg=name)
+
+
+def _dkv_dtypes(jaxpr, found):
+    """The dtypes of dK and dV (the first two outputs) of every dK/dV kernel (fused or not) in a
+    (nested) jaxpr."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) in ("splash_fused_bwd", "splash_dkv"):
+            found += [v.aval.dtype for v in eqn.outvars[:2]]
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _dkv_dtypes(sub, found)
+    return found
+
+
+# (strategy, ulysses devices, ring devices, kv heads of 4 q heads, float32 dK / dV expected)
+PARTIALS_CASES = [("splash", 1, 1, 4, False), ("ring", 1, 1, 4, False), ("allgather", 1, 1, 4, False),
+                  ("ulysses", 1, 1, 4, False), ("usp", 1, 1, 4, False), ("usp", 2, 1, 4, False),
+                  ("ulysses", 2, 1, 4, False), ("ulysses", 4, 1, 2, True), ("allgather", 1, 2, 4, True),
+                  ("ring", 1, 2, 4, True), ("usp", 1, 2, 4, True)]
+
+
+@pytest.mark.parametrize("strategy, a, b, kv_heads, partials", PARTIALS_CASES,
+                         ids=[f"{c[0]}-{c[1]}x{c[2]}-kv{c[3]}" for c in PARTIALS_CASES])
+def test_kernels_write_float32_gradients_only_where_they_are_summed(strategy, a, b, kv_heads, partials):
+    """The backward kernels write dK / dV in float32 only where partials are summed after them (over
+    ring steps or devices, or over the copies of a repeated kv head); otherwise in the inputs'
+    dtype, as single-device Splash. USP over a 1 x 1 mesh wrote float32 (its ring took any K/V
+    exchange as a sum) and ran its fused backward at 0.84-0.96x Splash on a v5e chip (2026-12-07);
+    Ulysses over devices without repeated kv heads did too, only to cast before its all-to-all."""
+    s, heads, d = 1024, 4, 64
+    m = masks.CausalMask((s, s))
+    cfg = SplashConfig(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, backend="interpret")
+    q = jax.ShapeDtypeStruct((heads, s, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((kv_heads, s, d), jnp.bfloat16)
+    devices = jax.devices()[: a * b]
+    if strategy == "usp":
+        mesh = rs.parallel.usp_mesh(a, b, devices=devices)
+        attn = lambda q, k, v: rs.usp_attention_sharded(q, k, v, m, mesh=mesh, ulysses_axis="ulysses",
+                                                        ring_axis="ring", layout="zigzag", config=cfg)
+    elif strategy == "splash":
+        attn = lambda q, k, v: rs.splash_attention(q, k, v, m, config=cfg)
+    else:
+        mesh = jax.make_mesh((a * b,), ("c",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+        sharded = {"ring": rs.ring_attention_sharded, "allgather": rs.allgather_attention_sharded,
+                   "ulysses": rs.ulysses_attention_sharded}[strategy]
+        attn = lambda q, k, v: sharded(q, k, v, m, mesh=mesh, axis_name="c", layout="zigzag", config=cfg)
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
+    dtypes = set(_dkv_dtypes(jaxpr.jaxpr, []))
+    assert dtypes == {jnp.dtype(jnp.float32 if partials else jnp.bfloat16)}, dtypes

@@ -53,6 +53,11 @@ class _GatherSequence:
     along the sequence; backward, the float32 partial gradients reduce-scattered, then cast."""
 
     axis_name: object
+    devices: int  # on the axis
+
+    @property
+    def sums_partials(self) -> bool:
+        return self.devices > 1
 
     def gather(self, x):
         return lax.all_gather(x, self.axis_name, axis=1, tiled=True)
@@ -115,11 +120,11 @@ def allgather_attention(
         segment_ids = SegmentIds(q=segment_ids.q, kv=lax.all_gather(segment_ids.kv, axis_name, axis=0, tiled=True))
     # dK / dV partials are summed across the N devices (the reduce-scatter) in float32, with one final
     # rounding; on one device there is no sum: written in k's dtype, as single-device Splash writes them
+    exchange = _GatherSequence(axis_name, n)
     result = splash_info_attention(q, k, v, info, info_dkv, q_shard=lax.axis_index(axis_name),
                                    segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
-                                   config=config, partial_dtype=None if n == 1 else jnp.float32,
-                                   return_max_logits=want.max_logits,
-                                   kv_exchange=_GatherSequence(axis_name))
+                                   config=config, partial_dtype=jnp.float32 if exchange.sums_partials else None,
+                                   return_max_logits=want.max_logits, kv_exchange=exchange)
     if want.max_logits:  # each device saw its own q rows against every key: one pmax
         out, mx = result
         return want.package(out, max_logits=lax.pmax(mx, axis_name))

@@ -212,8 +212,9 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
         no_cond = not st.skip_inactive or (st.all_active and shares is True)
         if first and parts == ("dq", "dkv"):
             # a one-step ring's gradients are final: written in the inputs' dtype, as single-device
-            # Splash writes them (a K/V exchange sums them first: float32)
-            dtype = k.dtype if n == 1 and st.kv_exchange is None else jnp.float32
+            # Splash writes them (unless a K/V exchange sums them first: float32)
+            sums = st.kv_exchange is not None and st.kv_exchange.sums_partials
+            dtype = k.dtype if n == 1 and not sums else jnp.float32
             fresh = lambda: block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
                                            sched=sched, grad_dtype=dtype)
             if no_cond:

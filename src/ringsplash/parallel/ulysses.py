@@ -63,13 +63,18 @@ class KvToHeads:
     axis_name: object
     kv_repeat: int
 
+    @property
+    def sums_partials(self) -> bool:
+        """Only repeated kv heads' copies are summed; otherwise ``reduce`` is the inverse all-to-all."""
+        return self.kv_repeat > 1
+
     def gather(self, x):
         if self.kv_repeat > 1:
             x = jnp.repeat(x, self.kv_repeat, axis=0)
         return lax.all_to_all(x, self.axis_name, 0, 1, tiled=True)
 
     def reduce(self, dx, dtype):
-        if self.kv_repeat == 1:  # nothing to sum: cast first, send k / v's dtype
+        if not self.sums_partials:  # cast first, send k / v's dtype
             return lax.all_to_all(dx.astype(dtype), self.axis_name, 1, 0, tiled=True)
         dx = lax.all_to_all(dx, self.axis_name, 1, 0, tiled=True)  # [kv_heads * kv_repeat, L, d]
         return dx.reshape(-1, self.kv_repeat, *dx.shape[1:]).sum(axis=1).astype(dtype)
@@ -161,12 +166,13 @@ def ulysses_attention(
     info = build_mask_info(local_mask, blocks.block_shape, **common)
     info_dkv = None if config.backend == "xla" else build_mask_info(local_mask, blocks.block_shape_dkv,
                                                                    transpose=True, **common)
-    # dK / dV partials are summed over the kv-head copies and devices in float32 (one final rounding);
-    # on one device there is no sum: written in k's dtype, as single-device Splash writes them
+    # dK / dV partials of repeated kv heads are summed over their copies in float32 (one final
+    # rounding); with no copies there is no sum: written in k's dtype, as single-device Splash writes them
+    exchange = KvToHeads(axis_name, split.kv_repeat)
     out = splash_info_attention(q, k, v, info, info_dkv, segment_ids=segment_ids, scale=scale,
                                 logit_soft_cap=logit_soft_cap, sinks=sinks, config=config,
-                                partial_dtype=None if n == 1 else jnp.float32,
-                                return_max_logits=want.max_logits, kv_exchange=KvToHeads(axis_name, split.kv_repeat))
+                                partial_dtype=jnp.float32 if exchange.sums_partials else None,
+                                return_max_logits=want.max_logits, kv_exchange=exchange)
     if want.max_logits:
         out, mx = out
         return want.package(heads_to_sequence(out, axis_name), max_logits=gather_head_maxima(mx, axis_name))

@@ -167,7 +167,12 @@ class KvExchange(Protocol):
     is its transpose, applied to the kernels' *unrounded* dK or dV (``partial_dtype``, float32
     for the strategies) and returning the local gradient in ``dtype``: a sum across devices or
     heads then happens in float32 with one final rounding, as the ring accumulates dK / dV
-    (JAX's own transpose of a bfloat16 all-gather sums bfloat16 partials)."""
+    (JAX's own transpose of a bfloat16 all-gather sums bfloat16 partials). ``sums_partials``:
+    whether ``reduce`` adds partials at all; where it does not (one device, no repeated heads) the
+    kernels write the gradients in the inputs' dtype, as single-device Splash does."""
+
+    @property
+    def sums_partials(self) -> bool: ...
 
     def gather(self, x: Array) -> Array: ...
 
