@@ -19,6 +19,11 @@ transformers, saved, and loaded by ``rs.hf.load_hf`` (float32, ``attention="spla
 
 Medians of ``--repeats`` runs. This host is shared and noisy; the ratio column is measured in one run.
 
+Each decode row also prints this host's memory roofline: the tokens/s at which every parameter but the
+embedding table (one row per token) and the K/V held (mean over the steps) are read once per step, at the
+host's streaming bandwidth (numpy's sum over 256 MiB of float32, the fastest of 3, measured at the start).
+At batch 1 a CPU decode step is memory-bound, so no library passes that figure.
+
     python scripts/bench_inference.py                      # 4 layers, d 512, prefill 4K / 16K, decode at 4K
     python scripts/bench_inference.py --tiny               # the smoke run (tests/test_bench_scripts.py)
 """
@@ -86,6 +91,34 @@ def make_checkpoint(args, path: str):
     return model
 
 
+def host_bandwidth_gbps() -> float:
+    """GB/s of numpy's sum over 256 MiB of float32 (the fastest of 3): this host's streaming read bandwidth."""
+    import numpy as np
+
+    a = np.ones(64 * 1024 * 1024, np.float32)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def decode_step_bytes(model, batch: int, held: float) -> float:
+    """Bytes a greedy decode step must read at least: every parameter but the embedding table (its ``batch``
+    rows only) and the K / V of ``held`` tokens per row, in the model's dtypes."""
+    import equinox as eqx
+    import jax
+
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    params = sum(x.nbytes for x in leaves) - model.embedding.nbytes + batch * model.embedding[0].nbytes
+    if model.unembedding is None:  # tied: the unembedding is the embedding table, read whole
+        params += model.embedding.nbytes
+    c = model.config
+    kv = c.num_layers * c.num_kv_heads * (c.head_dim + c.v_head_dim) * model.embedding.dtype.itemsize * held * batch
+    return params + kv
+
+
 def main(argv=None) -> None:
     args = _parse(argv)
     import jax
@@ -107,9 +140,10 @@ def main(argv=None) -> None:
         hf = make_checkpoint(args, path)
         model = rs.hf.load_hf(path, attention="splash", splash=SplashConfig(backend="xla"))
         _MODEL.append(model)
+        gbps = host_bandwidth_gbps()
         print(f"model: Llama, {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
               f"({args.kv_heads} kv), vocab {args.vocab}, float32; {jax.device_count()} CPU devices, "
-              f"torch threads {torch.get_num_threads()}; medians of {args.repeats}")
+              f"torch threads {torch.get_num_threads()}; medians of {args.repeats}; host memory {gbps:.1f} GB/s")
 
         rows = []
         for n in args.prefill_lens:
@@ -183,11 +217,14 @@ def main(argv=None) -> None:
             runs = [(generated(args.new_tokens), generated(1)) for _ in range(max(3, args.repeats))]
             g_ours, g_theirs = (batch * (args.new_tokens - 1) / (min(full[i] for full, _ in runs)
                                                                  - min(one[i] for _, one in runs)) for i in (0, 1))
+            held = args.decode_prompt + args.new_tokens / 2
+            roof = batch / (decode_step_bytes(model, batch, held) / (gbps * 1e9))
             rows.append((batch, fmt_tokens(args.decode_prompt) if args.decode_prompt >= 1024 else args.decode_prompt,
-                         f"{g_ours:.1f}", f"{g_theirs:.1f}", f"{g_ours / g_theirs:.2f}",
+                         f"{roof:.1f}", f"{g_ours:.1f}", f"{g_theirs:.1f}", f"{g_ours / g_theirs:.2f}",
                          f"{r_ours:.1f}", f"{r_theirs:.1f}", f"{r_ours / r_theirs:.2f}", sharded))
         print(f"\n## decode (greedy, {args.new_tokens} new tokens, tokens/s)\n")
-        print(md_table(rows, ["batch:", "prompt:", "generate, ringsplash (tok/s):", "generate, transformers (tok/s):",
+        print(md_table(rows, ["batch:", "prompt:", "host memory roofline (tok/s):", "generate, ringsplash (tok/s):",
+                              "generate, transformers (tok/s):",
                               "ratio:", "decode_step loop (tok/s):", "transformers forward loop (tok/s):",
                               "ratio:", f"decode_step loop, cache on {args.devices} simulated devices (tok/s):"]))
 
