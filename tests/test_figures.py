@@ -69,7 +69,7 @@ def test_tpu_kernel_table_rows_are_the_recorded_rows():
 
 def test_every_figure_names_where_it_comes_from():
     data = figures.load()
-    for section in ("splash_tpu", "train_tpu", "inference_tpu", "main_job_tpu"):
+    for section in ("splash_tpu", "train_tpu", "inference_tpu", "main_job_tpu", "context_parallel_tpu", "generate_tpu"):
         for key, row in data[section].items():
             for field in ("date", "commit", "device", "jax", "libtpu", "command"):
                 assert row.get(field), f"docs/figures.json {section}/{key}: no {field}"
