@@ -12,6 +12,7 @@ import pytest
 
 import ringsplash as rs
 from ringsplash import aot, masks
+from support.jaxprs import equations
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -107,15 +108,10 @@ def test_splash_segment_ids_soft_cap_and_sinks_compile_for_tpu():
 
 def _prefetch_bytes(jaxpr, found):
     """{pallas_call name: bytes of its scalar-prefetch operands} over a (nested) jaxpr."""
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         if eqn.primitive.name == "pallas_call":
             n = eqn.params["grid_mapping"].num_index_operands
             found[str(eqn.params["name"])] = sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.invars[:n])
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    _prefetch_bytes(sub, found)
     return found
 
 

@@ -16,6 +16,7 @@ from ringsplash.parallel.usp import usp_ring_config
 from ringsplash.splash import pallas
 from ringsplash.splash.config import SplashConfig
 from ringsplash.splash.factory import make_splash_attention
+from support.jaxprs import equations
 
 K = 1024
 
@@ -120,20 +121,6 @@ def test_one_device_strategy_is_single_device_splash(strategy, kind):
             np.testing.assert_allclose(b, a, rtol=2.0**-7, atol=0, err_msg=name)
 
 
-def _dkv_dtypes(jaxpr, found):
-    """The dtypes of dK and dV (the first two outputs) of every dK/dV kernel (fused or not) in a
-    (nested) jaxpr."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call" and str(eqn.params["name"]) in ("splash_fused_bwd", "splash_dkv"):
-            found += [v.aval.dtype for v in eqn.outvars[:2]]
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    _dkv_dtypes(sub, found)
-    return found
-
-
 # (strategy, ulysses devices, ring devices, kv heads of 4 q heads, float32 dK / dV expected)
 PARTIALS_CASES = [("splash", 1, 1, 4, False), ("ring", 1, 1, 4, False), ("allgather", 1, 1, 4, False),
                   ("ulysses", 1, 1, 4, False), ("usp", 1, 1, 4, False), ("usp", 2, 1, 4, False),
@@ -168,22 +155,9 @@ def test_kernels_write_float32_gradients_only_where_they_are_summed(strategy, a,
         attn = lambda q, k, v: sharded(q, k, v, m, mesh=mesh, axis_name="c", layout="zigzag", config=cfg)
     loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
-    dtypes = set(_dkv_dtypes(jaxpr.jaxpr, []))
+    dtypes = {v.aval.dtype for eqn in equations(jaxpr) if eqn.primitive.name == "pallas_call"
+              and str(eqn.params["name"]) in ("splash_fused_bwd", "splash_dkv") for v in eqn.outvars[:2]}
     assert dtypes == {jnp.dtype(jnp.float32 if partials else jnp.bfloat16)}, dtypes
-
-
-def _primitives(jaxpr, found):
-    """The primitives of a (nested) jaxpr, outside kernel bodies (where ``pl.when`` is a cond)."""
-    for eqn in jaxpr.eqns:
-        found.add(eqn.primitive.name)
-        if eqn.primitive.name == "pallas_call":
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    _primitives(sub, found)
-    return found
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -203,7 +177,8 @@ def test_one_device_ring_tests_no_segment_sharing_before_its_kernels(devices):
                                                      config=cfg, segment_ids=seg)
     loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
     x = jax.ShapeDtypeStruct((heads, s, d), jnp.bfloat16)
-    grad = lambda f: _primitives(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, x, x).jaxpr, set())
+    grad = lambda f: {eqn.primitive.name for eqn in equations(
+        jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(x, x, x), into_kernels=False)}
     prims = grad(loss)
     assert "pallas_call" in prims
     assert ("cond" in prims) == (devices > 1), sorted(prims)
