@@ -163,6 +163,7 @@ def main(argv=None):
                 print(json.dumps({"row": row.label, "strategy": name, "ms": ms,
                                   "vs_splash": None if not base else base / ms}), file=log)
             print(f"| {row.label} | " + " | ".join(cells) + " |", flush=True)
+            log.flush()  # a run stopped between rows keeps the rows it measured
 
 
 if __name__ == "__main__":
