@@ -57,8 +57,9 @@ __all__ = ["KvToHeads", "gather_head_maxima", "heads_to_sequence", "sequence_to_
 class KvToHeads:
     """The ``KvExchange`` of Ulysses (``splash.attention``): sequence-sharded k or v
     ``[kv_heads, L, d]`` -> head-sharded ``[kv_local, N L, d]`` (every kv head repeated
-    ``kv_repeat`` times first); backward, the inverse all-to-all of the kernels' (float32) dK /
-    dV and the sum of each head's copies, in float32, before the one cast to ``dtype``."""
+    ``kv_repeat`` times first); backward, the inverse all-to-all of the kernels' dK / dV and the
+    sum of each head's copies, in float32 (the kernels' partials then), before the one cast to
+    ``dtype``; without copies, the kernels' dK / dV in ``dtype``, sent as they are."""
 
     axis_name: object
     kv_repeat: int
