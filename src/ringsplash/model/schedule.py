@@ -43,7 +43,7 @@ def model_ring_schedule(config: TransformerConfig, seq_len: int, mesh: jax.shard
         mesh: the trainer's mesh; its ring axis is ``config.context_parallel.ring_axis``.
         shapes_only: shapes and shardings only, no arrays.
         segment_ids: whether the batches carry segment ids (packed documents): the ring's blocks
-            left at None are tuned for sparse calls then (``parallel.ring_plan.ring_config``).
+            left at None are tuned for sparse calls then (``parallel.ring_tuning.ring_config``).
     """
     if not uses_ring_schedule(config):
         return None

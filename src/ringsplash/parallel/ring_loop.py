@@ -36,9 +36,10 @@ Every hop is issued before the step's kernel so the transfer overlaps it. Every 
 runs the fused backward kernel (dq accumulated inside the dK/dV kernel, as single-device Splash);
 the last step runs the dK/dV kernel, then the dq kernel, so the final accumulator hop, which
 depends only on the last dK/dV kernel, hides behind the last dq kernel (checked on compiled TPU
-HLO in tests/test_ring_tpu_compile.py). On TPU, ``lax.cond`` disappears where every shard pair is
-active (e.g. causal + zigzag): XLA folds the constant predicate. A one-device ring (N = 1) is one
-Splash call: no merge, its output and gradients written in the inputs' dtype.
+HLO in tests/test_ring_tpu_compile.py). No ``lax.cond`` is traced where every shard pair is active
+and no segment test applies (e.g. causal + zigzag without segment ids: ``RingStatic.active_pair``).
+A one-device ring (N = 1) is one Splash call: no cond, no merge, its output and gradients written in
+the inputs' dtype.
 """
 
 import dataclasses
@@ -119,18 +120,20 @@ class RingStatic:
         """Every shard pair active: then, without segment ids, XLA folds every cond away."""
         return bool(np.all(self.plan.active))
 
-    def when_active(self, pred, compute, skip, *args):
-        return lax.cond(pred, compute, skip, *args) if self.skip_inactive else compute(*args)
-
-    def shares(self, me, src, q_seg, kv_seg, sched):
-        """Whether the pair (``me``, ``src``) may hold a same-segment pair (``shares_segment``); True on a
-        ring of one device, whose one pair is its own: as in single-device Splash its kernels run
-        unconditionally, their work lists refined by the ids (a cond around them, with a second pass
-        over the lists to decide it, only costs there: 0.96x Splash on 16 packed documents at 8K fwd+bwd
-        on a v5e chip, 2026-12-07)."""
-        if self.n == 1:
-            return True
-        return shares_segment(self.plan, me, src, q_seg, kv_seg, self.config, sched)
+    def active_pair(self, me, src, q_seg, kv_seg, sched):
+        """The traced predicate of a ``lax.cond`` that skips the pair (``me``, ``src``)'s kernels where
+        it contributes nothing (inactive under the mask, or no shared segment: ``shares_segment``), or
+        None where no cond is wanted: on the interpreter (see ``skip_inactive``), where every pair is
+        active and no segment test applies, and on a ring of one device, whose one pair is its own (as
+        in single-device Splash its kernels run unconditionally, their work lists refined by the ids;
+        a cond around them, decided by a second pass over the lists, only costs there: 0.96x Splash on
+        16 packed documents at 8K fwd+bwd on a v5e chip, 2026-12-07)."""
+        if not self.skip_inactive:
+            return None
+        shares = True if self.n == 1 else shares_segment(self.plan, me, src, q_seg, kv_seg, self.config, sched)
+        if self.all_active and shares is True:
+            return None
+        return jnp.asarray(self.plan.active)[me, src] & shares
 
     def visiting(self, me, t):
         """The kv shard held by device ``me`` at step ``t``."""
@@ -143,7 +146,6 @@ def _ring_forward(st: RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
     if st.kv_exchange is not None:  # the exchanged K / V are the residuals (no re-exchange backward)
         k, v = st.kv_exchange.gather(k), st.kv_exchange.gather(v)
     me = lax.axis_index(axis_name)
-    active = jnp.asarray(plan.active)
 
     def step(carry, t, *, last, first=False):
         k_t, v_t, seg_t, o, lse, mx = carry
@@ -157,11 +159,11 @@ def _ring_forward(st: RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
             o, lse = (o_t, lse_t) if first else _softmax.merge(o, lse, o_t, lse_t)  # natural log throughout
             return o, lse, (jnp.maximum(mx, mx_t[0]) if max_logits else mx)
 
-        shares = st.shares(me, src, q_seg, seg_t, sched)
-        if st.all_active and shares is True:  # nothing to skip: no cond (XLA would fold it; this says so)
+        pred = st.active_pair(me, src, q_seg, seg_t, sched)
+        if pred is None:
             o, lse, mx = compute(o, lse, mx)
         else:
-            o, lse, mx = st.when_active(active[me, src] & shares, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
+            o, lse, mx = lax.cond(pred, compute, lambda o, lse, mx: (o, lse, mx), o, lse, mx)
         return (*nxt, o, lse, mx), None
 
     # A one-step ring merges nothing: its kernel writes q's dtype and its (out, lse) are the
@@ -194,7 +196,6 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
     plan, n, axis_name = st.plan, st.n, st.axis
     q, k, v, out, lse = res
     me = lax.axis_index(axis_name)
-    active = jnp.asarray(plan.active)
     d_out = d_out.astype(q.dtype)
     delta = _softmax.delta(d_out, out)
     zeros = lambda x: varying(jnp.zeros(x.shape, jnp.float32), axis_name)
@@ -221,8 +222,7 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
                                   sched=sched, accumulate=(dq, dk, dv), parts=parts)
             return keep(new, (dq, dk, dv))
 
-        shares = st.shares(me, src, q_seg, seg_t, sched)
-        no_cond = not st.skip_inactive or (st.all_active and shares is True)
+        pred = st.active_pair(me, src, q_seg, seg_t, sched)
         if first and parts == ("dq", "dkv"):
             # a one-step ring's gradients are final: written in the inputs' dtype, as single-device
             # Splash writes them (unless a K/V exchange sums them first: float32)
@@ -230,14 +230,14 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
             dtype = k.dtype if n == 1 and not sums else jnp.float32
             fresh = lambda: block_backward(q, k_t, v_t, d_out, lse, delta, plan, me, src, q_seg, seg_t, **st.kw,
                                            sched=sched, grad_dtype=dtype)
-            if no_cond:
+            if pred is None:
                 return fresh()
             none = lambda: tuple(varying(jnp.zeros(x.shape, dtype), axis_name) for x in (q, k_t, v_t))
-            return lax.cond(active[me, src] & shares, fresh, none)
-        if no_cond:  # accumulate in place
+            return lax.cond(pred, fresh, none)
+        if pred is None:  # accumulate in place
             return compute(dq, dk, dv)
         zero_kv = lambda dq: (dq, zeros(k_t), zeros(v_t))
-        dq, dk_t, dv_t = lax.cond(active[me, src] & shares, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
+        dq, dk_t, dv_t = lax.cond(pred, lambda dq: compute(*zero_kv(dq)), zero_kv, dq)
         return (dq, dk + dk_t, dv + dv_t) if "dkv" in parts else (dq, dk, dv)
 
     def step(carry, t, *, last):
