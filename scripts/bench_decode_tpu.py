@@ -26,6 +26,7 @@ cache alone is 43 GiB); an out-of-memory error at run time is reported as such.
                                                             # mostly compiles and 128K prefills; not run yet)
     python scripts/bench_decode_tpu.py --parts attention    # the kernels alone
     python scripts/bench_decode_tpu.py --parts attention --block-bytes 262144,524288,1048576,2097152
+    python scripts/bench_decode_tpu.py --parts attention --grids live,all   # the grid over live blocks or all
     python scripts/bench_decode_tpu.py --parts generate --batches 1 --steps-per-program 4,8,16
     python scripts/bench_decode_tpu.py --cpu-smoke          # tiny shapes on the CPU (CI): checks the script
 
@@ -39,6 +40,7 @@ times: never a TPU speed).
 import argparse
 import gc
 import importlib
+import itertools
 import os
 import statistics
 import sys
@@ -139,18 +141,19 @@ def attention_rows(args, shapes, prompts, batches, hbm):
                 q = jax.random.normal(keys[2], (batch, shape.heads, d), jnp.bfloat16)
                 lengths = jnp.full((batch,), prompt, jnp.int32)
                 note, ours, block, ours_out = "", None, None, None
-                for budget in args.block_bytes:  # the fastest block size tried; the others in the note
+                # the fastest block size and grid tried; the others in the note
+                for budget, grid in itertools.product(args.block_bytes, args.grids):
                     bk = block_kv_for(slots, shape.kv_heads, d, 2, budget)
-                    ours_fn = jax.jit(lambda q, k, v, n, bk=bk: decode_attention(q, k, v, n, block_kv=bk,
-                                                                                 interpret=interpret)[0])
+                    ours_fn = jax.jit(lambda q, k, v, n, bk=bk, live=grid == "live": decode_attention(
+                        q, k, v, n, block_kv=bk, live_grid=live, interpret=interpret)[0])
                     try:
                         t = timed(chained(ours_fn, args.attention_calls), (q, k, v, lengths), args.repeats,
                                   1) / args.attention_calls
                     except Exception as exc:
-                        note += f"ours at block {bk}: {mb.short_error(exc, 80)}; "
+                        note += f"ours at block {bk}, {grid} grid: {mb.short_error(exc, 80)}; "
                         continue
-                    if len(args.block_bytes) > 1:
-                        note += f"block {bk}: {1e3 * t:.3f} ms; "
+                    if len(args.block_bytes) > 1 or len(args.grids) > 1:
+                        note += f"block {bk}, {grid} grid: {1e3 * t:.3f} ms; "
                     if ours is None or t < ours:
                         ours, block, ours_out = t, bk, ours_fn(q, k, v, lengths)
                 if ours is None:
@@ -302,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-program", default=None,
                    help="generate: STEPS_PER_PROGRAM values to try, comma-separated, a row each (default: "
                         "generate's own)")
+    p.add_argument("--grids", default="live",
+                   help="decode kernel: live (the grid stops at the longest row's last block, the default) and/or "
+                        "all (every block of the cache), comma-separated; the fastest is reported")
     p.add_argument("--attention-calls", type=int, default=20,
                    help="kernel calls per timed run, chained in one program (each output the next query)")
     p.add_argument("--rpa-configs", default=RPA_CONFIGS,
@@ -323,6 +329,9 @@ def main(argv=None) -> None:
     shapes = {name: MODELS[name] for name in args.models.split(",")}
     kernel_module = importlib.import_module("ringsplash.inference.decode_kernel")
     args.block_bytes = [int(x) for x in (args.block_bytes or str(kernel_module.BLOCK_BYTES)).split(",")]
+    args.grids = args.grids.split(",")
+    if not set(args.grids) <= {"live", "all"}:
+        sys.exit(f"--grids: expected live and/or all, got {','.join(args.grids)!r}")
     gen_module = importlib.import_module("ringsplash.inference.generate")
     args.steps_per_program = [int(x) for x in (args.steps_per_program or str(gen_module.STEPS_PER_PROGRAM)).split(",")]
     prompts = [int(s) for s in args.prompt_lens.split(",")]
