@@ -121,6 +121,7 @@ def reference():
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))  # 1.4-2.9 s each (+ 3.5 s for the module's reference)
+@pytest.mark.slow
 def test_logits_at_an_untileable_length_equal_the_reference(reference, strategy):
     model, batch, expected = reference
     config = _config(**STRATEGIES[strategy])
@@ -130,6 +131,7 @@ def test_logits_at_an_untileable_length_equal_the_reference(reference, strategy)
     np.testing.assert_allclose(train.unlayout(logits, config, S), expected, rtol=0, atol=LOGITS_ATOL)
 
 
+@pytest.mark.slow
 def test_dynamic_rope_reads_the_callers_length_not_the_padded_one(reference):
     """Dynamic NTK's frequencies follow the current length (600 tokens, past the original 256), not the
     1024 the ring runs at: the model caps it at max_seq_len, so padding never changes the frequencies."""

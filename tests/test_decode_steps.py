@@ -24,6 +24,7 @@ def _model(name="llama"):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.slow
 def test_decode_steps_equals_decode_step_calls_with_ragged_rows(name):
     """6 steps in one program against 6 ``decode_step`` calls, rows at different lengths: the same greedy
     tokens, the last logits and the cache within 1e-5 (float32; measured 1.2e-6 / 1.4e-6 on a larger model:

@@ -479,6 +479,7 @@ def test_every_path_fits_blocks_by_one_rule():
 
 # allgather: ~6 s alone (8-12 s in the 2-core fast tier), over the fast tier's 5 s budget
 @pytest.mark.parametrize("strategy", ["splash", pytest.param("allgather", marks=pytest.mark.slow), "ulysses"])
+@pytest.mark.slow
 def test_a_length_blocks_do_not_divide_runs_on_every_path(strategy):
     """S = 768 with 512 blocks (refused before on these three paths) runs with 256 blocks and
     matches the reference, as the ring does."""

@@ -124,6 +124,7 @@ FAST_KINDS = ("llama", "gemma3")
 
 
 @pytest.mark.parametrize("kind", [k if k in FAST_KINDS else pytest.param(k, marks=pytest.mark.slow) for k in FAMILIES])
+@pytest.mark.slow
 def test_load_hf_logits_match_transformers(hf_models, kind):
     directory, _, expected = hf_models(kind)
     model = rhf.load_hf(directory)
@@ -149,6 +150,7 @@ def test_config_from_hf_fields(hf_models):
     assert rhf.config_from_hf(hf_models("llama-head-dim")[0]).head_dim == 32
 
 
+@pytest.mark.slow
 def test_config_from_hf_reads_the_older_rope_keys():
     """config.json of older transformers: rope_theta at the top, rope_scaling with 'type'."""
     import transformers

@@ -64,6 +64,7 @@ def _full_logits(model, tokens):
 
 
 @pytest.mark.parametrize("kind", ["gemma", "llama"])
+@pytest.mark.slow
 def test_decode_with_the_layers_unrolled_equals_the_scanned_loop(kind, monkeypatch):
     """``decode_step`` unrolls its layer loop (``UNROLL_LAYERS_UP_TO``; gemma: a local / global period, the
     grouped scan): its logits and cache equal the scanned loop's."""
@@ -105,6 +106,7 @@ def test_prefill_runs_its_forward_over_a_length_the_kernels_tile_with_large_bloc
 
 #: Gemma-like runs in the fast tier: it has nearly every option the other two have
 @pytest.mark.parametrize("kind", [k if k == "gemma" else pytest.param(k, marks=pytest.mark.slow) for k in CONFIGS])
+@pytest.mark.slow
 def test_decode_logits_equal_full_forward_at_every_position(kind, decode_fn):
     model = _randomised(CONFIGS[kind], seed=3)
     rng = np.random.default_rng(0)
@@ -144,6 +146,7 @@ def test_sharded_cache_equals_one_device(decode_fn):
     np.testing.assert_allclose(cache4.k, cache1.k, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_generate_on_a_mesh_equals_one_device_and_compiles_the_step_once(caplog):
     model = _randomised(CONFIGS["sliding"], seed=7)
     prompts = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 140)), jnp.int32)
@@ -203,6 +206,7 @@ def test_sample_frequencies_follow_the_renormalised_distribution():
     assert (np.asarray(sample(logits[:3], None)) == 0).all()  # temperature 0: argmax
 
 
+@pytest.mark.slow
 def test_sampling_with_a_fixed_key_is_reproducible():
     model = _randomised(CONFIGS["llama"], seed=11)
     prompts = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 6)), jnp.int32)
@@ -214,6 +218,7 @@ def test_sampling_with_a_fixed_key_is_reproducible():
     assert not np.array_equal(a, c)
 
 
+@pytest.mark.slow
 def test_generate_pads_a_stopped_row_with_its_stop_token():
     model = _randomised(CONFIGS["llama"], seed=11)
     prompts = jnp.asarray(np.random.default_rng(3).integers(0, 64, (2, 6)), jnp.int32)
@@ -228,6 +233,7 @@ def test_generate_pads_a_stopped_row_with_its_stop_token():
     np.testing.assert_array_equal(out[1, :end], free[1, :end])
 
 
+@pytest.mark.slow
 def test_generate_in_programs_of_several_steps_equals_one_step_per_program(monkeypatch):
     """``generate`` on one device runs ``STEPS_PER_PROGRAM`` tokens per program (``decode_steps``): the same
     tokens as one ``decode_step`` per program, greedy and sampled, with a stop token hit mid-program, for

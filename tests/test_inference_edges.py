@@ -38,6 +38,7 @@ def model() -> Transformer:
 # ------------------------------------------------------------------------------ N3: non-finite logits
 
 
+@pytest.mark.slow
 def test_generate_refuses_non_finite_logits(model):
     """One NaN weight used by every token: the prefill's logits are NaN, refused (was: token 0 forever)."""
     nan_model = eqx.tree_at(lambda m: m.final_norm.weight, model, model.final_norm.weight.at[0].set(jnp.nan))
@@ -82,6 +83,7 @@ def test_decode_step_refuses_a_full_cache_with_concrete_lengths(model):
         decode_step(model, cache, jnp.zeros((2,), jnp.int32))
 
 
+@pytest.mark.slow
 def test_decode_step_under_jit_makes_a_full_cache_detectable(model):
     """Traced lengths: the full row's logits are NaN (the other row's are right), and under checkify the
     step reports a failed check naming the lengths."""
@@ -124,6 +126,7 @@ def test_bucket_length_pads_less_than_a_quarter_and_takes_few_sizes():
     assert bucket_length(300, 512) == 512 and bucket_length(600, 384) == 768  # then a mesh's multiple
 
 
+@pytest.mark.slow
 def test_generate_shares_compilations_across_prompt_lengths(model):
     """17 prompt lengths (1..17 tokens, 3 new): the cache lengths 4..20 fall in 2 buckets (16, 20), so at most 2
     prefill and 2 decode programs are compiled (was: one of each per length); the tokens equal the exact-shape
@@ -214,6 +217,7 @@ def test_bad_arguments_name_the_argument_the_expectation_and_the_value(model):
             call()
 
 
+@pytest.mark.slow
 def test_numpy_integer_counts_are_accepted(model):
     """``np.int64`` counts (``max_new_tokens``, ``top_k``, ``max_len``, stop ids) are integers: accepted, through
     the annotated entry points too, with the same results as Python ints."""

@@ -211,6 +211,7 @@ def test_model_length_beyond_max_seq_len_names_both(key):
     _check_example(tokens[:64], positions[:64], None, 48, 128, 2, "ring")
 
 
+@pytest.mark.slow
 def test_model_hands_attention_one_dtype_whatever_the_parameters(key):
     """q, k, v reach the strategy in the compute dtype even when the parameters mix dtypes (e.g.
     a checkpoint with some weights in float16): every attention entry point now refuses a q / k / v

@@ -121,6 +121,7 @@ def test_ulysses_mask_matches_reference(key, kind):
 
 
 @pytest.mark.parametrize("kind", fast_first(CP_KINDS))
+@pytest.mark.slow
 def test_usp_mask_matches_reference(key, kind):
     i = CP_KINDS.index(kind)
     a, b = ((2, 4), (4, 2))[i % 2]

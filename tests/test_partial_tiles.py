@@ -175,6 +175,7 @@ QUADRANT_MASKS = {  # banded masks whose partial tiles have row halves that atte
 
 
 @pytest.mark.parametrize("name", list(QUADRANT_MASKS))
+@pytest.mark.slow
 def test_skipping_empty_quadrants_is_exact(key, name):
     """Blocks [256, 256, 128]: the forward skips the (row half, kv slice) pairs of partial tiles that no query
     attends (``quadrant_band``). Outputs, lse and max logits equal the reference, and equal the run that computes

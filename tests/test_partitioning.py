@@ -192,6 +192,7 @@ def test_fsdp_training_equals_replicated_training():
     _check_eval_and_logits_run_on_the_sharded_parameters(runs)
 
 
+@pytest.mark.slow
 def test_sharded_init_equals_the_unsharded_init_and_is_born_sharded():
     """``init_sharded_state`` (what ``fit`` starts from) creates each parameter and AdamW moment
     directly in the plan's shardings, with ``init_state``'s values bit for bit."""

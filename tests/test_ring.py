@@ -108,6 +108,7 @@ def test_ring_mask_layout_matches_reference(key, kind, layout):
 
 
 @pytest.mark.parametrize("layout", fast_first(("zigzag", "contiguous", "striped")))
+@pytest.mark.slow
 def test_ring_two_devices_all_features(key, layout):
     got, want = run_both(key, make_mask("causal", 512, 4), n=2, layout=layout, heads=4, kv_heads=2, s=512,
                          segments=True, sinks=True, cap=20.0, unroll=2)

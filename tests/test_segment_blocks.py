@@ -122,6 +122,7 @@ MASKS = {
     docs=st.integers(1, 40), pad=st.sampled_from([0, 1, 200]), mask=st.sampled_from(list(MASKS)),
     blocks=st.sampled_from([(128, 128), (128, 256), (256, 128)]), seed=st.integers(0, 2**31 - 1),
 )
+@pytest.mark.slow
 def test_refined_lists_are_exactly_the_same_segment_blocks_for_sorted_ids(docs, pad, mask, blocks, seed):
     s = 1024
     q_ids, kv_ids = packing(np.random.default_rng(seed), s, docs=docs, pad=pad, order="sorted")

@@ -138,6 +138,7 @@ def test_splash_gqa_and_mqa(key, kv_heads):
     check_against_reference(key, masks.CausalMask((S, S)), heads=8, kv_heads=kv_heads, d=32)
 
 
+@pytest.mark.slow
 def test_splash_soft_cap_and_sinks(key):
     check_against_reference(key, masks.LocalMask((S, S), window=(60, 0)), heads=4, kv_heads=2,
                             sinks=True, logit_soft_cap=3.0)

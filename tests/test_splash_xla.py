@@ -264,6 +264,7 @@ def test_xla_splash_attention_matches_reference(key, name):
     check_splash(key, MASKS[name]())
 
 
+@pytest.mark.slow
 def test_xla_splash_attention_sinks_soft_cap_segments_bf16(key):
     ids = jnp.asarray(np.repeat(np.arange(3), [100, 100, 56]), jnp.int32)
     seg = rs.SegmentIds(q=ids, kv=ids)
