@@ -43,7 +43,7 @@ def compiled_ring(topology: str, layout: str = "zigzag", tuned: bool = False):
     mask = masks.CausalMask((S, S))
     # the blocks the temp budget below was measured at; ``tuned``: the default SplashConfig() (its blocks
     # raised the temp from 260 to 389 MiB on v5e zigzag while the ring kept stored blocks and the split
-    # backward; 229 MiB since, 2026-12-07)
+    # backward; 260 MiB since, 2026-12-07)
     config = SplashConfig(block_q=512, block_kv=512, block_q_dkv=512, block_kv_dkv=512, backend="mosaic_tpu")
     if tuned:
         config = SplashConfig(backend="mosaic_tpu")
@@ -152,7 +152,8 @@ def test_ring_tpu_compile_temp_memory_is_per_shard(topology, record_property):
 def test_ring_tpu_compile_default_config_temp_memory(record_property):
     """Ring fwd+bwd at 32K on v5e:2x2 with the default SplashConfig(): per-device temporaries no higher than
     the 325 MiB before the fused backward and position-computed tiles (389 MiB with zigzag, 8 heads; tokamax's
-    ring: 375 MiB at its best). Measured 229 MiB (2026-12-07)."""
+    ring: 375 MiB at its best). Measured 260 MiB (2026-12-07: 325 MiB with the split backward, 387 MiB with it and
+    stored mask blocks, docs/tpu.md)."""
     _, _, mem = compiled_ring("v5e:2x2", tuned=True)
     record_property("temp_bytes_per_device", mem.temp)
     print(f"v5e:2x2 SplashConfig(): temp {mem.temp / 2**20:.0f} MiB per device")
