@@ -20,7 +20,17 @@ import subprocess
 import sys
 import time
 
-__all__ = ["child_main", "fmt_bytes", "fmt_tokens", "md_table", "median_of", "peak_rss_mib", "run_child"]
+__all__ = ["LOG_DIR", "child_main", "fmt_bytes", "fmt_tokens", "md_table", "median_of", "open_log", "peak_rss_mib",
+           "run_child"]
+
+#: where the TPU benchmarks append their JSON lines by default (ignored by git, as every run's output under runs/)
+LOG_DIR = os.path.join("runs", "bench")
+
+
+def open_log(path: str):
+    """``path`` opened for appending, its folder made first."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return open(path, "a")
 
 
 def child_main(fn):

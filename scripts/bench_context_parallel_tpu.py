@@ -23,6 +23,7 @@ It refuses to run without a TPU (CPU timings of these kernels mean nothing).
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 
@@ -32,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import ringsplash as rs
+from _bench import LOG_DIR, open_log
 from bench_splash_tpu import HEADS, Row, inputs, parse_rows, segment_ids, timed, tokamax_available, with_grad
 from ringsplash import masks
 
@@ -120,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, from " + ", ".join(STRATEGIES))
     p.add_argument("--repeats", type=int, default=5, help="timed samples per cell (median)")
     p.add_argument("--back-to-back", type=int, default=5, help="calls dispatched per sample, blocked once")
-    p.add_argument("--log", default="bench_context_parallel_tpu.jsonl", help="one JSON line per cell")
+    p.add_argument("--log", default=os.path.join(LOG_DIR, "bench_context_parallel_tpu.jsonl"), help="one JSON line per cell")
     return p
 
 
@@ -139,7 +141,7 @@ def main(argv=None):
           f"one-device mesh; SplashConfig(); median of {args.repeats} x {args.back_to_back} calls back to back")
     header = " | ".join(f"{n} ms (x splash)" if n != "splash" else "splash ms" for n in names)
     print(f"| row | {header} |\n|---|" + "---|" * len(names))
-    with open(args.log, "a") as log:
+    with open_log(args.log) as log:
         for row in rows:
             q, k, v, do = inputs(row)
             ids = jnp.asarray(segment_ids(row)) if row.mask == "docs" else None

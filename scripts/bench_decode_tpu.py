@@ -48,6 +48,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _model_bench as mb
+from _bench import LOG_DIR, open_log
 
 MODELS = {"mha": mb.Shape(), "gqa": mb.Shape(kv_heads=2)}
 SMOKE_MODELS = {"mha": mb.Shape(layers=2, d_model=256, heads=2, kv_heads=2, head_dim=128, mlp=512, vocab=256),
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ragged_paged_attention layouts tried, page_size:pages_per_block, comma-separated")
     p.add_argument("--peak-tflops", type=float, help="the chip's peak TF/s (default: the table for the device kind)")
     p.add_argument("--hbm-gbps", type=float, help="the chip's HBM GB/s (default: the table for the device kind)")
-    p.add_argument("--log", default="bench_decode_tpu.jsonl", help="one JSON line per row (appended)")
+    p.add_argument("--log", default=os.path.join(LOG_DIR, "bench_decode_tpu.jsonl"), help="one JSON line per row (appended)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU (2 layers, prompt 200, batch 2): checks the script")
     return p
@@ -358,7 +359,7 @@ def main(argv=None) -> None:
     print(f"decode defaults: DECODE_ATTENTION={decode.DECODE_ATTENTION!r} (the kernel on a TPU), "
           f"STEPS_PER_PROGRAM={generate.STEPS_PER_PROGRAM}, bucket=True")
     start = time.perf_counter()
-    with open(args.log, "a") as log:
+    with open_log(args.log) as log:
         args.log_file = log
         if "attention" in parts:
             attention_rows(args, shapes, prompts, batches, hbm)

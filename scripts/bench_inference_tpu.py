@@ -48,6 +48,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _figures
 import _model_bench as mb
+from _bench import LOG_DIR, open_log
 
 MODELS = {"mha": mb.Shape(), "gqa": mb.Shape(kv_heads=2)}
 SMOKE_MODELS = {"mha": mb.Shape(layers=2, d_model=256, heads=2, kv_heads=2, head_dim=128, mlp=512, vocab=256),
@@ -221,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs (the median is printed)")
     p.add_argument("--peak-tflops", type=float, help="the chip's peak TF/s (default: the table for the device kind)")
     p.add_argument("--hbm-gbps", type=float, help="the chip's HBM GB/s (default: the table for the device kind)")
-    p.add_argument("--log", default="bench_inference_tpu.jsonl", help="one JSON line per row (appended)")
+    p.add_argument("--log", default=os.path.join(LOG_DIR, "bench_inference_tpu.jsonl"), help="one JSON line per row (appended)")
     p.add_argument("--decode-unroll-up-to", type=int,
                    help="ringsplash.inference.decode.UNROLL_LAYERS_UP_TO for this run (0: the scanned layer loop)")
     p.add_argument("--steps-per-program",
@@ -300,7 +301,7 @@ def main(argv=None) -> None:
     print()
     print(HEADER)
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
-    with open(args.log, "a") as log:
+    with open_log(args.log) as log:
         for name, shape in models.items():
             config = mb.model_config(shape, max(prompts) + args.room + LANES, param_dtype=args.dtype,
                                      compute_dtype=args.dtype)

@@ -22,6 +22,7 @@ It refuses to run without a TPU (CPU timings of these kernels mean nothing).
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import NamedTuple
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import _figures
-from _bench import median_of
+from _bench import LOG_DIR, median_of, open_log
 
 HEADS, HEAD_DIM = 16, 128
 FWD_LENGTHS = (4096, 8192, 16384, 32768, 65536)
@@ -346,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--candidates", default="best", choices=("best", "all", "none"),
                         help="best / all: the candidate blocks of each implementation; none: only ringsplash's default")
     parser.add_argument("--impls", default="ringsplash,jax,tokamax", help="implementations with candidates")
-    parser.add_argument("--log", default="bench_splash_tpu.jsonl", help="one JSON line per measurement")
+    parser.add_argument("--log", default=os.path.join(LOG_DIR, "bench_splash_tpu.jsonl"), help="one JSON line per measurement")
     parser.add_argument("--record", action="store_true",
                         help="write each row's default and peers' times into docs/figures.json (scripts/_figures.py)")
     parser.add_argument("--set", dest="overrides",
@@ -388,7 +389,7 @@ def main(argv=None):
           + " | " + " | ".join(f"{i} best / default" for i in impls)
           + (" | default's slowest / fastest round" if args.rounds > 1 else "") + " |")
     print("|---|---|" + "---|" * (2 * len(impls) + (args.rounds > 1)))
-    with open(args.log, "a") as log:
+    with open_log(args.log) as log:
         # warm-up: the first measurement of a process ran ~12% slow (clocks / allocator), so discard one
         measure(rows[0], "ringsplash", None, args.repeats, log, args.back_to_back)
         for row in rows:

@@ -44,6 +44,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _figures
 import _model_bench as mb
+from _bench import LOG_DIR, open_log
 
 ATTENTIONS = ("ringsplash", "ringsplash-noseg", "xla", "jax-splash")
 TRAIN_STRATEGIES = ("splash", "ring", "allgather", "ulysses")  # one mesh axis each (usp needs two)
@@ -272,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "and print the top device ops")
     p.add_argument("--profile-steps", type=int, default=3, help="steps traced with --profile")
     p.add_argument("--top", type=int, default=15, help="ops printed by --profile")
-    p.add_argument("--log", default="bench_train_tpu.jsonl", help="one JSON line per measurement (appended)")
+    p.add_argument("--log", default=os.path.join(LOG_DIR, "bench_train_tpu.jsonl"), help="one JSON line per measurement (appended)")
     p.add_argument("--record", action="store_true",
                    help="write each (a)/(c) row's step time and MFU into docs/figures.json (scripts/_figures.py)")
     p.add_argument("--raise-errors", action="store_true", help="raise errors other than out-of-memory")
@@ -317,7 +318,7 @@ def main(argv=None) -> None:
     print(HEADER)
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     profiled = False
-    with open(args.log, "a") as log:
+    with open_log(args.log) as log:
         for s in seq_lens:
             cfg = config.replace(max_seq_len=s)
             for strategy in strategies[1:]:  # the library's attention under another strategy, beside splash's rows
