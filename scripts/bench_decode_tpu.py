@@ -12,7 +12,7 @@
 2. ``rs.inference.generate(model, prompts, 64)`` with its defaults on the model of issue 40 (8 layers, d_model
    1024, 8 heads of 128 or GQA 8:2, SwiGLU 4096, vocab 32768, bfloat16 parameters and compute, Splash
    attention): ms per token = (time of 64 tokens - time of 1) / 63 (the fastest of ``--repeats`` each, after a
-   call of each that compiles everything: at 128K the 1-token time is mostly a 2 s prefill, and a median let its
+   call of each that compiles everything: at 128K the 1-token time is mostly a 2 s prefill, and a median can let its
    run-to-run spread into the per-token figure); tokens/s = batch / that; roofline = (every parameter's bytes +
    the K / V of the tokens held, read once per step: prompt + 32.5 on average over the 63 steps) / the chip's HBM
    bandwidth (819 GB/s on v5e); % of roofline = roofline / measured. At batch 1 the ms per token is the latency per token.
