@@ -180,6 +180,28 @@ def test_decode_attention_compiles_for_v5e(kv_heads):
 
 
 @pytest.mark.tpu_compile
+def test_decode_attention_under_vmap_compiles_for_v5e_and_matches_the_reference():
+    """Under ``jax.vmap`` each batched call's grid bound (the longest row's blocks) is batched too: Mosaic
+    compiles it for v5e, and the interpreter gives the oracle's outputs."""
+    from ringsplash import aot
+
+    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices("v5e:1x1")[0])
+    spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    kv = spec((2, 3, 2, 1024, 128))
+    report = aot.compile_report(jax.vmap(lambda q, k, v, n: decode_attention(q, k, v, n)[0]), spec((2, 3, 8, 128)),
+                                kv, kv, spec((2, 3), jnp.int32))
+    assert "tpu_custom_call" in report.hlo_text
+    q, k, v = _inputs(13, jnp.float32, 4, 2, batch=6, max_len=512)
+    q, k, v = (x.reshape(2, 3, *x.shape[1:]) for x in (q, k, v))
+    lengths = jnp.array([[100, 300, 0], [512, 1, 200]], jnp.int32)
+    o, lse = jax.vmap(lambda q, k, v, n: decode_attention(q, k, v, n, block_kv=128, interpret=INTERPRET))(
+        q, k, v, lengths)
+    ref_o, ref_lse = jax.vmap(decode_attention_reference)(q, k, v, lengths)
+    np.testing.assert_allclose(o, ref_o, atol=ATOL[jnp.float32], rtol=0)
+    np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
+
+
+@pytest.mark.tpu_compile
 def test_decode_steps_with_the_kernel_compile_for_v5e(monkeypatch):
     """The program ``generate`` launches on a v5e chip (4 steps, GQA 4:2, head size 128, bfloat16, 8 rows of 8K
     slots) reads the cache with the Mosaic kernel, once per layer and step, and copies no cache."""
