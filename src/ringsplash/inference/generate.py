@@ -78,10 +78,10 @@ def generate(
         progress: show a progress bar over the generated tokens.
         bucket: size the cache by ``bucket_length`` of the longest prompt plus ``max_new_tokens``, and pad the
             prompts to ``bucket_length`` of the longest prompt, so that prompts of different lengths share a few
-            compiled programs (the tokens are the same); False: the
-            exact ``prompt_len + max_new_tokens`` rounded up to 128 slots (one compilation per length).
-            On a TPU the decode kernel reads only each row's live slots, so the bucket's padding costs
-            no bandwidth; on the CPU (XLA) a step reads every slot, up to 25% more than the exact length.
+            compiled programs (the tokens are the same); False: the exact ``prompt_len + max_new_tokens`` rounded
+            up to 128 slots (one compilation per length). On a TPU the decode kernel reads only each row's live
+            slots, so the bucket's padding costs no bandwidth; on the CPU (XLA) a step reads every slot, up to 25%
+            more than the exact length.
 
     Raises ``FloatingPointError`` when the model's logits are not finite (NaN / inf weights or
     activations): argmax would otherwise emit token 0 forever. The check runs on the device every
