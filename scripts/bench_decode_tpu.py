@@ -4,20 +4,21 @@
    JAX's ``jax.experimental.pallas.ops.tpu.ragged_paged_attention`` (the decode kernel of vLLM's TPU backend) on
    the same cache contents: one new query per row against a cache of ``bucket_length(prompt + 64)`` slots (the
    cache ``generate`` builds) holding ``prompt`` live tokens per row; the same K / V copied into
-   ``ragged_paged_attention``'s pages (K and V interleaved on the head axis, each row's pages in order). Its
-   page layout is tried at a few sizes (``--rpa-configs``: page size x pages per block); the fastest that
-   compiles is its time. Milliseconds per call (``--attention-calls`` calls chained in one program, each output
-   the next query, so that the host's dispatch is not timed; the median of ``--repeats``) and the ratio ``ragged_paged_attention / ours`` (> 1: ours is faster), the outputs' largest
-   difference as a check. A layer's K / V only, no model.
+   ``ragged_paged_attention``'s pages (K and V interleaved on the head axis, each row's pages in order). Its page
+   layout is tried at a few sizes (``--rpa-configs``: page size x pages per block); the fastest that compiles is
+   its time. Milliseconds per call (``--attention-calls`` calls chained in one program, each output the next
+   query, so that the host's dispatch is not timed; the median of ``--repeats``) and the ratio
+   ``ragged_paged_attention / ours`` (> 1: ours is faster), the outputs' largest difference as a check. A layer's
+   K / V only, no model.
 2. ``rs.inference.generate(model, prompts, 64)`` with its defaults on the model of issue 40 (8 layers, d_model
-   1024, 8 heads of 128 or GQA 8:2, SwiGLU 4096, vocab 32768, bfloat16 parameters and compute, Splash
-   attention): ms per token = (time of 64 tokens - time of 1) / 63 (the fastest of ``--repeats`` each, after a
-   call of each that compiles everything: at 128K the 1-token time is mostly a 2 s prefill, and a median can let its
+   1024, 8 heads of 128 or GQA 8:2, SwiGLU 4096, vocab 32768, bfloat16 parameters and compute, Splash attention):
+   ms per token = (time of 64 tokens - time of 1) / 63 (the fastest of ``--repeats`` each, after a call of each
+   that compiles everything: at 128K the 1-token time is mostly a 2 s prefill, and a median can let its
    run-to-run spread into the per-token figure); tokens/s = batch / that; roofline = (every parameter's bytes +
    the K / V of the tokens held, read once per step: prompt + 32.5 on average over the 63 steps) / the chip's HBM
-   bandwidth (819 GB/s on v5e); % of roofline = roofline / measured. At batch 1 the ms per token is the latency per token.
-   The time of 1 token (a prefill and one sample) also gives a prefill MFU (a lower bound: it includes the
-   sample and the launch).
+   bandwidth (819 GB/s on v5e); % of roofline = roofline / measured. At batch 1 the ms per token is the latency
+   per token. The time of 1 token (a prefill and one sample) also gives a prefill MFU (a lower bound: it includes
+   the sample and the launch).
 
 A row whose memory would not fit the chip's HBM is skipped with the reason printed (MHA 128K batch 8: its KV
 cache alone is 43 GiB); an out-of-memory error at run time is reported as such.

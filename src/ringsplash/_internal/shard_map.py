@@ -15,6 +15,14 @@ def axis_size(axis_name, fn_name: str) -> int:
         ) from e
 
 
+def axis_index(axis_name):
+    """This device's index on a bound mesh axis: the constant 0 on an axis of one device, so that what it
+    indexes (schedule rows, pair tables, work lists) is read statically; ``lax.axis_index`` there is traced,
+    and a one-chip training step over the ring carried 16 dynamic slices and 57 scalar index operations more
+    than single-device Splash's (2026-12-07)."""
+    return 0 if lax.axis_size(axis_name) == 1 else lax.axis_index(axis_name)
+
+
 def vma(*xs) -> frozenset:
     """The manual mesh axes any leaf of ``xs`` varies over (empty outside ``shard_map`` and under
     ``shard_map(check_vma=False)``)."""

@@ -117,18 +117,22 @@ def _row_map(b, j, layer_ref, starts_ref, lengths_ref):
     return b, 0, 0, 0
 
 
+def _live_span(starts, lengths, block_kv: int):
+    """The first and last kv blocks holding a row's visible slots (``last >= first``; scalars or per row)."""
+    first = lax.div(starts, block_kv)  # lax.div: the operands are >= 0 (jnp's // lowers through sign)
+    return first, jnp.maximum(lax.div(jnp.maximum(lengths - 1, 0), block_kv), first)
+
+
 def _kv_map(b, j, layer_ref, starts_ref, lengths_ref, *, block_kv: int):
     """Block ``first + j`` of row ``b`` in layer ``layer_ref[0]``, clamped to the row's last live block: no copy
     past the length."""
-    first = lax.div(starts_ref[b], block_kv)  # lax.div: the operands are >= 0 (jnp's // lowers through sign)
-    last = jnp.maximum(lax.div(jnp.maximum(lengths_ref[b] - 1, 0), block_kv), first)
+    first, last = _live_span(starts_ref[b], lengths_ref[b], block_kv)
     return layer_ref[0], b, 0, jnp.minimum(first + j, last), 0
 
 
 def _live_blocks(starts, lengths, block_kv: int):
     """The most kv blocks any row's visible slots span (at least 1): the grid's traced kv-block bound."""
-    first = lax.div(starts, block_kv)
-    last = jnp.maximum(lax.div(jnp.maximum(lengths - 1, 0), block_kv), first)
+    first, last = _live_span(starts, lengths, block_kv)
     return jnp.max(last - first + 1).astype(jnp.int32)
 
 

@@ -27,7 +27,7 @@ from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._internal.shard_map import axis_size
+from ringsplash._internal.shard_map import axis_index, axis_size
 from ringsplash._internal.types import Array, AttentionOutput, Float, outputs
 from ringsplash.blocksparse.mask_info import build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
@@ -121,7 +121,7 @@ def allgather_attention(
     # dK / dV partials are summed across the N devices (the reduce-scatter) in float32, with one final
     # rounding; on one device there is no sum: written in k's dtype, as single-device Splash writes them
     exchange = _GatherSequence(axis_name, n)
-    result = splash_info_attention(q, k, v, info, info_dkv, q_shard=lax.axis_index(axis_name),
+    result = splash_info_attention(q, k, v, info, info_dkv, q_shard=axis_index(axis_name),
                                    segment_ids=segment_ids, scale=scale, logit_soft_cap=logit_soft_cap, sinks=sinks,
                                    config=config, partial_dtype=jnp.float32 if exchange.sums_partials else None,
                                    return_max_logits=want.max_logits, kv_exchange=exchange)

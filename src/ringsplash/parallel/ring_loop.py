@@ -52,7 +52,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from ringsplash._internal import softmax as _softmax
-from ringsplash._internal.shard_map import varying, vma
+from ringsplash._internal.shard_map import axis_index, varying, vma
 from ringsplash._internal.softmax import MASKED_LSE
 from ringsplash.parallel.ring_blocks import block_backward, block_forward, shares_segment
 from ringsplash.parallel.ring_plan import RingPlan
@@ -140,19 +140,12 @@ class RingStatic:
         return (me - t) % self.n
 
 
-def _my_index(n: int, axis_name):
-    """This device's index on the ring: a constant 0 on a one-device ring, so that its schedule rows and pair
-    tables are read with static indices (no index arithmetic or dynamic slices in the step; a one-chip training
-    step of a 2-layer model carried 57 scalar index ops and 16 dynamic slices that single-device Splash does not)."""
-    return 0 if n == 1 else lax.axis_index(axis_name)
-
-
 def _ring_forward(st: RingStatic, q, k, v, q_seg, kv_seg, sinks, sched):
     """``(out, residuals)``; ``out`` is ``(out, max_logits)`` with ``st.max_logits``."""
     plan, n, axis_name, max_logits = st.plan, st.n, st.axis, st.max_logits
     if st.kv_exchange is not None:  # the exchanged K / V are the residuals (no re-exchange backward)
         k, v = st.kv_exchange.gather(k), st.kv_exchange.gather(v)
-    me = _my_index(n, axis_name)
+    me = axis_index(axis_name)
 
     def step(carry, t, *, last, first=False):
         k_t, v_t, seg_t, o, lse, mx = carry
@@ -202,7 +195,7 @@ def _ring_backward(st: RingStatic, res, q_seg, kv_seg, sinks, sched, d_out):
     """``(dq, dk, dv, d_sinks)``: a second ring pass (see the module docstring)."""
     plan, n, axis_name = st.plan, st.n, st.axis
     q, k, v, out, lse = res
-    me = _my_index(n, axis_name)
+    me = axis_index(axis_name)
     d_out = d_out.astype(q.dtype)
     delta = _softmax.delta(d_out, out)
     zeros = lambda x: varying(jnp.zeros(x.shape, jnp.float32), axis_name)

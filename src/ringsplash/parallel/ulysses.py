@@ -31,7 +31,7 @@ from jax import lax
 
 from ringsplash import layouts
 from ringsplash import masks as masks_lib
-from ringsplash._internal.shard_map import axis_size
+from ringsplash._internal.shard_map import axis_index, axis_size
 from ringsplash._internal.types import Array, AttentionOutput, Float, outputs
 from ringsplash.blocksparse.mask_info import build_mask_info
 from ringsplash.masks.segment_ids import SegmentIds
@@ -93,7 +93,7 @@ def sequence_to_heads(q, k, v, segment_ids, sinks, split: UlyssesHeads, axis_nam
         gather = lambda x: lax.all_gather(x, axis_name, axis=0, tiled=True)
         segment_ids = SegmentIds(q=gather(segment_ids.q), kv=gather(segment_ids.kv))
     if sinks is not None:
-        sinks = lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis_name) * split.q_local, split.q_local)
+        sinks = lax.dynamic_slice_in_dim(sinks, axis_index(axis_name) * split.q_local, split.q_local)
     return lax.all_to_all(q, axis_name, 0, 1, tiled=True), k, v, segment_ids, sinks
 
 
