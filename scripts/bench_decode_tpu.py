@@ -31,7 +31,7 @@ cache alone is 43 GiB); an out-of-memory error at run time is reported as such.
     python scripts/bench_decode_tpu.py --parts generate --batches 1 --steps-per-program 4,8,16
     python scripts/bench_decode_tpu.py --cpu-smoke          # tiny shapes on the CPU (CI): checks the script
 
-``--block-bytes`` tries the kernel's block sizes (bytes of K per grid step; the fastest is reported, each in the
+``--block-bytes`` tries the kernel's block sizes (bytes of K and V per grid step; the fastest is reported, each in the
 note) and ``--steps-per-program`` generate's ``STEPS_PER_PROGRAM`` (a row each): what the defaults should be.
 
 It refuses to run without a TPU, except with ``--cpu-smoke`` (the kernels in the Pallas TPU interpreter, CPU
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate rows of more prompt tokens (batch x prompt) than this take one repeat fewer "
                         "(their prefill dominates the run's time)")
     p.add_argument("--block-bytes", default=None,
-                   help="decode kernel: bytes of K per grid step to try, comma-separated (the fastest is reported; "
+                   help="decode kernel: bytes of K and V per grid step to try, comma-separated (the fastest is reported; "
                         "default: decode_kernel.BLOCK_BYTES)")
     p.add_argument("--steps-per-program", default=None,
                    help="generate: STEPS_PER_PROGRAM values to try, comma-separated, a row each (default: "

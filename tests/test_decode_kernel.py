@@ -69,13 +69,14 @@ def test_decode_attention_empty_rows_give_zero_and_masked_lse():
 
 
 def test_kv_map_names_no_block_past_the_live_ones():
-    """The block each grid step copies: from the row's first live block up to its last, then that block again
-    (a repeated index: the pipeline issues no copy), so slots past the length are never read."""
-    block = 128
+    """The first slot of the copy each grid step makes: from the row's first live block up to its last, then that
+    block again (a repeated index: the pipeline issues no copy), so slots past the length are never read; where
+    the block does not divide the cache (1,024 slots in blocks of 384), the last block starts 1,024 - 384 in."""
     starts, lengths = jnp.array([0, 300, 0, 0]), jnp.array([1, 700, 1024, 0])
-    seen = [[int(_kv_map(b, j, jnp.array([0]), starts, lengths, block_kv=block)[3]) for j in range(8)]
-            for b in range(4)]
-    assert seen == [[0] * 8, [2, 3, 4, 5, 5, 5, 5, 5], list(range(8)), [0] * 8]
+    seen = lambda block: [[int(_kv_map(b, j, jnp.array([0]), starts, lengths, block_kv=block, max_len=1024)[3])
+                           for j in range(8)] for b in range(4)]
+    assert seen(128) == [[0] * 8, [256, 384, 512, 640, *[640] * 4], [128 * j for j in range(8)], [0] * 8]
+    assert seen(384) == [[0] * 8, [0, 384, *[384] * 6], [0, 384, *[640] * 6], [0] * 8]
 
 
 def test_decode_attention_grid_stops_at_the_longest_rows_last_block():
@@ -97,6 +98,22 @@ def test_decode_attention_grid_stops_at_the_longest_rows_last_block():
     np.testing.assert_array_equal(lse, all_lse)
 
 
+def test_decode_attention_with_a_block_that_does_not_divide_the_cache_matches_the_reference():
+    """Blocks of 256 over 640 slots: the third block's copy starts at slot 384, overlapping the second's, and the
+    kernel counts the overlap once. Rows ending in it, a window starting inside the overlap (slot 450), one ending
+    before it, a full one; the slots past each row hold large values (finite, as the kernel asks), so a slot read
+    past its row would show, and a slot counted twice shifts the row's lse."""
+    q, k, v = _inputs(17, jnp.float32, 4, 2, batch=4, max_len=640)
+    lengths, starts = jnp.array([600, 640, 300, 513], jnp.int32), jnp.array([0, 450, 0, 500], jnp.int32)
+    stale = jnp.arange(640)[None, None, :, None] >= lengths[:, None, None, None]
+    k, v = jnp.where(stale, 30.0, k), jnp.where(stale, 1e3, v)
+    ref_o, ref_lse = decode_attention_reference(q, k, v, lengths, starts)
+    for live in (True, False):
+        o, lse = decode_attention(q, k, v, lengths, starts, block_kv=256, live_grid=live, interpret=INTERPRET)
+        np.testing.assert_allclose(o, ref_o, atol=ATOL[jnp.float32], rtol=0)
+        np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
+
+
 def test_decode_attention_reads_one_layer_of_a_stacked_cache_in_place():
     """``k, v [layers, batch, ...]`` and ``layer``: the kernel reads that layer only (the other holds NaN)."""
     q, k, v = _inputs(11, jnp.float32, 4, 2, batch=2, max_len=256)
@@ -109,11 +126,16 @@ def test_decode_attention_reads_one_layer_of_a_stacked_cache_in_place():
     np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
 
 
-def test_block_kv_for_divides_the_cache_within_the_byte_budget():
-    assert block_kv_for(32768, 8, 128, 2) == 512  # MHA 8 kv heads: 1 MiB of K per step
-    assert block_kv_for(40960, 2, 128, 2) == 2048  # GQA 8:2
-    assert block_kv_for(8320, 2, 128, 2) == 1664  # 65 lanes: the largest divisor within the budget, 13 lanes
-    assert block_kv_for(128, 8, 128, 4) == 128
+def test_block_kv_for_fills_the_byte_budget_whether_or_not_it_divides_the_cache():
+    mib = 2**20
+    assert block_kv_for(32768, 8, 128, 2, 2 * mib) == 512  # MHA 8 kv heads: 2 MiB of K and V per step
+    assert block_kv_for(40960, 2, 128, 2, 2 * mib) == 2048  # GQA 8:2
+    assert block_kv_for(40960, 2, 128, 2, 2 * mib, value_dim=384) == 1024  # V four times K's size
+    # 1,025 lanes (generate's cache for a 128K prompt + 64): the budget's block, not the largest divisor (128)
+    assert block_kv_for(131200, 8, 128, 2, 2 * mib) == 512
+    assert block_kv_for(8320, 2, 128, 2, 4 * mib) == 4096  # at most MAX_BLOCK_KV
+    assert block_kv_for(384, 2, 128, 2, 2 * mib) == 384  # at most the cache
+    assert block_kv_for(128, 8, 128, 4, 2 * mib) == 128
     with pytest.raises(ValueError, match=r"max_len must be a multiple of 128, got max_len=200"):
         block_kv_for(200, 2, 128, 2)
 
@@ -123,8 +145,10 @@ def test_decode_attention_refuses_bad_shapes():
     with pytest.raises(ValueError, match=r"kv_heads dividing heads, got q.shape=\(1, 3, 128\)"):
         decode_attention(q, k, v, jnp.array([5]), interpret=INTERPRET)
     q, k, v = _inputs(0, jnp.float32, 2, 2, batch=1, max_len=256)
-    with pytest.raises(ValueError, match=r"block_kv must be a multiple of 128 dividing max_len=256, got block_kv=96"):
-        decode_attention(q, k, v, jnp.array([5]), block_kv=96, interpret=INTERPRET)
+    for bad in (96, 384):
+        with pytest.raises(ValueError, match=rf"block_kv must be a positive multiple of 128 at most max_len=256, "
+                                             rf"got block_kv={bad}"):
+            decode_attention(q, k, v, jnp.array([5]), block_kv=bad, interpret=INTERPRET)
 
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=1024)
@@ -163,15 +187,16 @@ def test_decode_steps_through_the_kernel_equal_the_xla_path(name, monkeypatch):
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
-def test_decode_attention_compiles_for_v5e(kv_heads):
+@pytest.mark.parametrize("kv_heads,max_len", [(8, 40960), (2, 40960), (8, 131200)], ids=["mha", "gqa", "mha-ragged"])
+def test_decode_attention_compiles_for_v5e(kv_heads, max_len):
     """Mosaic accepts the kernel for one v5e chip (bfloat16, 8 heads of 128, 8 rows of 40,960 slots: a 32K
-    prompt's bucket), and it is the Mosaic kernel, not a fallback, with no temporary near the cache's size."""
+    prompt's bucket; or 131,200 slots, which its 512-slot blocks do not divide), and it is the Mosaic kernel, not a
+    fallback, with no temporary near the cache's size."""
     from ringsplash import aot
 
     sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices("v5e:1x1")[0])
     spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-    batch, max_len = 8, 40960
+    batch = 8
     kv = spec((batch, kv_heads, max_len, 128))
     report = aot.compile_report(decode_attention, spec((batch, 8, 128)), kv, kv, spec((batch,), jnp.int32),
                                 spec((batch,), jnp.int32))

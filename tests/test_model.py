@@ -209,6 +209,16 @@ def test_model_length_beyond_max_seq_len_names_both(key):
                                          r"more than the config's max_seq_len=128.*at most max_seq_len / 2 = 64"):
         _check_example(tokens[:96], positions[:96], None, 48, 128, 2, "ring")
     _check_example(tokens[:64], positions[:64], None, 48, 128, 2, "ring")
+    # the padded length counts on one device too: a 600-token ring config's batches run at 768 on one chip (were
+    # refused there, accepted over four)
+    config = _config(max_seq_len=600, context_parallel=ContextParallel("ring", ring_size=1))
+    tokens, positions = jnp.arange(769) % 48, jnp.arange(769)
+    padded = config.padded_seq_len(600)
+    assert padded == 768
+    _check_example(tokens[:padded], positions[:padded], None, 48, 600, 1, "ring", padded)
+    with pytest.raises(ValueError, match=r"tokens has 769 positions, more than the config's max_seq_len=600 "
+                                         r"\(padded inside to 768\): pass at most 768 tokens"):
+        _check_example(tokens, positions, None, 48, 600, 1, "ring", padded)
 
 
 @pytest.mark.slow

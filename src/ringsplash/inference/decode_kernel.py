@@ -31,26 +31,30 @@ from ringsplash._internal.softmax import MASKED_LSE
 from ringsplash._internal.types import Array, Float, Int
 
 NUM_LANES = 128
-#: bytes of K that one grid step reads (all kv heads of ``block_kv`` slots; V as much again): large enough that
-#: a step's copy (about 2.6 us for K and V at v5e's 819 GB/s) hides the pipeline's fixed cost per step (about
-#: 0.35 us, the Pallas TPU guide's figure), small enough that the double-buffered K and V blocks (4 MiB) sit
-#: well inside v5e's 16 MiB scoped VMEM. Not tuned on a chip yet (2026-12-07).
-BLOCK_BYTES = 1 << 20
+#: bytes of K and V that one grid step reads (all kv heads of ``block_kv`` slots): large enough that a step's copy
+#: (about 5 us at v5e's 819 GB/s) hides the pipeline's fixed cost per step (about 0.35 us, the Pallas TPU guide's
+#: figure), small enough that the double-buffered blocks (8 MiB) sit inside v5e's 16 MiB scoped VMEM. On a v5e
+#: chip (2026-12-07, MHA 8 heads of 128, 8K-128K, batch 1 and 8) this was 0.4-7% faster than 2 MiB in every row.
+BLOCK_BYTES = 4 << 20
 #: the largest block of slots a step reads (one kv head of 128: 1 MiB of bfloat16)
 MAX_BLOCK_KV = 4096
 _F32 = jnp.float32
 
 
-def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None) -> int:
-    """The slots per grid step: the largest multiple of 128 that divides ``max_len`` and keeps a K block within
-    ``block_bytes`` (None: ``BLOCK_BYTES``; at least 128 slots, at most ``MAX_BLOCK_KV``). ``max_len`` must be a
-    multiple of 128."""
+def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None,
+                 value_dim: int | None = None) -> int:
+    """The slots per grid step: the largest multiple of 128 that keeps a step's K and V blocks within
+    ``block_bytes`` (None: ``BLOCK_BYTES``; ``value_dim`` None: ``head_dim``; at least 128 slots, at most
+    ``MAX_BLOCK_KV`` and ``max_len``). It need not divide
+    ``max_len``: the last block then starts ``max_len - block_kv`` in, overlapping the one before, whose slots it
+    skips (a 131,200-slot cache, 1,025 lanes, got 128-slot blocks from the largest-divisor rule of 2026-12-07, and
+    ``generate`` ran at 54% of the HBM roofline at 128K). ``max_len`` must be a multiple of 128."""
     if max_len % NUM_LANES:
         raise ValueError(f"decode_attention: the cache's max_len must be a multiple of {NUM_LANES}, got {max_len=}")
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
-    target = max(1, min(block_bytes // (kv_heads * head_dim * itemsize), MAX_BLOCK_KV) // NUM_LANES)
-    lanes = max_len // NUM_LANES
-    return NUM_LANES * max(k for k in range(1, min(target, lanes) + 1) if lanes % k == 0)
+    value_dim = head_dim if value_dim is None else value_dim
+    target = max(1, min(block_bytes // (kv_heads * (head_dim + value_dim) * itemsize), MAX_BLOCK_KV) // NUM_LANES)
+    return NUM_LANES * min(target, max_len // NUM_LANES)
 
 
 # ----------------------------------------------------------------------------------------
@@ -66,11 +70,12 @@ def _decode_kernel(
     o_ref, lse_ref,
     # scratch
     m_ref, l_ref, acc_ref,
-    *, block_kv: int, scale: float, soft_cap: float | None,
+    *, block_kv: int, max_len: int, scale: float, soft_cap: float | None,
 ):
     b, j = pl.program_id(0), pl.program_id(1)
     start, length = starts_ref[b], lengths_ref[b]
     block = lax.div(start, block_kv) + j  # the block this step stands for (its copy is skipped past the last)
+    first_slot = block * block_kv  # the block's own slots start here; its copy starts at _block_offset
     kv_heads = k_ref.shape[0]
 
     @pl.when(j == 0)
@@ -79,10 +84,10 @@ def _decode_kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
-    @pl.when((block * block_kv < length) & (start < length))
+    @pl.when((first_slot < length) & (start < length))
     def _compute():
-        slot = block * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-        visible = (slot >= start) & (slot < length)
+        slot = _block_offset(block, block_kv, max_len) + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        visible = (slot >= jnp.maximum(start, first_slot)) & (slot < length)  # the overlap counted once
         for h in range(kv_heads):  # static: every query head of the group against this kv head's block
             q = q_ref[h]  # [group, d]
             s = lax.dot_general(q, k_ref[h], (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
@@ -123,11 +128,18 @@ def _live_span(starts, lengths, block_kv: int):
     return first, jnp.maximum(lax.div(jnp.maximum(lengths - 1, 0), block_kv), first)
 
 
-def _kv_map(b, j, layer_ref, starts_ref, lengths_ref, *, block_kv: int):
-    """Block ``first + j`` of row ``b`` in layer ``layer_ref[0]``, clamped to the row's last live block: no copy
-    past the length."""
+def _block_offset(block, block_kv: int, max_len: int):
+    """The first slot of the copy of kv block ``block``: ``block * block_kv``, except a last block that would run
+    past ``max_len`` (``block_kv`` not dividing it) starts ``max_len - block_kv`` in, inside the cache."""
+    lanes = jnp.minimum(block * (block_kv // NUM_LANES), (max_len - block_kv) // NUM_LANES)
+    return lanes * NUM_LANES  # a product Mosaic can see is a multiple of the sublane tiling
+
+
+def _kv_map(b, j, layer_ref, starts_ref, lengths_ref, *, block_kv: int, max_len: int):
+    """The first slot (an element index) of block ``first + j`` of row ``b`` in layer ``layer_ref[0]``, the block
+    clamped to the row's last live one: no copy past the length."""
     first, last = _live_span(starts_ref[b], lengths_ref[b], block_kv)
-    return layer_ref[0], b, 0, jnp.minimum(first + j, last), 0
+    return layer_ref[0], b, 0, _block_offset(jnp.minimum(first + j, last), block_kv, max_len), 0
 
 
 def _live_blocks(starts, lengths, block_kv: int):
@@ -177,10 +189,10 @@ def decode_attention(
         raise ValueError(f"decode_attention: lengths and starts must be int [batch={batch}], got "
                          f"lengths.shape={lengths.shape}, starts.shape={None if starts is None else starts.shape}")
     if block_kv is None:
-        block_kv = block_kv_for(max_len, kv_heads, d, k.dtype.itemsize)
-    if max_len % block_kv or block_kv % NUM_LANES:
-        raise ValueError(f"decode_attention: block_kv must be a multiple of {NUM_LANES} dividing max_len={max_len}, "
-                         f"got {block_kv=}")
+        block_kv = block_kv_for(max_len, kv_heads, d, k.dtype.itemsize, value_dim=dv)
+    if block_kv > max_len or block_kv % NUM_LANES or block_kv <= 0:
+        raise ValueError(f"decode_attention: block_kv must be a positive multiple of {NUM_LANES} at most "
+                         f"max_len={max_len}, got {block_kv=}")
     group = heads // kv_heads
     scale = d**-0.5 if scale is None else float(scale)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, max_len)
@@ -188,14 +200,15 @@ def decode_attention(
     empty = starts >= lengths  # nothing visible: (0, 0), so the index map names block 0, never one past the end
     starts, lengths = jnp.where(empty, 0, starts), jnp.where(empty, 0, lengths)
     qg = q.reshape(batch, kv_heads, group, d)
-    kv_map = functools.partial(_kv_map, block_kv=block_kv)
+    kv_map = functools.partial(_kv_map, block_kv=block_kv, max_len=max_len)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(batch, _live_blocks(starts, lengths, block_kv) if live_grid else max_len // block_kv),
+        grid=(batch, _live_blocks(starts, lengths, block_kv) if live_grid else pl.cdiv(max_len, block_kv)),
         in_specs=[
             pl.BlockSpec((None, kv_heads, group, d), _row_map),
-            pl.BlockSpec((None, None, kv_heads, block_kv, d), kv_map),
-            pl.BlockSpec((None, None, kv_heads, block_kv, dv), kv_map),
+            # element offsets (Mosaic takes a whole block spec of them): the last block may start off the grid
+            pl.BlockSpec((None, None, pl.Element(kv_heads), pl.Element(block_kv), pl.Element(d)), kv_map),
+            pl.BlockSpec((None, None, pl.Element(kv_heads), pl.Element(block_kv), pl.Element(dv)), kv_map),
         ],
         out_specs=[
             pl.BlockSpec((None, kv_heads, group, dv), _row_map),
@@ -207,7 +220,7 @@ def decode_attention(
             pltpu.VMEM((kv_heads, group, dv), _F32),  # acc
         ],
     )
-    kernel = functools.partial(_decode_kernel, block_kv=block_kv, scale=scale, soft_cap=soft_cap)
+    kernel = functools.partial(_decode_kernel, block_kv=block_kv, max_len=max_len, scale=scale, soft_cap=soft_cap)
     live = batch * kv_heads * max_len  # an upper bound: the slots read are at most these
     o, lse = pl.pallas_call(
         kernel,

@@ -149,12 +149,14 @@ def _check_example(tokens, positions, segment_ids, vocab_size: int, max_seq_len:
     if shape is None or len(shape) != 1:
         raise ValueError(f"tokens must be [seq] token ids of one example (batch with jax.vmap, or use the "
                          f"train/eval step functions, which do), got tokens.shape={shape}")
-    limit = max_seq_len if shards == 1 or padded_max is None else padded_max
+    # the padded length whatever the shard count: a one-device ring pads as a wider one does (a 600-token
+    # config's batches run at 768 over one device, were refused there and accepted over four)
+    limit = max_seq_len if padded_max is None else padded_max
     if max_seq_len is not None and shape[0] * shards > limit:
-        if shards == 1:
-            raise ValueError(f"tokens has {shape[0]} positions, more than the config's max_seq_len={max_seq_len}: "
-                             f"pass at most max_seq_len tokens, or build the model with a larger max_seq_len")
         padded, most = ("", "max_seq_len") if limit == max_seq_len else (f" (padded inside to {limit})", limit)
+        if shards == 1:
+            raise ValueError(f"tokens has {shape[0]} positions, more than the config's max_seq_len={max_seq_len}"
+                             f"{padded}: pass at most {most} tokens, or build the model with a larger max_seq_len")
         raise ValueError(
             f"tokens has {shape[0]} positions per shard x {shards} shards (attention={attention!r}) = "
             f"{shape[0] * shards}, more than the config's max_seq_len={max_seq_len}{padded}: under a "
