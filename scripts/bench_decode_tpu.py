@@ -29,6 +29,7 @@ cache alone is 43 GiB); an out-of-memory error at run time is reported as such.
     python scripts/bench_decode_tpu.py --parts attention --block-bytes 262144,524288,1048576,2097152
     python scripts/bench_decode_tpu.py --parts attention --grids live,all   # the grid over live blocks or all
     python scripts/bench_decode_tpu.py --parts generate --batches 1 --steps-per-program 4,8,16
+    python scripts/bench_decode_tpu.py --parts generate --models gqa --prompt-lens 8192,32768 --batches 1 --profile /tmp/dec  # ops a token
     python scripts/bench_decode_tpu.py --cpu-smoke          # tiny shapes on the CPU (CI): checks the script
 
 ``--block-bytes`` tries the kernel's block sizes (bytes of K and V per grid step; the fastest is reported, each in the
@@ -222,6 +223,28 @@ def time_generate(model, tokens, repeats: int) -> tuple[float, float]:
     return min(ones), min(manys)
 
 
+def profile_generate(model, tokens, trace_dir: str, label: str, top: int) -> None:
+    """One ``generate(model, tokens, 64)`` under ``jax.profiler.trace`` (Perfetto; compiled beforehand by the
+    timing), its device ops read back by ``profile_splash_tpu.device_op_times``: the ``top`` longest per token,
+    and the device time and op count per token (the prefill and the first token's program included, 1/64th)."""
+    import jax
+
+    import profile_splash_tpu
+    import ringsplash as rs
+
+    run_dir = os.path.join(trace_dir, time.strftime(f"generate-{label}-%Y%m%d-%H%M%S"))
+    os.makedirs(run_dir, exist_ok=True)
+    with jax.profiler.trace(run_dir, create_perfetto_trace=True):
+        jax.block_until_ready(rs.inference.generate(model, tokens, NEW_TOKENS))
+    ops = profile_splash_tpu.device_op_times(run_dir, NEW_TOKENS)
+    print(f"\nprofile of {label} ({run_dir}): device total {sum(ms for _, ms, _ in ops):.3f} ms per token, "
+          f"{sum(n for _, _, n in ops):.0f} device ops per token")
+    print("| op | ms per token | per token |\n|---|---:|---:|")
+    for op, ms, n in ops[:top]:
+        print(f"| {op[:90]} | {ms:.4f} | {n:g} |")
+    print(flush=True)
+
+
 def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
     import jax
     import numpy as np
@@ -277,6 +300,9 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                                    "-" if roof is None else f"{1e3 * roof:.3f}",
                                    "-" if roof is None or per_token <= 0 else f"{100 * roof / per_token:.0f}%", note]
                     print("| " + " | ".join(row) + " |", flush=True)
+                    if args.profile and not args.profiled:
+                        args.profiled = True
+                        profile_generate(model, tokens, args.profile, f"{name}-{prompt}-{batch}", args.top)
                     mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
                                 steps_per_program=per_call, one_s=one, many_s=many, ms_per_token=1e3 * per_token,
                                 roofline_ms=None if roof is None else 1e3 * roof, prefill_mfu=mfu)
@@ -314,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernel calls per timed run, chained in one program (each output the next query)")
     p.add_argument("--rpa-configs", default=RPA_CONFIGS,
                    help="ragged_paged_attention layouts tried, page_size:pages_per_block, comma-separated")
+    p.add_argument("--profile", metavar="DIR",
+                   help="generate: trace one generate(model, prompts, 64) of the first row here and print its "
+                        "device ops per token (where a token's time goes beside the roofline's reads)")
+    p.add_argument("--top", type=int, default=30, help="ops printed by --profile")
     p.add_argument("--peak-tflops", type=float, help="the chip's peak TF/s (default: the table for the device kind)")
     p.add_argument("--hbm-gbps", type=float, help="the chip's HBM GB/s (default: the table for the device kind)")
     p.add_argument("--log", default=os.path.join(LOG_DIR, "bench_decode_tpu.jsonl"), help="one JSON line per row (appended)")
@@ -324,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    args.profiled = False
     device = mb.start("bench_decode_tpu.py", args.cpu_smoke)
     parts = set(args.parts.split(","))
     if not parts <= {"attention", "generate"}:

@@ -218,7 +218,8 @@ def row_cells(config, counts, res: Result, batch: int, seq_len: int, peak: float
     flops = train_flops(config, counts, batch, seq_len)
     tflops = flops / res.step_s / 1e12
     mfu = f"{100 * tflops / peak:.1f}%" if peak else "-"
-    return [f"{1e3 * res.step_s:.1f}", f"{batch * seq_len / res.step_s:,.0f}", f"{tflops:.3g}", mfu,
+    step_ms = f"{1e3 * res.step_s:.{1 if res.step_s >= 0.1 else 3}f}"  # a 2.4 ms step to the microsecond
+    return [step_ms, f"{batch * seq_len / res.step_s:,.0f}", f"{tflops:.3g}", mfu,
             f"{res.loss:.4f}", ""]
 
 
