@@ -2,10 +2,14 @@
 interpreter, the blocks its index map names (none past a row's live slots), Mosaic's compile for v5e, and the
 decode path reading the cache through it."""
 
+import os
+
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._internal.softmax import MASKED_LSE
@@ -204,6 +208,67 @@ def test_decode_attention_compiles_for_v5e(kv_heads, max_len):
     assert report.temp < 2**20, report.temp
 
 
+def _compile_decode(target: str, batch: int, heads: int, kv_heads: int, max_len: int, d: int, dv: int, dtype,
+                    vmap: int | None = None, block_kv: int | None = None) -> str:
+    """``"compiled"`` for one chip of ``target``, or ``"refused: ..."`` for ringsplash's own error."""
+    from ringsplash import aot
+
+    sharding = jax.sharding.SingleDeviceSharding(aot.topology_devices(target)[0])
+    lead = () if vmap is None else (vmap,)
+    spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(lead + shape, dt, sharding=sharding)
+    fn = lambda q, k, v, n: decode_attention(q, k, v, n, block_kv=block_kv)[0]
+    try:
+        aot.compile_report(fn if vmap is None else jax.vmap(fn), spec((batch, heads, d)),
+                           spec((batch, kv_heads, max_len, d)), spec((batch, kv_heads, max_len, dv)),
+                           spec((batch,), jnp.int32))
+    except ValueError as e:
+        if "decode_attention: a block of" in str(e):
+            return f"refused: {e}"
+        raise
+    return "compiled"
+
+
+@pytest.mark.tpu_compile
+def test_decode_attention_head_size_64_float32_fits_vmem_for_v5e():
+    """Found by the property below (2026-12-07): 8 kv heads of 64 in float32 took 1024-slot blocks by the unpadded
+    head size, and a 64-wide head takes 128 lanes in VMEM: 16 MiB of K and V buffers, Mosaic's
+    CompileTimeScopedVmemOom. The budget counts padded lanes and the limit follows the need now."""
+    assert _compile_decode("v5e:1x1", 4, 64, 8, 8320, 64, 64, jnp.float32) == "compiled"
+    # a block no chip's scoped VMEM holds is ringsplash's error, naming what to change
+    assert _compile_decode("v5e:1x1", 1, 64, 64, 1024, 256, 256, jnp.float32, block_kv=1024).startswith(
+        "refused: decode_attention: a block of 1024 slots of 64 kv heads")
+
+
+#: draws of the property per run (the slow tier; about 0.5 s each on 2 cores); RINGSPLASH_VMEM_DRAWS for more
+DECODE_DRAWS = int(os.environ.get("RINGSPLASH_VMEM_DRAWS", "8"))
+
+
+@pytest.mark.slow
+@pytest.mark.tpu_compile
+@hypothesis.seed(int(os.environ.get("RINGSPLASH_VMEM_SEED", "20261207")))
+@hypothesis.settings(max_examples=DECODE_DRAWS, deadline=None, database=None, print_blob=True,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(target=st.sampled_from(("v5e:1x1", "v6e:1x1", "v5p:1x1x1")), kv_heads=st.sampled_from((1, 2, 8, 32)),
+                  group=st.sampled_from((1, 2, 4, 8)), d=st.sampled_from((8, 64, 96, 128, 256, 512)),
+                  dv=st.sampled_from((None, 64, 128)), dtype=st.sampled_from((jnp.bfloat16, jnp.float32)),
+                  lanes=st.integers(1, 2048), batch=st.sampled_from((1, 3, 8)), vmap=st.sampled_from((None, 2)),
+                  block=st.sampled_from((None, None, 128, 1024, 4096)))
+def test_drawn_decode_configs_compile_or_get_ringsplashs_error(target, kv_heads, group, d, dv, dtype, lanes, batch,
+                                                               vmap, block):
+    """Head sizes 8 ... 512 (dv may differ), float32 / bfloat16, 1 ... 32 kv heads in groups of 1 ... 8, caches of
+    128 ... 256K slots, the default or an explicit block, ``jax.vmap`` or not; for v5e, v6e or v5p: each compiles
+    or gets ringsplash's error, never Mosaic's VMEM error (``RINGSPLASH_VMEM_SEED`` repeats a failing draw)."""
+    # HBM: the caches fit the smallest chip with room, 4 GiB of K and V at most, as laid out (a head of 8 takes
+    # 128 lanes in HBM too)
+    lanes_of = lambda x: -(-x // 128) * 128
+    per_lane = (vmap or 1) * batch * kv_heads * 128 * (lanes_of(d) + lanes_of(dv or d)) * jnp.dtype(dtype).itemsize
+    max_len = 128 * max(1, min(lanes, (4 << 30) // per_lane))
+    block = None if block is None or block > max_len else block
+    hypothesis.note(f"{target} kv_heads={kv_heads} group={group} d={d} dv={dv} {dtype} {max_len=} {batch=} {vmap=}")
+    outcome = _compile_decode(target, batch, kv_heads * group, kv_heads, max_len, d, dv or d, dtype, vmap, block)
+    hypothesis.note(outcome)
+
+
 @pytest.mark.tpu_compile
 def test_decode_attention_under_vmap_compiles_for_v5e_and_matches_the_reference():
     """Under ``jax.vmap`` each batched call's grid bound (the longest row's blocks) is batched too: Mosaic
@@ -216,6 +281,10 @@ def test_decode_attention_under_vmap_compiles_for_v5e_and_matches_the_reference(
     report = aot.compile_report(jax.vmap(lambda q, k, v, n: decode_attention(q, k, v, n)[0]), spec((2, 3, 8, 128)),
                                 kv, kv, spec((2, 3), jnp.int32))
     assert "tpu_custom_call" in report.hlo_text
+    # the mapped axis folds into the batch: one kernel over 6 rows, no copy of the cache (Pallas' own batching ran
+    # a while loop of kernels carrying K and V, which XLA copied: 320 MiB at 2 x 8 rows of 40,960 slots)
+    assert report.hlo_text.count("tpu_custom_call") == 1 and " while(" not in report.hlo_text
+    assert report.temp < 2 * 3 * 2 * 1024 * 128 * 2 // 4, report.temp
     q, k, v = _inputs(13, jnp.float32, 4, 2, batch=6, max_len=512)
     q, k, v = (x.reshape(2, 3, *x.shape[1:]) for x in (q, k, v))
     lengths = jnp.array([[100, 300, 0], [512, 1, 200]], jnp.int32)
@@ -224,6 +293,13 @@ def test_decode_attention_under_vmap_compiles_for_v5e_and_matches_the_reference(
     ref_o, ref_lse = jax.vmap(decode_attention_reference)(q, k, v, lengths)
     np.testing.assert_allclose(o, ref_o, atol=ATOL[jnp.float32], rtol=0)
     np.testing.assert_allclose(lse, ref_lse, atol=LSE_ATOL, rtol=0)
+    # one cache shared by the mapped queries (not folded: Pallas' batching) and a vmap inside a vmap (folded twice)
+    shared = jax.vmap(lambda q, n: decode_attention(q, k[0], v[0], n, block_kv=128, interpret=INTERPRET)[0])
+    np.testing.assert_allclose(shared(q, lengths), jax.vmap(lambda q, n: decode_attention_reference(
+        q, k[0], v[0], n)[0])(q, lengths), atol=ATOL[jnp.float32], rtol=0)
+    nested = jax.vmap(jax.vmap(lambda q, k, v, n: decode_attention(q[None], k[None], v[None], n[None], block_kv=128,
+                                                                   interpret=INTERPRET)[0][0]))
+    np.testing.assert_allclose(nested(q, k, v, lengths), ref_o, atol=ATOL[jnp.float32], rtol=0)
 
 
 @pytest.mark.tpu_compile

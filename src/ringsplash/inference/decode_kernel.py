@@ -38,13 +38,43 @@ NUM_LANES = 128
 BLOCK_BYTES = 4 << 20
 #: the largest block of slots a step reads (one kv head of 128: 1 MiB of bfloat16)
 MAX_BLOCK_KV = 4096
+#: the scoped VMEM a call may be compiled with (within v5e's, v6e's and v5p's 64-128 MiB); a call that needs
+#: more is refused with ringsplash's error, never Mosaic's
+MAX_VMEM_LIMIT = 48 << 20
+#: Mosaic's default scoped VMEM on v5e, the smallest of the chips: a call needing less keeps the default
+DEFAULT_SCOPED_VMEM = 16 << 20
 _F32 = jnp.float32
+
+
+def _lanes(x: int) -> int:
+    """``x`` rounded up to whole 128-lane tiles: the width a head size takes in VMEM (64 takes 128)."""
+    return -(-x // NUM_LANES) * NUM_LANES
+
+
+def _rows(x: int, itemsize: int) -> int:
+    """``x`` rounded up to the dtype's sublane tile (8 rows of float32, 16 of bfloat16)."""
+    tile = 8 * max(1, 4 // itemsize)
+    return -(-x // tile) * tile
+
+
+def vmem_bytes(block_kv: int, kv_heads: int, group: int, head_dim: int, value_dim: int, itemsize: int) -> int:
+    """The scoped VMEM one call needs, every buffer at its tiled shape: the double-buffered K and V blocks, q and
+    the outputs (double-buffered), the float32 scratch, and the step's float32 score temporaries (s, p and their
+    exponentials: four ``[group, block_kv]`` tiles a kv head, counted for one head at a time)."""
+    pd, pdv = _lanes(head_dim), _lanes(value_dim)
+    kv = 2 * kv_heads * block_kv * (pd + pdv) * itemsize
+    q = 2 * kv_heads * _rows(group, itemsize) * pd * itemsize
+    out = 2 * kv_heads * _rows(group, 4) * (pdv + NUM_LANES) * 4
+    scratch = kv_heads * _rows(group, 4) * (2 * NUM_LANES + pdv) * 4
+    temps = 4 * _rows(group, 4) * _lanes(block_kv) * 4
+    return kv + q + out + scratch + temps
 
 
 def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None,
                  value_dim: int | None = None) -> int:
     """The slots per grid step: the largest multiple of 128 that keeps a step's K and V blocks within
-    ``block_bytes`` (None: ``BLOCK_BYTES``; ``value_dim`` None: ``head_dim``; at least 128 slots, at most
+    ``block_bytes`` as VMEM holds them (head sizes padded to whole 128 lanes; None: ``BLOCK_BYTES``;
+    ``value_dim`` None: ``head_dim``; at least 128 slots, at most
     ``MAX_BLOCK_KV`` and ``max_len``). It need not divide
     ``max_len``: the last block then starts ``max_len - block_kv`` in, overlapping the one before, whose slots it
     skips (a 131,200-slot cache, 1,025 lanes, got 128-slot blocks from the largest-divisor rule of 2026-12-07, and
@@ -53,7 +83,8 @@ def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, bloc
         raise ValueError(f"decode_attention: the cache's max_len must be a multiple of {NUM_LANES}, got {max_len=}")
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
     value_dim = head_dim if value_dim is None else value_dim
-    target = max(1, min(block_bytes // (kv_heads * (head_dim + value_dim) * itemsize), MAX_BLOCK_KV) // NUM_LANES)
+    per_slot = kv_heads * (_lanes(head_dim) + _lanes(value_dim)) * itemsize  # head sizes padded to whole lanes
+    target = max(1, min(block_bytes // per_slot, MAX_BLOCK_KV) // NUM_LANES)
     return NUM_LANES * min(target, max_len // NUM_LANES)
 
 
@@ -194,11 +225,29 @@ def decode_attention(
         raise ValueError(f"decode_attention: block_kv must be a positive multiple of {NUM_LANES} at most "
                          f"max_len={max_len}, got {block_kv=}")
     group = heads // kv_heads
+    need = vmem_bytes(block_kv, kv_heads, group, d, dv, max(k.dtype.itemsize, v.dtype.itemsize))
+    limit = None if need <= DEFAULT_SCOPED_VMEM * 3 // 4 else -(-(need * 5 // 4) // (1 << 20)) * (1 << 20)
+    if limit is not None and limit > MAX_VMEM_LIMIT:
+        raise ValueError(f"decode_attention: a block of {block_kv} slots of {kv_heads} kv heads (head sizes {d} / "
+                         f"{dv}, {k.dtype}) needs {need / 2**20:.1f} MiB of VMEM, over the "
+                         f"{MAX_VMEM_LIMIT >> 20} MiB a call may take: pass a smaller block_kv (at least 128), or "
+                         f"shard the kv heads")
     scale = d**-0.5 if scale is None else float(scale)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, max_len)
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.maximum(starts.astype(jnp.int32), 0)
     empty = starts >= lengths  # nothing visible: (0, 0), so the index map names block 0, never one past the end
     starts, lengths = jnp.where(empty, 0, starts), jnp.where(empty, 0, lengths)
+    call = _folding_vmap(block_kv=block_kv, scale=scale, soft_cap=soft_cap, live_grid=live_grid,
+                         interpret=interpret, limit=limit)
+    return call(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), starts, lengths, q, k, v)
+
+
+def _kernel_call(layer, starts, lengths, q, k, v, *, block_kv: int, scale: float, soft_cap: float | None,
+                 live_grid: bool, interpret, limit: int | None):
+    """The ``pallas_call`` of ``decode_attention`` on checked operands (``k``, ``v`` with their layer axis)."""
+    batch, heads, d = q.shape
+    _, _, kv_heads, max_len, dv = v.shape
+    group = heads // kv_heads
     qg = q.reshape(batch, kv_heads, group, d)
     kv_map = functools.partial(_kv_map, block_kv=block_kv, max_len=max_len)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -228,14 +277,40 @@ def decode_attention(
         out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, group, dv), _F32),
                    jax.ShapeDtypeStruct((batch, kv_heads, group, NUM_LANES), _F32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=None if interpret else ("parallel", "arbitrary")),
+            dimension_semantics=None if interpret else ("parallel", "arbitrary"), vmem_limit_bytes=limit),
         cost_estimate=pl.CostEstimate(
             flops=2 * live * group * (d + dv), transcendentals=live * group,
             bytes_accessed=int(live * (d * k.dtype.itemsize + dv * v.dtype.itemsize) + q.size * q.dtype.itemsize)),
         interpret=interpret,
         name="ringsplash_decode_attention",
-    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), starts, lengths, qg, k, v)
+    )(layer, starts, lengths, qg, k, v)
     return o.reshape(batch, heads, dv), lse[..., 0].reshape(batch, heads)
+
+
+@functools.cache
+def _folding_vmap(**static):
+    """``_kernel_call`` whose ``jax.vmap`` folds the mapped axis into the batch: one kernel over ``V x batch`` rows
+    (a reshape of a one-layer cache: no copy). Pallas' own batching of the scalar-prefetched lengths ran a
+    ``while`` loop of kernels with the cache as its loop state, which XLA copied: 320 MiB of temporaries for
+    2 x 8 rows of 40,960 slots (v5e compile, 2026-12-07). A batched layer index or a multi-layer cache (whose
+    mapped axis is not next to the batch) keeps that path."""
+    call = jax.custom_batching.custom_vmap(functools.partial(_kernel_call, **static))
+
+    @call.def_vmap
+    def _fold(axis_size, in_batched, layer, starts, lengths, q, k, v):
+        layer_b, starts_b, lengths_b, q_b, k_b, v_b = in_batched
+        if layer_b or not (k_b and v_b) or k.shape[1] != 1:
+            axes = [0 if b else None for b in in_batched]
+            return jax.vmap(functools.partial(_kernel_call, **static), in_axes=axes)(
+                layer, starts, lengths, q, k, v), (True, True)
+        batch = k.shape[2]
+        rows = lambda x, b: (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))).reshape(
+            axis_size * batch, *x.shape[1 + b:])
+        fold = lambda x: x.reshape(1, axis_size * batch, *x.shape[3:])  # [V, 1, batch, ...]: V and batch adjacent
+        o, lse = call(layer, rows(starts, starts_b), rows(lengths, lengths_b), rows(q, q_b), fold(k), fold(v))
+        return (o.reshape(axis_size, batch, *o.shape[1:]), lse.reshape(axis_size, batch, *lse.shape[1:])), (True, True)
+
+    return call
 
 
 def decode_attention_reference(q, k, v, lengths, starts=None, *, scale=None, soft_cap=None):
@@ -262,4 +337,4 @@ def decode_attention_reference(q, k, v, lengths, starts=None, *, scale=None, sof
     return o.reshape(batch, heads, -1), lse.reshape(batch, heads)
 
 
-__all__ = ["BLOCK_BYTES", "block_kv_for", "decode_attention", "decode_attention_reference"]
+__all__ = ["BLOCK_BYTES", "block_kv_for", "decode_attention", "decode_attention_reference", "vmem_bytes"]
