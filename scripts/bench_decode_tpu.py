@@ -300,9 +300,9 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                                    "-" if roof is None else f"{1e3 * roof:.3f}",
                                    "-" if roof is None or per_token <= 0 else f"{100 * roof / per_token:.0f}%", note]
                     print("| " + " | ".join(row) + " |", flush=True)
-                    if args.profile and not args.profiled:
-                        args.profiled = True
+                    if args.profile:  # the first row only
                         profile_generate(model, tokens, args.profile, f"{name}-{prompt}-{batch}", args.top)
+                        args.profile = None
                     mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
                                 steps_per_program=per_call, one_s=one, many_s=many, ms_per_token=1e3 * per_token,
                                 roofline_ms=None if roof is None else 1e3 * roof, prefill_mfu=mfu)
@@ -354,7 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    args.profiled = False
     device = mb.start("bench_decode_tpu.py", args.cpu_smoke)
     parts = set(args.parts.split(","))
     if not parts <= {"attention", "generate"}:

@@ -29,8 +29,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._internal.softmax import MASKED_LSE
 from ringsplash._internal.types import Array, Float, Int
+from ringsplash.splash.tpu_tiles import NUM_LANES, lanes, tile_bytes
 
-NUM_LANES = 128
 #: bytes of K and V that one grid step reads (all kv heads of ``block_kv`` slots): large enough that a step's copy
 #: (about 5 us at v5e's 819 GB/s) hides the pipeline's fixed cost per step (about 0.35 us, the Pallas TPU guide's
 #: figure), small enough that the double-buffered blocks (8 MiB) sit inside v5e's 16 MiB scoped VMEM. On a v5e
@@ -46,36 +46,23 @@ DEFAULT_SCOPED_VMEM = 16 << 20
 _F32 = jnp.float32
 
 
-def _lanes(x: int) -> int:
-    """``x`` rounded up to whole 128-lane tiles: the width a head size takes in VMEM (64 takes 128)."""
-    return -(-x // NUM_LANES) * NUM_LANES
-
-
-def _rows(x: int, itemsize: int) -> int:
-    """``x`` rounded up to the dtype's sublane tile (8 rows of float32, 16 of bfloat16)."""
-    tile = 8 * max(1, 4 // itemsize)
-    return -(-x // tile) * tile
-
-
 def vmem_bytes(block_kv: int, kv_heads: int, group: int, head_dim: int, value_dim: int, itemsize: int) -> int:
     """The scoped VMEM one call needs, every buffer at its tiled shape: the double-buffered K and V blocks, q and
     the outputs (double-buffered), the float32 scratch, and the step's float32 score temporaries (s, p and their
     exponentials: four ``[group, block_kv]`` tiles a kv head, counted for one head at a time)."""
-    pd, pdv = _lanes(head_dim), _lanes(value_dim)
-    kv = 2 * kv_heads * block_kv * (pd + pdv) * itemsize
-    q = 2 * kv_heads * _rows(group, itemsize) * pd * itemsize
-    out = 2 * kv_heads * _rows(group, 4) * (pdv + NUM_LANES) * 4
-    scratch = kv_heads * _rows(group, 4) * (2 * NUM_LANES + pdv) * 4
-    temps = 4 * _rows(group, 4) * _lanes(block_kv) * 4
+    kv = 2 * kv_heads * (tile_bytes(block_kv, head_dim, itemsize) + tile_bytes(block_kv, value_dim, itemsize))
+    q = 2 * kv_heads * tile_bytes(group, head_dim, itemsize)
+    out = 2 * kv_heads * (tile_bytes(group, value_dim, 4) + tile_bytes(group, NUM_LANES, 4))
+    scratch = kv_heads * (2 * tile_bytes(group, NUM_LANES, 4) + tile_bytes(group, value_dim, 4))
+    temps = 4 * tile_bytes(group, block_kv, 4)
     return kv + q + out + scratch + temps
 
 
 def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None,
                  value_dim: int | None = None) -> int:
     """The slots per grid step: the largest multiple of 128 that keeps a step's K and V blocks within
-    ``block_bytes`` as VMEM holds them (head sizes padded to whole 128 lanes; None: ``BLOCK_BYTES``;
-    ``value_dim`` None: ``head_dim``; at least 128 slots, at most
-    ``MAX_BLOCK_KV`` and ``max_len``). It need not divide
+    ``block_bytes`` as VMEM holds them (head sizes padded to whole 128 lanes; None: ``BLOCK_BYTES``; ``value_dim``
+    None: ``head_dim``; at least 128 slots, at most ``MAX_BLOCK_KV`` and ``max_len``). It need not divide
     ``max_len``: the last block then starts ``max_len - block_kv`` in, overlapping the one before, whose slots it
     skips (a 131,200-slot cache, 1,025 lanes, got 128-slot blocks from the largest-divisor rule of 2026-12-07, and
     ``generate`` ran at 54% of the HBM roofline at 128K). ``max_len`` must be a multiple of 128."""
@@ -83,7 +70,7 @@ def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, bloc
         raise ValueError(f"decode_attention: the cache's max_len must be a multiple of {NUM_LANES}, got {max_len=}")
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
     value_dim = head_dim if value_dim is None else value_dim
-    per_slot = kv_heads * (_lanes(head_dim) + _lanes(value_dim)) * itemsize  # head sizes padded to whole lanes
+    per_slot = kv_heads * (lanes(head_dim) + lanes(value_dim)) * itemsize  # head sizes padded to whole lanes
     target = max(1, min(block_bytes // per_slot, MAX_BLOCK_KV) // NUM_LANES)
     return NUM_LANES * min(target, max_len // NUM_LANES)
 
@@ -294,15 +281,15 @@ def _folding_vmap(**static):
     ``while`` loop of kernels with the cache as its loop state, which XLA copied: 320 MiB of temporaries for
     2 x 8 rows of 40,960 slots (v5e compile, 2026-12-07). A batched layer index or a multi-layer cache (whose
     mapped axis is not next to the batch) keeps that path."""
-    call = jax.custom_batching.custom_vmap(functools.partial(_kernel_call, **static))
+    kernel_call = functools.partial(_kernel_call, **static)
+    call = jax.custom_batching.custom_vmap(kernel_call)
 
     @call.def_vmap
     def _fold(axis_size, in_batched, layer, starts, lengths, q, k, v):
         layer_b, starts_b, lengths_b, q_b, k_b, v_b = in_batched
         if layer_b or not (k_b and v_b) or k.shape[1] != 1:
             axes = [0 if b else None for b in in_batched]
-            return jax.vmap(functools.partial(_kernel_call, **static), in_axes=axes)(
-                layer, starts, lengths, q, k, v), (True, True)
+            return jax.vmap(kernel_call, in_axes=axes)(layer, starts, lengths, q, k, v), (True, True)
         batch = k.shape[2]
         rows = lambda x, b: (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))).reshape(
             axis_size * batch, *x.shape[1 + b:])

@@ -15,7 +15,7 @@ below, which runs when the chip is known, keeps every accepted kernel's need wit
 the chip it is lowered for.
 
 The estimate (:attr:`KernelVmem.bytes`) only chooses blocks (``splash/tuning.py``) and refuses
-what cannot fit. It counts every VMEM buffer at its tiled, padded shape (``_tile_bytes``: rows to
+what cannot fit. It counts every VMEM buffer at its tiled, padded shape (``tpu_tiles.tile_bytes``: rows to
 the dtype's sublane tile, 8 x 32 bits / itemsize; columns to 128 lanes, so head sizes below 128
 take 128 lanes), double-buffered blocks (q, k, v, dO, out, lse / delta rows, position and
 segment-id columns / rows where they are VMEM blocks, the int8 mask block), scratch (float32
@@ -42,7 +42,7 @@ import dataclasses
 import numpy as np
 
 from ringsplash import aot
-from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES
+from ringsplash.splash.tpu_tiles import NUM_LANES, NUM_SUBLANES, lanes, tile_bytes
 
 __all__ = ["KernelVmem", "compile_limit", "kernel_vmem", "portable_limit", "usable_vmem_bytes"]
 
@@ -73,13 +73,6 @@ _USABLE = 0.875
 _TRANSPOSED = ("dkv", "fused")
 
 
-def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
-    """Bytes of a ``(rows, cols)`` VMEM buffer at its tiled shape: rows padded to the dtype's sublane
-    tile (8 x 32-bit values: 8 float32, 16 bfloat16, 32 int8 rows), columns to 128 lanes."""
-    sublanes = NUM_SUBLANES * max(1, 4 // itemsize)
-    return -(-rows // sublanes) * sublanes * -(-cols // NUM_LANES) * NUM_LANES * itemsize
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelVmem:
     """What one Splash kernel call needs (hashable: a static primitive parameter)."""
@@ -102,9 +95,9 @@ class KernelVmem:
         """The estimate of the module docstring."""
         bq, bkv = self.block_shape
         d, dv = self.head_dim, self.head_dim_v
-        pd, pdv = (-(-x // NUM_LANES) * NUM_LANES for x in (d, dv))  # lanes a head size takes
+        pd, pdv = lanes(d), lanes(dv)  # lanes a head size takes
         item, out_item = np.dtype(self.dtype).itemsize, np.dtype(self.out_dtype).itemsize
-        tile = _tile_bytes
+        tile = tile_bytes
         row = 2 * tile(1, bq, 4)  # a double-buffered (1, bq) float32 row (lse, delta)
         column = tile(bq, NUM_LANES, 4)  # a lane-replicated (bq, 128) float32 column
         # positions / segment ids (int32): q columns and kv rows, or in the dK/dV kernel q rows and kv columns
