@@ -40,6 +40,7 @@ times: never a TPU speed).
 """
 
 import argparse
+import collections
 import gc
 import importlib
 import itertools
@@ -239,7 +240,14 @@ def profile_generate(model, tokens, trace_dir: str, label: str, top: int) -> Non
     ops = profile_splash_tpu.device_op_times(run_dir, NEW_TOKENS)
     print(f"\nprofile of {label} ({run_dir}): device total {sum(ms for _, ms, _ in ops):.3f} ms per token, "
           f"{sum(n for _, _, n in ops):.0f} device ops per token")
-    print("| op | ms per token | per token |\n|---|---:|---:|")
+    programs = collections.defaultdict(lambda: [0.0, 0.0])  # "program | op" names: each program's share
+    for op, ms, n in ops:
+        programs[op.split(" | ")[0] if " | " in op else "-"][0] += ms
+        programs[op.split(" | ")[0] if " | " in op else "-"][1] += n
+    print("| program | ms per token | ops per token |\n|---|---:|---:|")
+    for name, (ms, n) in sorted(programs.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {name[:60]} | {ms:.4f} | {n:.1f} |")
+    print("\n| op | ms per token | per token |\n|---|---:|---:|")
     for op, ms, n in ops[:top]:
         print(f"| {op[:90]} | {ms:.4f} | {n:g} |")
     print(flush=True)

@@ -13,11 +13,13 @@ It refuses to run without a TPU.
 """
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -29,7 +31,9 @@ import bench_splash_tpu as bench
 def device_op_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
     """``(op name, ms per call, occurrences per call)`` of the device ops in the Perfetto trace under
     ``trace_dir``, longest first (ops of the TPU processes' "XLA Ops" threads, else every TPU thread;
-    each op's own time, without the ops nested in it)."""
+    each op's own time, without the ops nested in it). Where the trace has an "XLA Modules" thread, an op's
+    name is prefixed by its program's (``jit__steps | fusion.12``): HLO names repeat across programs, so a
+    prefill's ``fusion.12`` and a decode step's are counted apart."""
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
@@ -44,6 +48,14 @@ def device_op_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
             threads[(e["pid"], e["tid"])] = e["args"]["name"]
     tpu = {pid for pid, name in procs.items() if "TPU" in name and "CPU" not in name}
     ops_threads = {key for key, name in threads.items() if key[0] in tpu and "XLA Ops" in name}
+    module_threads = {key for key, name in threads.items() if key[0] in tpu and "XLA Modules" in name}
+    modules = collections.defaultdict(list)  # pid -> sorted (start, end, program name)
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in module_threads:
+            name = re.sub(r"\(\d+\)$", "", e["name"])  # "jit__steps(123)": the run's id dropped
+            modules[e["pid"]].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), name))
+    for spans in modules.values():
+        spans.sort()
     if not ops_threads:
         print(f"no 'XLA Ops' thread; every TPU thread counted: {sorted(set(threads.values()))}", file=sys.stderr)
     per_thread = collections.defaultdict(list)
@@ -54,17 +66,25 @@ def device_op_times(trace_dir: str, calls: int) -> list[tuple[str, float, int]]:
             continue
         per_thread[(e["pid"], e.get("tid"))].append(e)
     total, count = collections.Counter(), collections.Counter()
-    for thread_events in per_thread.values():
-        for name, us in self_times(thread_events):
+    for (pid, _), thread_events in per_thread.items():
+        for name, us in self_times(thread_events, modules.get(pid, [])):
             total[name] += us
             count[name] += 1
     return [(name, us / 1e3 / calls, count[name] / calls) for name, us in total.most_common()]
 
 
-def self_times(events: list[dict]) -> list[tuple[str, float]]:
+def self_times(events: list[dict], programs=()) -> list[tuple[str, float]]:
     """``(name, microseconds)`` of one thread's events, each less the events nested in it (a ``while``
-    op's span holds its body's ops: counting both would count the body twice)."""
-    spans = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events),
+    op's span holds its body's ops: counting both would count the body twice); ``programs``: sorted ``(start,
+    end, name)`` spans, the name of the one holding an event's start prefixed to the event's."""
+    starts = [start for start, _, _ in programs]
+
+    def named(e) -> str:
+        i = bisect.bisect_right(starts, float(e["ts"])) - 1
+        inside = i >= 0 and float(e["ts"]) < programs[i][1]
+        return f"{programs[i][2]} | {e['name']}" if inside else e["name"]
+
+    spans = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), named(e)) for e in events),
                    key=lambda t: (t[0], -t[1]))
     own = [dur for _, dur, _ in spans]
     stack: list[int] = []  # indices of the open spans enclosing the current one

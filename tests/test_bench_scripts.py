@@ -136,6 +136,31 @@ def test_profile_counts_each_device_op_once_without_the_ops_nested_in_it(tmp_pat
     assert times == {"splash_forward": (0.06, 1), "fusion.3": (0.03, 1), "while.1": (0.01, 1), "copy.2": (0.008, 1)}
 
 
+def test_profile_counts_ops_of_the_same_name_in_two_programs_apart(tmp_path):
+    """With an "XLA Modules" thread, an op is named by its program too: a prefill's ``fusion.3`` and a decode
+    program's ``fusion.3`` (HLO names repeat across programs) are two rows; an op outside every program keeps
+    its bare name."""
+    import gzip
+    import json
+
+    prof = _script("profile_splash_tpu")
+    meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:TPU:0")),
+            dict(ph="M", name="thread_name", pid=1, tid=2, args=dict(name="XLA Ops")),
+            dict(ph="M", name="thread_name", pid=1, tid=3, args=dict(name="XLA Modules"))]
+    events = [dict(ph="X", pid=1, tid=3, ts=0, dur=100, name="jit_prefill(7)"),
+              dict(ph="X", pid=1, tid=2, ts=10, dur=50, name="fusion.3"),
+              dict(ph="X", pid=1, tid=3, ts=200, dur=100, name="jit__steps(8)"),
+              dict(ph="X", pid=1, tid=2, ts=210, dur=20, name="fusion.3"),
+              dict(ph="X", pid=1, tid=3, ts=400, dur=100, name="jit__steps(9)"),
+              dict(ph="X", pid=1, tid=2, ts=410, dur=20, name="fusion.3"),
+              dict(ph="X", pid=1, tid=2, ts=350, dur=4, name="copy.1")]
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=meta + events), f)
+    times = {name: (ms, n) for name, ms, n in prof.device_op_times(str(tmp_path), calls=1)}
+    assert times == {"jit_prefill | fusion.3": (0.05, 1), "jit__steps | fusion.3": (0.04, 2), "copy.1": (0.004, 1)}
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_bench_train_tpu_cpu_smoke_prints_rows():
