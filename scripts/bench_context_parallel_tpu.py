@@ -12,12 +12,15 @@ Rows: causal, sliding window 4096 and 16 packed causal documents (segment ids); 
 Segment ids are jit arguments, as in a training step (closed over as constants, they would let XLA refine
 single-device Splash's work lists at compile time). Milliseconds are medians of ``--repeats`` samples, each
 ``--back-to-back`` calls dispatched back to back and blocked once (the host round trip hidden, as in a training
-loop).
+loop). The last column is each row's largest absolute difference between a strategy's outputs (forward+backward:
+its loss and q, k, v gradients) and Splash's, with the strategy it came from: every timed row is a check too.
 
-    python scripts/bench_context_parallel_tpu.py              # every row (on a v5e: ~6 min)
+    python scripts/bench_context_parallel_tpu.py              # every row (on a v5e: ~12 min, compiles included)
     python scripts/bench_context_parallel_tpu.py --rows causal:32768:bwd --strategies ring,tokamax_ring
 
-It refuses to run without a TPU (CPU timings of these kernels mean nothing).
+It refuses to run without a TPU (CPU timings of these kernels mean nothing) but for ``--cpu-smoke``: two small rows
+(causal forward, packed documents forward+backward; 2 heads of 128, S = 1024) on the CPU, which checks the
+script (tests/test_bench_scripts.py).
 """
 
 import argparse
@@ -105,6 +108,13 @@ def tokamax_ring_fn(row: Row, mesh):
     return functools.partial(call, kernel)
 
 
+def largest_diff(out, reference) -> float:
+    """The largest absolute difference between a strategy's outputs (forward: the attention output; forward +
+    backward: the loss and the q, k, v gradients) and Splash's, in float32: each timed row is a check too."""
+    leaves = zip(jax.tree.leaves(out), jax.tree.leaves(reference), strict=True)
+    return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))) for a, b in leaves)
+
+
 def supported(name: str, row: Row, have_tokamax: bool) -> str | None:
     """None, or why this cell is not measured."""
     if name != "tokamax_ring":
@@ -123,29 +133,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed samples per cell (median)")
     p.add_argument("--back-to-back", type=int, default=5, help="calls dispatched per sample, blocked once")
     p.add_argument("--log", default=os.path.join(LOG_DIR, "bench_context_parallel_tpu.jsonl"), help="one JSON line per cell")
+    p.add_argument("--cpu-smoke", action="store_true", help="two small rows on the CPU: checks the script")
     return p
 
 
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    if jax.devices()[0].platform != "tpu":
+    if jax.devices()[0].platform != "tpu" and not args.cpu_smoke:
         sys.exit("bench_context_parallel_tpu.py measures TPU kernels: run it on a TPU (CPU timings mean nothing)")
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     unknown = sorted(set(names) - set(STRATEGIES))
     if unknown:
         p.error(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
     rows = parse_rows(args.rows) if args.rows else default_rows()
+    if args.cpu_smoke:
+        rows = [Row("causal", 1024, False, heads=2, kv_heads=2), Row("docs", 1024, True, heads=2, kv_heads=2)]
     have_tokamax = "tokamax_ring" in names and tokamax_available()
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}; "
           f"one-device mesh; SplashConfig(); median of {args.repeats} x {args.back_to_back} calls back to back")
     header = " | ".join(f"{n} ms (x splash)" if n != "splash" else "splash ms" for n in names)
-    print(f"| row | {header} |\n|---|" + "---|" * len(names))
+    print(f"| row | {header} | largest abs diff from splash |\n|---|" + "---|" * (len(names) + 1))
     with open_log(args.log) as log:
         for row in rows:
             q, k, v, do = inputs(row)
             ids = jnp.asarray(segment_ids(row)) if row.mask == "docs" else None
-            cells, base = [], None
+            cells, base, reference, worst = [], None, None, (0.0, "-")
             for name in names:
                 why = supported(name, row, have_tokamax)
                 if why:
@@ -155,15 +168,20 @@ def main(argv=None):
                     fn = with_grad(strategy_fn(name, row), row.bwd)
                     args_ = (q, k, v, do, ids) if row.bwd else (q, k, v, ids)
                     ms = timed(fn, args_, args.repeats, args.back_to_back)
+                    out = fn(*args_)  # compiled by the timing: the output (and gradients) it timed
                 except Exception as exc:  # a cell that fails prints why; the table goes on
                     cells.append(f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
                     print(json.dumps({"row": row.label, "strategy": name, "error": repr(exc)[:500]}), file=log)
                     continue
                 base = ms if name == "splash" else base
+                reference = out if name == "splash" else reference
+                diff = None if reference is None or name == "splash" else largest_diff(out, reference)
+                worst = max(worst, (diff, name)) if diff is not None else worst
                 ratio = f" ({base / ms:.2f}x)" if base and name != "splash" else ""
                 cells.append(f"{ms:.2f}{ratio}")
                 print(json.dumps({"row": row.label, "strategy": name, "ms": ms,
-                                  "vs_splash": None if not base else base / ms}), file=log)
+                                  "vs_splash": None if not base else base / ms, "max_abs_diff": diff}), file=log)
+            cells.append(f"{worst[0]:.2g} ({worst[1]})" if worst[1] != "-" else "-")
             print(f"| {row.label} | " + " | ".join(cells) + " |", flush=True)
             log.flush()  # a run stopped between rows keeps the rows it measured
 

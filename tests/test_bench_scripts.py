@@ -316,6 +316,27 @@ def test_bench_decode_tpu_cpu_smoke_prints_both_tables():
     assert "not a TPU speed" in generate[10], generate
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_bench_context_parallel_tpu_cpu_smoke_times_and_checks_each_strategy():
+    """scripts/bench_context_parallel_tpu.py --cpu-smoke: a forward row and a forward+backward row (packed documents),
+    each strategy's ms beside Splash's, and the row's largest difference from Splash's outputs and gradients (on the
+    CPU the one-device strategies give Splash's numbers exactly)."""
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_context_parallel_tpu.py"), "--cpu-smoke", "--strategies",
+         "splash,ring,ulysses", "--repeats", "1", "--back-to-back", "1", "--log", os.devnull],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "| row | splash ms | ring ms (x splash) | ulysses ms (x splash) | largest abs diff from splash |" in proc.stdout
+    rows = [c for c in map(_cells, proc.stdout.splitlines()) if c[0].endswith(("fwd", "fwd+bwd"))]
+    assert [c[0] for c in rows] == ["causal 1K fwd", "16 docs 1K fwd+bwd"], proc.stdout
+    for cells in rows:
+        assert float(cells[1]) > 0 and all(re.fullmatch(r"[0-9.]+ \([0-9.]+x\)", c) for c in cells[2:4]), cells
+        diff, strategy = cells[4].split()
+        assert float(diff) == 0.0 and strategy in ("(ring)", "(ulysses)"), cells
+
+
 def test_model_context_parallel_prints_a_pick_per_row(capsys):
     """scripts/model_context_parallel.py: one row per (S, chips) with each strategy's modelled ms and the pick; the
     ring's compute term is the measured block time x the busiest device's blocks (4 chips at 128K: causal zigzag
