@@ -242,8 +242,9 @@ def profile_generate(model, tokens, trace_dir: str, label: str, top: int) -> Non
           f"{sum(n for _, _, n in ops):.0f} device ops per token")
     programs = collections.defaultdict(lambda: [0.0, 0.0])  # "program | op" names: each program's share
     for op, ms, n in ops:
-        programs[op.split(" | ")[0] if " | " in op else "-"][0] += ms
-        programs[op.split(" | ")[0] if " | " in op else "-"][1] += n
+        share = programs[op.split(" | ")[0] if " | " in op else "-"]
+        share[0] += ms
+        share[1] += n
     print("| program | ms per token | ops per token |\n|---|---:|---:|")
     for name, (ms, n) in sorted(programs.items(), key=lambda kv: -kv[1][0]):
         print(f"| {name[:60]} | {ms:.4f} | {n:.1f} |")
