@@ -50,7 +50,7 @@ _F32 = jnp.float32
 #: and copies some of them (about 0.07 ms of a 3.6 ms step in a v5e profile); unrolled, the slices are static
 #: and the weights are read in place. The compile grows with the layers, hence the bound; a sharded cache keeps
 #: the loop (an 8B model's step over 64 chips compiled in 77 s unrolled). On a v5e chip, GQA 8:2 at 32K
-#: batch 8: 3.581 ms per step unrolled, 3.623 scanned (docs/tpu.md).
+#: batch 8: 3.581 ms per step unrolled, 3.623 scanned (CHANGELOG.md, `b00b902`).
 UNROLL_LAYERS_UP_TO = 64
 #: what reads the cache in a step on one device (no mesh, the contiguous layout, a cache of whole 128-slot lanes,
 #: a causal / local / chunked mask): ``"auto"``: the Pallas kernel (``decode_kernel.decode_attention``: only the
@@ -268,7 +268,7 @@ def decode_steps(model: Transformer, cache: KVCache, tokens: Int[Array, " batch"
     only read inside the program: the new tokens' keys and values wait in a side buffer, which each later step
     attends to, and are written once at the end. (Written after every step, as ``steps`` ``decode_step`` calls in
     one program would, XLA's compile for v5e copies the whole cache each step.) On a v5e chip, GQA 8:2 at 32K
-    batch 8: 3.497 ms per token at 4 steps per program, 3.585 one step per program (docs/tpu.md).
+    batch 8: 3.497 ms per token at 4 steps per program, 3.585 one step per program (CHANGELOG.md, `c6a963f`).
     A row without room for all ``steps`` tokens is refused (``ValueError``) when the lengths are concrete; under
     ``jit`` it gets NaN logits from the step that finds no slot on (its keys and values are dropped)."""
     check_model(model, "decode_steps")

@@ -22,7 +22,7 @@ from ringsplash.splash.config import NUM_LANES
 
 #: decode steps per jitted program on one device (``decode_steps``: one launch per this many tokens, the cache
 #: read-only inside it); a cache on a mesh takes one step per program. On a v5e chip, GQA 8:2 at 32K batch 8:
-#: 3.497 ms per token at 4, 3.519 at 8, 3.512 at 16, 3.585 at 1 (docs/tpu.md)
+#: 3.497 ms per token at 4, 3.519 at 8, 3.512 at 16, 3.585 at 1 (CHANGELOG.md, `c6a963f`)
 STEPS_PER_PROGRAM = 4
 #: how often (in steps) the loop checks whether every row has stopped and every logit is finite; a check
 #: reads the flags of the one before (already computed while later programs were queued), a multiple of
@@ -102,7 +102,7 @@ def generate(
                          f"{longest} tokens, + max_new_tokens={max_new_tokens}), more than the model's "
                          f"max_seq_len={c.max_seq_len}: pass max_new_tokens <= {c.max_seq_len - longest}")
     # whole 128-slot lanes: on a v5e chip generate took 4.93 ms per token with a cache of 32,833 slots (32K + 65),
-    # 3.35 with one of 32,896 (GQA 8:2, batch 8; docs/tpu.md)
+    # 3.35 with one of 32,896 (GQA 8:2, batch 8; CHANGELOG.md)
     multiple = math.lcm(cache_multiple(c, mesh), NUM_LANES)
     # never more slots than the model's max_seq_len rounded up to whole lanes (prefill refuses more)
     most = max_cache_len(c, mesh)
@@ -128,7 +128,7 @@ def generate(
     done = jnp.isin(token, jnp.asarray(stop, jnp.int32)) if stop else jnp.zeros_like(token, bool)
     nonfinite = jnp.where(jnp.isfinite(logits).all(-1), -1, 0).astype(jnp.int32)  # first bad new token per row
     # (token, done, nonfinite, index of the next new token) and the count: on the device, so that the host passes
-    # nothing between programs (a host value per call stalled generate on the chip; docs/tpu.md), placed where
+    # nothing between programs (a host value per call stalled generate on the chip, `7a80dfc`), placed where
     # the programs leave them (else the second call compiles again)
     scalar = lambda n: jax.device_put(jnp.int32(n), None if cache.mesh is None else NamedSharding(cache.mesh, P()))
     state, total = (token, done, nonfinite, scalar(1)), scalar(max_new_tokens)

@@ -155,7 +155,7 @@ def prefill(
             ``prompt_len``; None: ``prompt_len`` rounded up to ``cache_multiple``. The forward pass runs over
             :func:`forward_len` tokens without a mesh, ``max_len`` on one. A multiple of 128 decodes fastest
             on a TPU (``generate`` rounds up to one): on a v5e chip, 32,833 slots decoded 1.5x slower than
-            32,896 (docs/tpu.md).
+            32,896 (CHANGELOG.md).
         mesh, axis_name: shard the cache (and the forward pass) along the sequence over this mesh axis.
         all_logits: return the logits of every prompt position, not only each row's last.
     """
