@@ -142,6 +142,7 @@ def _tmp_dirs(directory):
     return [n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n]
 
 
+@pytest.mark.slow  # over the fast tier's 5 s a test on 2 cores (2026-12-07: 5.5-7.7 s)
 def test_save_interrupted_before_commit_leaves_previous_checkpoint(tmp_path, key, monkeypatch):
     mesh = _mesh(2, 4)
     first = _sharded_state(key, mesh)

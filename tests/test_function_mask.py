@@ -250,6 +250,7 @@ def test_function_mask_splash_matches_reference(key, monkeypatch, backend, name,
     assert all(errs[n] <= SPLASH_TOLS[n] for n in errs), errs
 
 
+@pytest.mark.slow  # over the fast tier's 5 s a test on 2 cores (2026-12-07: 5.5-7.7 s)
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
 def test_function_mask_ring_matches_reference(key, monkeypatch, layout):
     monkeypatch.setattr(mask_blocks, "MAX_STORED_PARTIAL_BLOCKS", 0)  # partial blocks: fn in the kernel

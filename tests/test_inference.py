@@ -268,6 +268,7 @@ def test_generate_in_programs_of_several_steps_equals_one_step_per_program(monke
     np.testing.assert_array_equal(multi[3], free[:, :9])
 
 
+@pytest.mark.slow  # over the fast tier's 5 s a test on 2 cores (2026-12-07: 5.5-7.7 s)
 def test_generate_stops_launching_programs_once_every_row_has_stopped(monkeypatch):
     """Both rows stop at their second token: ``generate`` of 40 tokens stops launching decode programs at the
     second check (it reads the first check's flags, computed meanwhile): 4 programs of 4 steps, not 10, and

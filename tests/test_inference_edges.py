@@ -46,6 +46,7 @@ def test_generate_refuses_non_finite_logits(model):
         generate(nan_model, PROMPTS, 4)
 
 
+@pytest.mark.slow  # over the fast tier's 5 s a test on 2 cores (2026-12-07: 5.5-7.7 s)
 def test_generate_refuses_logits_that_turn_non_finite_while_decoding(model):
     """A NaN embedding row of the first generated token only: the prompt's logits are finite, the first
     decode step's are not; the loop reads the device's flag and names the row and the step."""
