@@ -30,6 +30,7 @@ cache alone is 43 GiB); an out-of-memory error at run time is reported as such.
     python scripts/bench_decode_tpu.py --parts attention --grids live,all   # the grid over live blocks or all
     python scripts/bench_decode_tpu.py --parts generate --batches 1 --steps-per-program 4,8,16
     python scripts/bench_decode_tpu.py --parts generate --models gqa --prompt-lens 8192,32768 --batches 1 --profile /tmp/dec  # ops a token
+    python scripts/bench_decode_tpu.py --parts generate --models gqa --prompt-lens 8192,32768 --cache-memory auto,hbm
     python scripts/bench_decode_tpu.py --cpu-smoke          # tiny shapes on the CPU (CI): checks the script
 
 ``--block-bytes`` tries the kernel's block sizes (bytes of K and V per grid step; the fastest is reported, each in the
@@ -263,6 +264,7 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
     from ringsplash.model import Transformer
 
     gen = importlib.import_module("ringsplash.inference.generate")
+    kernel = importlib.import_module("ringsplash.inference.decode_kernel")
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_inference_tpu import prefill_flops
@@ -287,8 +289,11 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                     continue
                 tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32)
                 repeats = args.repeats if batch * prompt <= args.long_tokens else max(1, args.repeats - 1)
-                for per_call in args.steps_per_program:
-                    saved, gen.STEPS_PER_PROGRAM = gen.STEPS_PER_PROGRAM, per_call
+                for per_call, memory in itertools.product(args.steps_per_program, args.cache_memory):
+                    saved = gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY
+                    gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY = per_call, memory
+                    if len(args.cache_memory) > 1:
+                        jax.clear_caches()  # the placement is read when a program is traced
                     try:
                         one, many = time_generate(model, tokens, repeats)
                     except Exception as exc:
@@ -297,13 +302,15 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         gc.collect()
                         continue
                     finally:
-                        gen.STEPS_PER_PROGRAM = saved
+                        gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY = saved
                     per_token = (many - one) / (NEW_TOKENS - 1)
                     roof = roofline_s(config, counts, shape, batch, prompt, bandwidth) if bandwidth else None
                     mfu = prefill_flops(config, counts, batch, prompt) / one / 1e12 / peak if peak else None
                     note = f"{repeats} repeats" + ("; CPU times, not a TPU speed" if args.cpu_smoke else "")
                     if len(args.steps_per_program) > 1:
                         note = f"{per_call} steps per program; " + note
+                    if len(args.cache_memory) > 1:
+                        note = f"cache memory {memory}; " + note
                     row = cells + [f"{one:.3f}", "-" if mfu is None else f"{100 * mfu:.1f}%",
                                    f"{1e3 * per_token:.3f}", f"{batch / per_token:,.0f}" if per_token > 0 else "-",
                                    "-" if roof is None else f"{1e3 * roof:.3f}",
@@ -313,7 +320,7 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         profile_generate(model, tokens, args.profile, f"{name}-{prompt}-{batch}", args.top)
                         args.profile = None
                     mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
-                                steps_per_program=per_call, one_s=one, many_s=many, ms_per_token=1e3 * per_token,
+                                steps_per_program=per_call, cache_memory=memory, one_s=one, many_s=many, ms_per_token=1e3 * per_token,
                                 roofline_ms=None if roof is None else 1e3 * roof, prefill_mfu=mfu)
                 gc.collect()
         del model
@@ -342,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-program", default=None,
                    help="generate: STEPS_PER_PROGRAM values to try, comma-separated, a row each (default: "
                         "generate's own)")
+    p.add_argument("--cache-memory", default=None,
+                   help="generate: decode_kernel.CACHE_MEMORY values to try, comma-separated (auto: where XLA "
+                        "places the cache; hbm: kept in HBM), a row each (default: the library's own)")
     p.add_argument("--grids", default="live",
                    help="decode kernel: live (the grid stops at the longest row's last block, the default) and/or "
                         "all (every block of the cache), comma-separated; the fastest is reported")
@@ -375,6 +385,9 @@ def main(argv=None) -> None:
         sys.exit(f"--grids: expected live and/or all, got {','.join(args.grids)!r}")
     gen_module = importlib.import_module("ringsplash.inference.generate")
     args.steps_per_program = [int(x) for x in (args.steps_per_program or str(gen_module.STEPS_PER_PROGRAM)).split(",")]
+    args.cache_memory = (args.cache_memory or kernel_module.CACHE_MEMORY).split(",")
+    if not set(args.cache_memory) <= {"auto", "hbm"}:
+        sys.exit(f"--cache-memory: expected auto and/or hbm, got {','.join(args.cache_memory)!r}")
     prompts = [int(s) for s in args.prompt_lens.split(",")]
     batches = [int(s) for s in args.batches.split(",")]
     if args.cpu_smoke:
@@ -397,7 +410,7 @@ def main(argv=None) -> None:
     decode = importlib.import_module("ringsplash.inference.decode")
     generate = importlib.import_module("ringsplash.inference.generate")
     print(f"decode defaults: DECODE_ATTENTION={decode.DECODE_ATTENTION!r} (the kernel on a TPU), "
-          f"STEPS_PER_PROGRAM={generate.STEPS_PER_PROGRAM}, bucket=True")
+          f"STEPS_PER_PROGRAM={generate.STEPS_PER_PROGRAM}, CACHE_MEMORY={kernel_module.CACHE_MEMORY!r}, bucket=True")
     start = time.perf_counter()
     with open_log(args.log) as log:
         args.log_file = log

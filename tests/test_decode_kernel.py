@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._internal.softmax import MASKED_LSE
-from ringsplash.inference import decode, decode_step, decode_steps, prefill
+from ringsplash.inference import decode, decode_kernel, decode_step, decode_steps, prefill
 from ringsplash.inference.decode_kernel import (
     _kv_map,
     block_kv_for,
@@ -153,6 +153,13 @@ def test_decode_attention_refuses_bad_shapes():
         with pytest.raises(ValueError, match=rf"block_kv must be a positive multiple of 128 at most max_len=256, "
                                              rf"got block_kv={bad}"):
             decode_attention(q, k, v, jnp.array([5]), block_kv=bad, interpret=INTERPRET)
+
+
+def test_decode_attention_refuses_an_unknown_cache_memory(monkeypatch):
+    q, k, v = _inputs(0, jnp.float32, 2, 2, batch=1, max_len=128)
+    monkeypatch.setattr(decode_kernel, "CACHE_MEMORY", "vmem")
+    with pytest.raises(ValueError, match=r"decode_kernel.CACHE_MEMORY must be one of \('auto', 'hbm'\), got 'vmem'"):
+        decode_attention(q, k, v, jnp.array([5]), interpret=INTERPRET)
 
 
 TINY = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=1024)
@@ -314,6 +321,26 @@ def test_decode_steps_with_the_kernel_compile_for_v5e(monkeypatch):
     assert text.count("ringsplash_decode_attention") >= 4 * config.num_layers
     assert not copies
     assert temp < inputs.cache_bytes / 4
+
+
+@pytest.mark.tpu_compile
+def test_cache_memory_hbm_keeps_a_cache_that_fits_vmem_in_hbm_for_v5e(monkeypatch):
+    """Batch 1, GQA 4:2, 2 layers of 8K slots (2 x 8 MiB): compiled for v5e with ``CACHE_MEMORY="auto"`` XLA copies
+    the whole K and V caches into VMEM for the 4-step program (and back after its write); with ``"hbm"`` the kernel's
+    K / V are constrained to HBM and no copy of a whole cache is left."""
+    monkeypatch.setattr(decode, "DECODE_ATTENTION", "kernel")
+    config = TransformerConfig(vocab_size=256, d_model=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=128,
+                               max_seq_len=8192, param_dtype="bfloat16", compute_dtype="bfloat16")
+    inputs = v5e_decode_inputs(config, 1, 8192)
+    whole = {}
+    for memory in ("auto", "hbm"):
+        monkeypatch.setattr(decode_kernel, "CACHE_MEMORY", memory)
+        jax.clear_caches()  # read when traced: a program traced before keeps its placement
+        text, _, _ = inputs.report(lambda m, c, t: decode_steps(m, c, t, 4))
+        entry = text[text.index("ENTRY"):]
+        whole[memory] = sum("copy-start(" in line and ",8192," in line for line in entry.splitlines())
+        assert text.count("ringsplash_decode_attention") >= 4 * config.num_layers
+    assert whole == {"auto": 4, "hbm": 0}, whole
 
 
 @pytest.mark.tpu

@@ -43,6 +43,14 @@ MAX_BLOCK_KV = 4096
 MAX_VMEM_LIMIT = 48 << 20
 #: Mosaic's default scoped VMEM on v5e, the smallest of the chips: a call needing less keeps the default
 DEFAULT_SCOPED_VMEM = 16 << 20
+#: where the kernel's K / V live: ``"auto"``: where XLA places them (compiled for v5e, a cache that fits VMEM, as
+#: GQA 8:2's 2 x 42 MB at 10,240 slots and batch 1, is copied whole into VMEM at the start of a 4-step decode program
+#: and back to HBM after its write); ``"hbm"``: constrained to HBM (``pltpu.with_memory_space_constraint``), so
+#: XLA never copies the cache and every call reads its layer from HBM. Which is faster where the cache fits VMEM is
+#: not measured on a chip yet (``scripts/bench_decode_tpu.py --cache-memory auto,hbm``). Read when a call is traced:
+#: a program traced before a change keeps its placement (``jax.clear_caches()`` drops it).
+CACHE_MEMORY = "auto"
+_CACHE_MEMORIES = ("auto", "hbm")
 _F32 = jnp.float32
 
 
@@ -224,13 +232,18 @@ def decode_attention(
     starts = jnp.zeros((batch,), jnp.int32) if starts is None else jnp.maximum(starts.astype(jnp.int32), 0)
     empty = starts >= lengths  # nothing visible: (0, 0), so the index map names block 0, never one past the end
     starts, lengths = jnp.where(empty, 0, starts), jnp.where(empty, 0, lengths)
+    if CACHE_MEMORY not in _CACHE_MEMORIES:
+        raise ValueError(f"ringsplash.inference.decode_kernel.CACHE_MEMORY must be one of {_CACHE_MEMORIES}, got "
+                         f"{CACHE_MEMORY!r}")
+    # the interpreter has no memory spaces; the constraint cannot run eagerly
+    memory = "auto" if interpret or not isinstance(k, jax.core.Tracer) else CACHE_MEMORY
     call = _folding_vmap(block_kv=block_kv, scale=scale, soft_cap=soft_cap, live_grid=live_grid,
-                         interpret=interpret, limit=limit)
+                         interpret=interpret, limit=limit, cache_memory=memory)
     return call(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), starts, lengths, q, k, v)
 
 
 def _kernel_call(layer, starts, lengths, q, k, v, *, block_kv: int, scale: float, soft_cap: float | None,
-                 live_grid: bool, interpret, limit: int | None):
+                 live_grid: bool, interpret, limit: int | None, cache_memory: str):
     """The ``pallas_call`` of ``decode_attention`` on checked operands (``k``, ``v`` with their layer axis)."""
     batch, heads, d = q.shape
     _, _, kv_heads, max_len, dv = v.shape
@@ -270,8 +283,15 @@ def _kernel_call(layer, starts, lengths, q, k, v, *, block_kv: int, scale: float
             bytes_accessed=int(live * (d * k.dtype.itemsize + dv * v.dtype.itemsize) + q.size * q.dtype.itemsize)),
         interpret=interpret,
         name="ringsplash_decode_attention",
-    )(layer, starts, lengths, qg, k, v)
+    )(layer, starts, lengths, qg, *_placed(k, v, cache_memory))
     return o.reshape(batch, heads, dv), lse[..., 0].reshape(batch, heads)
+
+
+def _placed(k, v, cache_memory: str):
+    """``k, v`` placed as ``cache_memory`` (``CACHE_MEMORY``) says."""
+    if cache_memory == "auto":
+        return k, v
+    return tuple(pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (k, v))
 
 
 @functools.cache
@@ -289,7 +309,9 @@ def _folding_vmap(**static):
         layer_b, starts_b, lengths_b, q_b, k_b, v_b = in_batched
         if layer_b or not (k_b and v_b) or k.shape[1] != 1:
             axes = [0 if b else None for b in in_batched]
-            return jax.vmap(kernel_call, in_axes=axes)(layer, starts, lengths, q, k, v), (True, True)
+            # Pallas' own batching; the memory-space constraint has no batching rule: XLA places the cache here
+            batched = functools.partial(_kernel_call, **{**static, "cache_memory": "auto"})
+            return jax.vmap(batched, in_axes=axes)(layer, starts, lengths, q, k, v), (True, True)
         batch = k.shape[2]
         rows = lambda x, b: (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))).reshape(
             axis_size * batch, *x.shape[1 + b:])
