@@ -320,8 +320,9 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         profile_generate(model, tokens, args.profile, f"{name}-{prompt}-{batch}", args.top)
                         args.profile = None
                     mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
-                                steps_per_program=per_call, cache_memory=memory, one_s=one, many_s=many, ms_per_token=1e3 * per_token,
-                                roofline_ms=None if roof is None else 1e3 * roof, prefill_mfu=mfu)
+                                steps_per_program=per_call, cache_memory=memory, one_s=one, many_s=many,
+                                ms_per_token=1e3 * per_token, roofline_ms=None if roof is None else 1e3 * roof,
+                                prefill_mfu=mfu)
                 gc.collect()
         del model
         gc.collect()

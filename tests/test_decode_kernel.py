@@ -21,6 +21,7 @@ from ringsplash.inference.decode_kernel import (
     decode_attention_reference,
 )
 from ringsplash.model import ModelFeatures, Transformer, TransformerConfig
+from ringsplash.splash import tpu_tiles
 from support.decode_compile import v5e_decode_inputs
 from support.jaxprs import equations
 
@@ -267,8 +268,8 @@ def test_drawn_decode_configs_compile_or_get_ringsplashs_error(target, kv_heads,
     or gets ringsplash's error, never Mosaic's VMEM error (``RINGSPLASH_VMEM_SEED`` repeats a failing draw)."""
     # HBM: the caches fit the smallest chip with room, 4 GiB of K and V at most, as laid out (a head of 8 takes
     # 128 lanes in HBM too)
-    lanes_of = lambda x: -(-x // 128) * 128
-    per_lane = (vmap or 1) * batch * kv_heads * 128 * (lanes_of(d) + lanes_of(dv or d)) * jnp.dtype(dtype).itemsize
+    per_lane = (vmap or 1) * batch * kv_heads * 128 * (tpu_tiles.lanes(d) + tpu_tiles.lanes(dv or d)) * \
+        jnp.dtype(dtype).itemsize
     max_len = 128 * max(1, min(lanes, (4 << 30) // per_lane))
     block = None if block is None or block > max_len else block
     hypothesis.note(f"{target} kv_heads={kv_heads} group={group} d={d} dv={dv} {dtype} {max_len=} {batch=} {vmap=}")
