@@ -337,12 +337,17 @@ def test_save_hf_round_trip_transformers_loads_it(hf_models, tmp_path, kind):
         if key not in ("architectures", "transformers_version", "_name_or_path", "dtype", "initializer_range",
                        "use_cache", "max_window_layers"):  # qwen: unused when layer_types is written
             assert getattr(back.config, key, value) == value, key
-    np.testing.assert_array_equal(torch_logits(back, _tokens()), expected)
     a, b = load_file(os.path.join(directory, "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype == np.float32
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # the two torch models side by side, now: the fixture's logits were computed earlier in this worker, and
+    # one CI run (2026-12-07, mistral) saw every position past the first differ from them by up to 1.1e-3 with
+    # the same tensors and config, which no run here reproduces; the message says which side moved
+    now = torch_logits(original, _tokens())
+    np.testing.assert_array_equal(torch_logits(back, _tokens()), now,
+                                  err_msg=f"original vs its fixture logits: max |d| {np.abs(now - expected).max():.3g}")
 
 
 @pytest.mark.parametrize("kind, spec", [
