@@ -34,6 +34,13 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # the two rings as two programs). Inherited by the scripts and processes the tests start.
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+# torch (the transformers oracle) on one intra-op thread. In a worker that had run other tests first, torch's
+# second OpenMP thread computed its share of a forward off by up to 1.1e-3 (2026-12-07: a tiny Llama's logits
+# rows 256-511, the rows of its matmuls that thread takes; in CI, Mistral's attention heads 2-3, every position
+# but the first), where a fresh process and its first thread agree with ours to 5e-6; not found why (the
+# threads' MXCSR modes were the default). The oracle's models are tiny, and -n 2 keeps both cores busy anyway.
+# Inherited by the scripts and processes the tests start.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import jax  # noqa: E402 (after the environment above)
 from jax._src import compiler as _jax_compiler  # noqa: E402
