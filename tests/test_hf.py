@@ -257,6 +257,23 @@ def test_config_from_hf_refuses_values_of_the_wrong_type(key, value, expected):
     assert rhf.config_from_hf(_config_dict(rms_norm_eps=1, hidden_size=64)).features.norm_eps == 1.0  # an int is an exact number
 
 
+@pytest.mark.parametrize("key, value", [
+    ("num_attention_heads", 0),  # used to raise ZeroDivisionError deep in the family's field mapping
+    ("num_key_value_heads", 0),  # used to read as absent: num_heads KV heads, silently
+    ("head_dim", 0),  # used to read as absent: hidden_size // heads, silently
+    ("intermediate_size", -1),
+    ("max_position_embeddings", -5),
+])
+def test_config_from_hf_refuses_a_size_below_one_naming_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"config.json has {key}={value}, expected an int >= 1"):
+        rhf.config_from_hf(_config_dict(**{key: value}))
+    if key == "max_position_embeddings":
+        from ringsplash.hf.config import max_position_embeddings
+
+        with pytest.raises(ValueError, match=rf"config.json has {key}={value}, expected an int >= 1"):
+            max_position_embeddings(_config_dict(**{key: value}))
+
+
 def test_load_hf_names_a_missing_or_misshaped_tensor(hf_models, tmp_path):
     from safetensors.numpy import load_file, save_file
 
@@ -692,3 +709,34 @@ def test_preflight_hf_config_compiles_for_v5e(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "context=4" in r.stdout and r.stdout.strip().endswith("FITS")
+
+
+def test_save_hf_and_load_hf_refuse_bad_arguments_before_writing_or_reading(tmp_path):
+    import inspect
+
+    from ringsplash.model import Transformer
+
+    # unwrapped: the library's own errors, as a user without the test run's runtime type checking sees them
+    save_hf, load_hf, hf_config_dict = (inspect.unwrap(f) for f in (rhf.save_hf, rhf.load_hf, rhf.hf_config_dict))
+
+    model = Transformer(TransformerConfig(vocab_size=32, d_model=32, num_layers=1, num_heads=2, max_seq_len=128),
+                        key=jax.random.key(0))
+    # max_shard_size 0 / -1 / True used to write one file per tensor; "5GB" failed inside the shard planning
+    for bad in (0, -1, True, 1.5, "5GB"):
+        with pytest.raises(ValueError, match=rf"max_shard_size must be a positive int, got max_shard_size="
+                                             rf"{re.escape(repr(bad))}"):
+            save_hf(model, tmp_path / "out", max_shard_size=bad)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "file").write_text("x")  # used to be os.makedirs' FileExistsError
+    with pytest.raises(NotADirectoryError, match=r"path=.*file'.*no checkpoint directory can be made there"):
+        save_hf(model, tmp_path / "file")
+    with pytest.raises(ValueError, match=r"model_type='' is not supported"):  # '' used to mean "infer"
+        save_hf(model, tmp_path / "out", model_type="")
+    with pytest.raises(ValueError, match=r"dtype must be one of .*got dtype='bf16'"):  # was written as "bf16"
+        hf_config_dict(model.config, dtype="bf16")
+    assert hf_config_dict(model.config, dtype=np.dtype("float16"))["torch_dtype"] == "float16"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh or None, got str 'x'"):  # AttributeError
+        load_hf(tmp_path, mesh="x")
+    with pytest.raises(TypeError, match=r"fsdp must be a bool, got fsdp='no'"):  # was truthy: FSDP
+        load_hf(tmp_path, fsdp="no")

@@ -33,6 +33,11 @@ _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings",
              "sliding_window", "max_window_layers", "sliding_window_pattern", "_sliding_window_pattern",
              "bos_token_id", "pad_token_id")
+#: the int keys that are sizes (of the model or of its training length): 0 or less is no model. ``head_dim: 0``
+#: and ``num_key_value_heads: 0`` read as absent (the derived value) and ``num_attention_heads: 0`` divided by
+#: zero before this check
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings")
 _FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "query_pre_attn_scalar",
                "attn_logit_softcapping", "final_logit_softcapping", "partial_rotary_factor")
 _BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
@@ -45,6 +50,10 @@ def _type_error(key: str, value: Any, expected: str) -> TypeError:
                      f"refusing to load it as another value (transformers' config classes refuse it too)")
 
 
+def _size_error(key: str, value: Any) -> ValueError:
+    return ValueError(f"config.json has {key}={value!r}, expected an int >= 1 (a size); refusing to load it")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -55,6 +64,9 @@ def check_types(d: dict) -> None:
     for key in _INT_KEYS:
         if d.get(key) is not None and not _is_int(d[key]):
             raise _type_error(key, d[key], "an int")
+    for key in _SIZE_KEYS:
+        if d.get(key) is not None and d[key] < 1:
+            raise _size_error(key, d[key])
     for key in _FLOAT_KEYS:
         if d.get(key) is not None and not (isinstance(d[key], float) or _is_int(d[key])):
             raise _type_error(key, d[key], "a number")
@@ -80,6 +92,8 @@ def max_position_embeddings(path_or_dict) -> int:
     value = d.get("max_position_embeddings", fam.defaults.get("max_position_embeddings"))
     if not _is_int(value):
         raise _type_error("max_position_embeddings", value, "an int")
+    if value < 1:
+        raise _size_error("max_position_embeddings", value)
     return value
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ringsplash import partitioning
+from ringsplash._internal.scalar_checks import as_scalar, check_bool
 from ringsplash.hf.config import config_from_hf, read_config_json
 from ringsplash.hf.families import family_of
 from ringsplash.hf.io import Checkpoint
@@ -119,6 +120,9 @@ def load_hf(path, *, mesh: jax.sharding.Mesh | None = None, param_dtype="float32
 
     The returned model's ``config`` says everything needed to run it (``config_from_hf``).
     """
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):  # was an AttributeError in the sharding plan
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__} {mesh!r}")
+    fsdp = check_bool("fsdp", as_scalar(fsdp))  # fsdp="no" was truthy: FSDP, silently
     path = os.fspath(path)
     d = read_config_json(path)
     family = family_of(d)

@@ -12,6 +12,8 @@ import os
 import jax
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_positive_int
+from ringsplash.cli import output_dir_problem
 from ringsplash.hf.families import family_named, infer_model_type
 from ringsplash.hf.family import token_ids
 from ringsplash.hf.io import DEFAULT_MAX_SHARD_SIZE, write_checkpoint
@@ -32,8 +34,9 @@ def hf_config_dict(c: TransformerConfig, model_type: str | None = None, *, dtype
     """The config.json of ``c`` as ``model_type`` (default: ``infer_model_type``: the family ``c``
     is), stored as ``dtype`` (default: ``c.param_dtype``); a ``ValueError`` names any feature that
     family cannot express (``Family.to_hf``)."""
-    d = family_named(model_type or infer_model_type(c)).to_hf(c)
-    d["dtype"] = d["torch_dtype"] = dtype or c.param_dtype  # torch_dtype: the key transformers < 4.56 reads
+    d = family_named(infer_model_type(c) if model_type is None else model_type).to_hf(c)
+    # torch_dtype: the key transformers < 4.56 reads; a dtype is checked ("bf16" was written as given)
+    d["dtype"] = d["torch_dtype"] = c.param_dtype if dtype is None else dtype_name("dtype", dtype)
     return d
 
 
@@ -53,8 +56,15 @@ def save_hf(model: Transformer, path, *, model_type: str | None = None, dtype=No
     """
     if not isinstance(model, Transformer):
         raise TypeError(f"model must be a ringsplash Transformer, got {type(model).__name__}")
+    # checked before anything is written: max_shard_size=0 / -1 / True wrote one file per tensor, "5GB" failed
+    # deep in the shard planning, and a path that is a file failed in os.makedirs
+    max_shard_size = check_positive_int("max_shard_size", as_scalar(max_shard_size))
+    path = os.fspath(path)
+    problem = output_dir_problem(path)
+    if problem:
+        raise NotADirectoryError(f"path={path!r}: no checkpoint directory can be made there: {problem}")
     c = model.config
-    family = family_named(model_type or infer_model_type(c))
+    family = family_named(infer_model_type(c) if model_type is None else model_type)
     out_dtype = np.dtype(dtype_name("dtype", dtype if dtype is not None else c.param_dtype))
     config = hf_config_dict(c, family.model_type, dtype=out_dtype.name)
     names = family.name_map(c)
@@ -79,7 +89,6 @@ def save_hf(model: Transformer, path, *, model_type: str | None = None, dtype=No
             yield name, (x.T if names[p].transpose else x).astype(out_dtype)
 
     main = jax.process_index() == 0
-    path = os.fspath(path)
     if main:
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
