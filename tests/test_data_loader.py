@@ -181,7 +181,7 @@ def test_a_side_of_the_split_without_documents_is_named(tmp_path):
 def test_loader_config_rejects_bad_values(corpus):
     with pytest.raises((ValueError, jaxtyping.TypeCheckError), match=r"packing"):
         data.LoaderConfig(seq_len=64, batch_size=4, packing="greedy")
-    with pytest.raises(ValueError, match=r"batch_size=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got batch_size=0"):
         data.LoaderConfig(seq_len=64, batch_size=0)
     with pytest.raises((ValueError, jaxtyping.TypeCheckError), match=r"documents"):
         data.LoaderConfig(seq_len=64, batch_size=4, documents="test")
@@ -313,3 +313,85 @@ def test_check_token_ids_refuses_ids_outside_the_vocabulary_on_the_host_and_unde
         err.throw()
     err, _ = checkify.checkify(embed)(np.asarray(good.tokens))
     assert err.get() is None
+
+
+# ----------------------------------------------------------------------------- bad values of the data API
+
+
+def _constructed(config, **fields):
+    """``config`` with ``fields`` set as its dataclass ``__init__`` sets them, then checked: what a user without
+    the test run's runtime type checker (which refuses a float for an ``int`` field first) meets."""
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    config.__post_init__()
+    return config
+
+
+@pytest.mark.parametrize("fields, error, match", [
+    (dict(batch_size=True), ValueError, r"batch_size must be a positive int, got batch_size=True"),  # was 1 row
+    (dict(seed=1.5), TypeError, r"seed must be an int, got seed=1.5"),  # was kept
+    (dict(seed="1"), TypeError, r"seed must be an int, got seed='1'"),  # was a raw comparison TypeError
+    (dict(seed=2**31), ValueError, r"seed must be in \[0, 2\*\*31\), got seed=2147483648"),
+    (dict(weights=(1.0, float("inf"))), ValueError, r"weights\[1\] must be finite, got weights\[1\]=inf"),
+    (dict(weights=("1", "2")), TypeError, r"weights\[0\] must be a real number, got weights\[0\]='1'"),  # float()
+    (dict(weights=(True, 1)), TypeError, r"weights\[0\] must be a real number, got weights\[0\]=True"),
+    (dict(weights=1), TypeError, r"weights must be a sequence of positive numbers.*got weights=1"),
+    (dict(pad_id=-1), ValueError, r"pad_id must be >= 0, got pad_id=-1"),  # was kept: a padding token of -1
+    (dict(pad_id=1.5), TypeError, r"pad_id must be an int, got pad_id=1.5"),
+])
+def test_loader_config_names_a_bad_seed_weight_or_pad_id(fields, error, match):
+    with pytest.raises(error, match=match):
+        _constructed(data.LoaderConfig(seq_len=16, batch_size=2), **fields)
+    assert _constructed(data.LoaderConfig(seq_len=16, batch_size=2), seed=np.int64(3), pad_id=np.int32(1),
+                        weights=np.array([1, 2.5])).weights == (1.0, 2.5)
+
+
+def test_recall_task_stream_and_packing_name_bad_values():
+    """RecallTask, DataStream, recall_batch, plan_packing and pack_documents check their numbers by name:
+    before, filler_rule 1.5 / NaN and negative min_distance were taken, num_values 0 failed inside the draws,
+    episode_len 0 was a ZeroDivisionError, DataStream batch_size 0 / step 1.5 were taken, negative or float
+    lengths were packed, an order out of range an IndexError, float tokens were truncated."""
+    import inspect
+
+    task = data.RecallTask(seq_len=64, num_pairs=4, num_queries=4)
+    for fields, match in [(dict(filler_rule=1.5), r"filler_rule must be <= 1.0"),
+                          (dict(filler_rule=float("nan")), r"filler_rule must be finite"),
+                          (dict(min_distance=-5), r"min_distance must be >= 0, got min_distance=-5"),
+                          (dict(num_values=0), r"num_values must be a positive int, got num_values=0"),
+                          (dict(seq_len=64.0), r"seq_len must be a positive int, got seq_len=64.0")]:
+        with pytest.raises(ValueError, match=match):
+            _constructed(data.RecallTask(seq_len=64, num_pairs=4, num_queries=4), **fields)
+    assert type(_constructed(data.RecallTask(seq_len=64, num_pairs=4, num_queries=4), seq_len=np.int64(64)).seq_len) \
+        is int
+    rng = np.random.default_rng(0)
+    recall_batch = inspect.unwrap(data.recall_batch)
+    with pytest.raises(ValueError, match=r"episode_len must be a positive int, got episode_len=0"):
+        recall_batch(rng, 2, task, episode_len=0)
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got batch_size=0"):
+        recall_batch(rng, 0, task)
+    with pytest.raises(ValueError, match=r"episode_len must be a positive int, got episode_len=0"):
+        task.episode(0)
+    make = lambda rng, b, step: recall_batch(rng, b, task)
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int, got batch_size=0"):
+        _constructed(data.DataStream(make, 2), batch_size=0)
+    stream = data.DataStream(make, 2)
+    batch = inspect.unwrap(data.DataStream.batch)
+    with pytest.raises(TypeError, match=r"step must be an int, got step=1.5"):
+        batch(stream, 1.5)
+    with pytest.raises(TypeError, match=r"rows\[0\] must be an int, got rows\[0\]=1.5"):
+        batch(stream, 0, rows=[1.5])
+    np.testing.assert_array_equal(batch(stream, np.int64(3)).tokens, stream.batch(3).tokens)
+    plan_packing, pack_documents = inspect.unwrap(data.plan_packing), inspect.unwrap(data.pack_documents)
+    with pytest.raises(ValueError, match=r"lengths must be >= 0, got lengths\[1\]=-20"):
+        plan_packing(np.array([5, -20, 3]), 16)
+    with pytest.raises(TypeError, match=r"lengths must hold integers, got dtype float64"):
+        plan_packing(np.array([5.7, 3.2]), 16)
+    with pytest.raises(ValueError, match=r"order must index lengths \(< 2\), got 5"):
+        plan_packing(np.array([5, 3]), 16, order=np.array([0, 5]))
+    with pytest.raises(TypeError, match=r"seq_len must be an int, got seq_len='16'"):
+        plan_packing(np.array([5, 3]), "16")
+    with pytest.raises(TypeError, match=r"docs\[0\] must hold integers, got dtype float64"):
+        pack_documents([np.array([1.7, 2.2])], 8, 1)
+    with pytest.raises(ValueError, match=r"num_rows must be a positive int, got num_rows=0"):
+        pack_documents([np.arange(5)], 8, 0)
+    assert plan_packing([], 16).num_rows == 0  # no documents: an empty plan, as before

@@ -33,7 +33,7 @@ from typing import ClassVar, Literal
 import numpy as np
 
 from ringsplash._internal.optional import require
-from ringsplash._internal.scalar_checks import plain_fields
+from ringsplash._internal.scalar_checks import check_float, check_int, check_positive_int, plain_fields
 from ringsplash.data.batch import Batch
 from ringsplash.data.corpus import TokenizedCorpus
 from ringsplash.data.holdout import HELD_OUT_EVERY, held_out_documents
@@ -43,6 +43,8 @@ from ringsplash.data.packing import LONG_DOCUMENTS, POLICIES, LongDocuments, Pac
 #: share (``ringsplash.data.holdout``: one in ``HELD_OUT_EVERY`` by a hash of each document's tokens)
 Documents = Literal["all", "train", "heldout"]
 DOCUMENTS = ("all", "train", "heldout")
+#: ``LoaderConfig.seed`` is in ``[0, SEED_LIMIT)`` (Grain's index sampler takes a 32-bit seed)
+SEED_LIMIT = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +66,8 @@ class LoaderConfig:
 
     def __post_init__(self):
         plain_fields(self)  # NumPy / JAX scalars as Python numbers (np.int64 was refused as not an int)
-        for name in ("seq_len", "batch_size", "num_threads", "prefetch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+        for name in ("seq_len", "batch_size", "num_threads", "prefetch"):  # bools refused (True was 1 row)
+            check_positive_int(name, getattr(self, name))
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len} must be >= 2 (a token and its target)")
         if self.packing not in POLICIES:
@@ -76,12 +76,17 @@ class LoaderConfig:
             raise ValueError(f"long_documents={self.long_documents!r} must be one of {LONG_DOCUMENTS}")
         if self.documents not in DOCUMENTS:
             raise ValueError(f"documents={self.documents!r} must be one of {DOCUMENTS}")
-        if self.weights is not None:
-            object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
-            if not self.weights or any(not w > 0 for w in self.weights):
-                raise ValueError(f"weights={self.weights} must be positive numbers, one per source")
-        if not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
+        if self.weights is not None:  # finite numbers > 0: inf, "2" and True were taken (float(w))
+            if isinstance(self.weights, (str, bytes)) or not hasattr(self.weights, "__iter__"):
+                raise TypeError(f"weights must be a sequence of positive numbers, one per source, got "
+                                f"weights={self.weights!r}")
+            weights = tuple(check_float(f"weights[{i}]", w, positive=True) for i, w in enumerate(self.weights))
+            if not weights:
+                raise ValueError(f"weights={self.weights!r} must be positive numbers, one per source")
+            object.__setattr__(self, "weights", weights)
+        check_int("pad_id", self.pad_id, minimum=0)  # a token id: 1.5 and "0" were kept
+        if check_int("seed", self.seed, minimum=0) >= SEED_LIMIT:  # 1.5 and True were kept, "1" a raw TypeError
+            raise ValueError(f"seed must be in [0, 2**31), got seed={self.seed!r}")
 
 
 class _PackedRows:

@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_int
 from ringsplash.data.batch import Batch
 
 PackingPolicy = Literal["concat_split", "first_fit", "best_fit"]
@@ -103,6 +104,20 @@ def _best_fit(lens: np.ndarray, seq_len: int) -> np.ndarray:
     return rows
 
 
+def int_vector(name: str, x, *, minimum: int | None = None) -> np.ndarray:
+    """``x`` as a 1-D ``int64`` array (empty too), refused by ``name`` when it is not 1-D, not integers or has an
+    entry below ``minimum``: float token ids or lengths were truncated, negative lengths packed as given."""
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
+    a = a.astype(np.int64)
+    if minimum is not None and a.size and a.min() < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {name}[{int(np.argmin(a))}]={int(a.min())}")
+    return a
+
+
 def plan_packing(lengths: np.ndarray, seq_len: int, policy: PackingPolicy = "best_fit", *,
                  long_documents: LongDocuments = "split", order: np.ndarray | None = None) -> PackPlan:
     """The plan packing documents of ``lengths`` (taken in ``order``, default as given) into rows."""
@@ -110,10 +125,13 @@ def plan_packing(lengths: np.ndarray, seq_len: int, policy: PackingPolicy = "bes
         raise ValueError(f"packing={policy!r} must be one of {POLICIES}")
     if long_documents not in LONG_DOCUMENTS:
         raise ValueError(f"long_documents={long_documents!r} must be one of {LONG_DOCUMENTS}")
+    seq_len = check_int("seq_len", as_scalar(seq_len))  # "16" and 16.0 failed deeper
     if seq_len < 2:
         raise ValueError(f"{seq_len=} must be >= 2 (a token and its target)")
-    lengths = np.asarray(lengths, np.int64)
-    order = np.arange(len(lengths)) if order is None else np.asarray(order, np.int64)
+    lengths = int_vector("lengths", lengths, minimum=0)
+    order = np.arange(len(lengths)) if order is None else int_vector("order", order, minimum=0)
+    if order.size and order.max() >= len(lengths):  # was an IndexError inside the plan
+        raise ValueError(f"order must index lengths (< {len(lengths)}), got {int(order.max())}")
     if policy == "concat_split":
         docs, starts, lens, rows = [], [], [], []
         row, col = 0, 0

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_bool, check_int, check_positive_int, plain_fields
 from ringsplash.data.batch import Batch
 
 
@@ -42,11 +43,20 @@ class DataStream:
     def vocab_size(self) -> None:
         return None
 
+    def __post_init__(self):
+        plain_fields(self)  # NumPy / JAX scalars as Python numbers
+        if not callable(self.make):
+            raise TypeError(f"make must be a function make(rng, batch_size, step) -> Batch, got {self.make!r}")
+        check_positive_int("batch_size", self.batch_size)  # 0 was taken: empty batches
+        check_int("seed", self.seed, minimum=0)  # 1.5 was taken (int() at each draw)
+        check_bool("per_row", self.per_row)
+
     def batch(self, step: int, rows: Sequence[int] | np.ndarray | None = None) -> Batch:
         """Batch ``step``, or only its rows ``rows`` (global row indices, in that order)."""
+        step = check_int("step", as_scalar(step), minimum=0)  # 1.5 was batch 1
         if rows is None:
             rows = range(self.batch_size)
-        rows = [int(r) for r in rows]
+        rows = [check_int(f"rows[{i}]", as_scalar(r)) for i, r in enumerate(rows)]  # 1.5 was row 1
         bad = [r for r in rows if not 0 <= r < self.batch_size]
         if bad:
             raise ValueError(f"rows must be in [0, batch_size={self.batch_size}), got {bad}")

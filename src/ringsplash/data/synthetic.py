@@ -15,7 +15,9 @@ import dataclasses
 
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_float, check_int, check_positive_int, plain_fields
 from ringsplash.data.batch import Batch
+from ringsplash.data.packing import int_vector
 
 # ----------------------------------------------------------------------------- associative recall
 
@@ -54,6 +56,16 @@ class RecallTask:
     rule_seed: int = 0
 
     def __post_init__(self):
+        # every field checked by name first (NumPy scalars as Python numbers): filler_rule 1.5 / NaN, negative
+        # min_distance and num_keys=True were taken, num_values / num_filler 0 failed inside the draws
+        plain_fields(self)
+        for name in ("seq_len", "num_keys", "num_values", "num_filler"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("num_pairs", "num_queries", "min_distance", "rule_seed"):
+            check_int(name, getattr(self, name), minimum=0)
+        object.__setattr__(self, "filler_rule", check_float("filler_rule", self.filler_rule, minimum=0.0,
+                                                            maximum=1.0))
+        object.__setattr__(self, "filler_weight", check_float("filler_weight", self.filler_weight, minimum=0.0))
         if self.num_queries > self.num_pairs:
             raise ValueError(f"num_queries={self.num_queries} must be <= num_pairs={self.num_pairs}")
         if self.num_pairs > self.num_keys:
@@ -86,6 +98,7 @@ class RecallTask:
     def episode(self, episode_len: int) -> "RecallTask":
         """The same task on ``episode_len`` tokens: as many pairs as fit without filler, at most
         ``num_pairs`` (queries likewise, at most ``num_queries``)."""
+        episode_len = check_positive_int("episode_len", as_scalar(episode_len))  # 0 made num_pairs -1
         pairs = min(self.num_pairs, (episode_len - 1) // 4)
         return dataclasses.replace(
             self, seq_len=episode_len, num_pairs=pairs, num_queries=min(self.num_queries, pairs), min_distance=0
@@ -101,6 +114,9 @@ def recall_batch(
     independent shorter episodes (``task.episode(episode_len)``) as documents: segment ids keep
     them apart and positions restart in each — a sequence-length curriculum.
     """
+    batch_size = check_positive_int("batch_size", as_scalar(batch_size))  # 0 gave an empty batch
+    if episode_len is not None:  # 0 was a ZeroDivisionError
+        episode_len = check_positive_int("episode_len", as_scalar(episode_len))
     if episode_len is not None and episode_len != task.seq_len:
         if task.seq_len % episode_len:
             raise ValueError(f"episode_len={episode_len} must divide seq_len={task.seq_len}")
@@ -161,6 +177,11 @@ def pack_documents(docs: list[np.ndarray], seq_len: int, num_rows: int, *, pad_i
     the pieces of a row from 1; padding is segment 0 with loss mask 0. Labels are the next
     token of the same piece; the last token of every piece is not scored.
     """
+    # sizes by name (seq_len 0 / num_rows 0 gave empty batches, 8.0 a numpy TypeError), documents 1-D integer
+    # arrays (float tokens were truncated, a 2-D document a broadcast error)
+    seq_len, num_rows = (check_positive_int(n, as_scalar(v)) for n, v in (("seq_len", seq_len), ("num_rows", num_rows)))
+    pad_id = check_int("pad_id", as_scalar(pad_id), minimum=0)
+    docs = [int_vector(f"docs[{i}]", doc) for i, doc in enumerate(docs)]
     tokens = np.full((num_rows, seq_len), pad_id, np.int32)
     labels = np.zeros((num_rows, seq_len), np.int32)
     mask = np.zeros((num_rows, seq_len), np.float32)
