@@ -78,6 +78,15 @@ def check_block(config) -> None:
         raise flag_error("block", config.block, "0 (auto: the blocks tuned for the platform) or a multiple of 128")
 
 
+def check_loader_seed(config) -> None:
+    """``seed``: an integer the data loader takes (``LoaderConfig.seed``, below ``data.loader.SEED_LIMIT``):
+    refused when parsed, naming the flag; a larger one failed only once the corpora were read, naming no flag."""
+    from ringsplash.data.loader import SEED_LIMIT
+
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed < SEED_LIMIT:
+        raise flag_error("seed", config.seed, f"an integer in [0, {SEED_LIMIT - 1}] (the data loader's seeds)")
+
+
 def splash_config(config):
     """The ``SplashConfig`` of ``--backend`` and ``--block`` (0: every block left to the tuned table)."""
     from ringsplash.splash import SplashConfig

@@ -41,6 +41,7 @@ from _runtime import (
     DTYPES,
     check_block,
     check_flags,
+    check_loader_seed,
     choose_devices,
     compute_dtype,
     context_devices,
@@ -112,6 +113,7 @@ class Config:
                                   "seed"),
                     positive_numbers=("mlp_ratio", "rope_theta"), non_negative_numbers=("learning_rate",))
         check_block(self)
+        check_loader_seed(self)
         if self.data and self.heldout and os.path.abspath(self.heldout) == os.path.abspath(self.data):
             raise ValueError(f"--heldout {self.heldout!r} is --data itself: pass a corpus of other documents")
 
@@ -176,6 +178,7 @@ def datasets(config: Config) -> Datasets:
     split by ``data.is_held_out`` (``LoaderConfig.documents`` "train" / "heldout"), so no held-out
     document is ever in a training row; with ``--heldout``: every document of each corpus."""
     from ringsplash import data
+    from ringsplash.data.loader import SEED_LIMIT  # the held-out seed wraps: --seed 2**31 - 1 was refused there
 
     train_path, heldout_path = corpora(config)
     split = heldout_path == train_path  # --data alone
@@ -185,7 +188,8 @@ def datasets(config: Config) -> Datasets:
     # held out: documents cut at row ends (concat_split), so each piece starts its document's context
     heldout_flag = "--heldout" if config.heldout else "--data" if split else None
     heldout = _loader(heldout_flag, split, heldout_path, data.LoaderConfig(
-        seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed + 1, packing="concat_split",
+        seq_len=config.seq_len, batch_size=config.batch_size, seed=(config.seed + 1) % SEED_LIMIT,
+        packing="concat_split",
         documents="heldout" if split else "all"))
     if not split and heldout.corpora[0].fingerprint == loader.corpora[0].fingerprint:
         raise ValueError(f"--heldout {heldout_path!r} holds the same documents as --data {train_path!r}: pass a "

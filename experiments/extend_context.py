@@ -56,6 +56,7 @@ from _runtime import (
     DTYPES,
     check_block,
     check_flags,
+    check_loader_seed,
     choose_devices,
     compute_dtype,
     context_devices,
@@ -155,6 +156,7 @@ class Config:
                     non_negative=("num_kv_heads", "checkpoint_every", "seed"),
                     positive_numbers=("rope_theta",), non_negative_numbers=("base_lr", "finetune_lr"))
         check_block(self)
+        check_loader_seed(self)
         try:  # read after the base model has trained: checked now
             depths = [float(d) for d in self.depths.split(",")]
         except ValueError:

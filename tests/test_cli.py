@@ -133,6 +133,25 @@ def test_aot_preflight_refuses_a_bad_flag_in_one_line_naming_it(flag, value, cap
     assert len(lines) == 1 and f"{flag} " in lines[0] and value in lines[0] and "expected" in lines[0], lines
 
 
+@pytest.mark.parametrize("path", ["experiments/byte_lm.py", "experiments/extend_context.py"])
+def test_experiments_refuse_a_seed_the_data_loader_cannot_take_when_parsed(path, capsys):
+    """``--seed 2147483648`` (2**31) was accepted when parsed and failed only once the corpora had been read (and,
+    with extend_context --init-from, the base model loaded), as ``seed=2147483648 must be in [0, 2**31)``, naming
+    no flag; byte_lm's held-out loader (seed + 1) failed so for --seed 2147483647 too. Now one line naming --seed
+    before anything runs."""
+    module = _load(path)
+
+    def never(config, hooks=()):
+        raise AssertionError("main ran")
+
+    with pytest.raises(SystemExit) as exit_:
+        module.run_script(never, module.parse_args, ["--seed", str(2**31)])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--seed 2147483648 is not accepted: expected an integer in [0, 2147483647]" in lines[0]
+    assert module.parse_args(["--seed", str(2**31 - 1)]).seed == 2**31 - 1
+
+
 def test_byte_lm_refuses_a_prefix_of_data_parallel_as_an_abbreviation(capsys):
     module = _load("experiments/byte_lm.py")
     with pytest.raises(SystemExit):
