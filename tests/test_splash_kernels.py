@@ -399,6 +399,29 @@ def test_splash_config_rejects_bad_values(kwargs, error, match):
         SplashConfig(**kwargs)
 
 
+def test_splash_config_and_rope_scaling_take_numpy_bools_as_bools():
+    """np.bool_ (a NumPy comparison's result) is a bool wherever one is taken, as check_bool does for the model's
+    flags; it used to be refused by SplashConfig's flags and RopeScaling.truncate. Kept as Python bools. Set as
+    the dataclass __init__ sets them, then checked: the test run's type checker refuses np.bool_ before that."""
+    from ringsplash.model import RopeScaling
+
+    def constructed(config, **fields):
+        for name, value in fields.items():
+            object.__setattr__(config, name, value)
+        config.__post_init__()
+        return config
+
+    cfg = constructed(SplashConfig(), segment_skipping=np.bool_(False), skip_empty_quadrants=np.bool_(True),
+                      fused_backward=np.False_)
+    assert (cfg.segment_skipping, cfg.skip_empty_quadrants, cfg.fused_backward) == (False, True, False)
+    assert all(type(x) is bool for x in (cfg.segment_skipping, cfg.skip_empty_quadrants, cfg.fused_backward))
+    assert cfg == SplashConfig(segment_skipping=False, fused_backward=False)
+    rope = constructed(RopeScaling("yarn", factor=4.0, original_max_position_embeddings=64), truncate=np.bool_(False))
+    assert rope.truncate is False
+    with pytest.raises(TypeError, match=r"fused_backward must be a bool, got fused_backward=1"):
+        constructed(SplashConfig(), fused_backward=1)
+
+
 def test_splash_config_is_frozen_and_hashable():
     cfg = SplashConfig()
     assert cfg.tuned and cfg.block_q is None and cfg.block_kv_compute is None

@@ -43,7 +43,13 @@ from typing import Any, Literal
 import numpy as np
 
 from ringsplash._internal import caches
-from ringsplash._internal.scalar_checks import check_choice, check_float, check_positive_int, literal_choices
+from ringsplash._internal.scalar_checks import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_positive_int,
+    literal_choices,
+)
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
 ROPE_TYPES: tuple[str, ...] = literal_choices(RopeType)
@@ -78,9 +84,7 @@ def _check_field(name: str, value: Any) -> Any:
     if name == "original_max_position_embeddings":
         return check_positive_int(name, value)
     if name == "truncate":
-        if not isinstance(value, bool):
-            raise TypeError(f"truncate must be a bool, got truncate={value!r} ({type(value).__name__})")
-        return value
+        return check_bool(name, value)  # np.bool_ too (was refused), kept as a Python bool
     # short_factor / long_factor
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__") or not len(value):
         raise ValueError(f"{name} must be a non-empty sequence of numbers, got {name}={value!r}")

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from ringsplash._internal.scalar_checks import (
+    check_bool,
     check_choice,
     check_positive_int,
     check_positive_multiple,
@@ -154,9 +155,8 @@ class SplashConfig:
             raise TypeError(f"interpret_params must be None, {GENERIC_INTERPRETER!r} or a "
                             f"jax.experimental.pallas.tpu.InterpretParams, got {self.interpret_params!r}")
         check_choice("partial_tiles", self.partial_tiles, PARTIAL_TILES)
-        for name in ("segment_skipping", "skip_empty_quadrants", "fused_backward"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+        for name in ("segment_skipping", "skip_empty_quadrants", "fused_backward"):  # np.bool_ too (was refused)
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         if self.smem_budget_bytes is not None:
             object.__setattr__(self, "smem_budget_bytes",
                                check_positive_int("smem_budget_bytes", self.smem_budget_bytes))
