@@ -9,8 +9,12 @@ over 4 devices, a 600-token kv dimension no multiple of 128 divides, 150-token h
 2-device ring.
 """
 
+import inspect
+import re
+
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -178,3 +182,17 @@ def test_training_loss_and_grads_at_an_untileable_length_equal_the_reference(ref
     for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(want_grads), jax.tree.leaves(grads)):
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err <= GRAD_RTOL, (jax.tree_util.keystr(path), err)
+
+
+@pytest.mark.parametrize("strategy", ["splash", "reference", "ring"])
+def test_check_seq_len_takes_a_positive_int_only_naming_the_length(strategy):
+    """0, -5 and 512.0 passed check_seq_len under "splash" and "reference" (they are never split, so nothing
+    else looked at the length); NumPy / JAX integers are lengths as ints are. Unwrapped: the library's own
+    check, as a user without the test run's runtime type checking meets it."""
+    cp = ContextParallel(strategy, ring_size=4) if strategy == "ring" else ContextParallel(strategy)
+    check_seq_len, splash = inspect.unwrap(ContextParallel.check_seq_len), SplashConfig()
+    for bad in (0, -5, 512.0, True, "512"):
+        with pytest.raises(ValueError, match=rf"q_len must be a positive int, got q_len={re.escape(repr(bad))}"):
+            check_seq_len(cp, bad, splash, name="q_len")
+    check_seq_len(cp, np.int64(1024), splash)
+    check_seq_len(cp, jnp.int32(1024), splash)

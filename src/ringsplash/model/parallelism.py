@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from ringsplash import layouts
 from ringsplash._internal.scalar_checks import (
+    as_scalar,
     check_choice,
     check_name,
     check_positive_int,
@@ -206,7 +207,8 @@ class ContextParallel:
         kernel sees (``splash/blocks.py``; the ring and USP shrink blocks to their shards).
         ``"splash"`` pads a length its 128-token lanes do not tile itself (``model.attention``);
         ``"reference"`` runs at any length; ``name``: the length's name in errors."""
-        a, seq = self.strategy, seq_len
+        # a length is a positive int (NumPy / JAX integers too): 0, -5 and 512.0 passed for "splash" / "reference"
+        a, seq = self.strategy, check_positive_int(name, as_scalar(seq_len))
         if self.rule.ring_schedule:  # the ring shrinks blocks to its shards, or says which config fits
             if seq % self.shards:
                 raise ValueError(f"{name}={seq} must be divisible by ring_size x ulysses_size = {self.ring_size} x "
