@@ -148,3 +148,17 @@ def test_default_config_attends_with_splash_and_compiles_at_32k():
     tokens = jax.ShapeDtypeStruct((32768,), jnp.int32)
     compiled = jax.jit(lambda m, t: m(t, jnp.arange(32768))).lower(model, tokens).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 2**30
+
+
+def test_make_mask_and_rope_for_name_an_unknown_layer_type():
+    """An unknown layer_type gave the model's own mask / RoPE silently; "sliding_attention" on a config without
+    a sliding window was a TypeError inside LocalMask. Both are refused naming layer_type."""
+    config = TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, max_seq_len=128)
+    for call in (lambda: config.make_mask(128, "sliding"), lambda: config.rope_for("full")):
+        with pytest.raises(ValueError, match=r"layer_type must be one of \(None, 'full_attention', "
+                                             r"'sliding_attention'\), got layer_type="):
+            call()
+    with pytest.raises(ValueError, match=r"layer_type='sliding_attention' needs features.sliding_window"):
+        config.make_mask(128, "sliding_attention")
+    assert config.make_mask(128, "full_attention") == config.make_mask(128)
+    assert config.rope_for(None) == config.rope_for("full_attention")

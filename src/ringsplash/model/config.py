@@ -22,7 +22,7 @@ from ringsplash._internal.scalar_checks import (
     plain_fields,
 )
 from ringsplash.model import _legacy
-from ringsplash.model.hf_features import SLIDING, ModelFeatures, check_features
+from ringsplash.model.hf_features import LAYER_TYPES, SLIDING, ModelFeatures, check_features
 from ringsplash.model.parallelism import RING_AXIS_STRATEGIES, STRATEGIES, ULYSSES_AXIS_STRATEGIES, ContextParallel
 from ringsplash.model.rope_scaling import RopeScaling
 from ringsplash.splash.config import NUM_LANES, SplashConfig
@@ -269,9 +269,17 @@ class TransformerConfig:
         layer_types = self.features.layer_types
         return (None,) if layer_types is None else tuple(sorted(set(layer_types)))
 
+    def _check_layer_type(self, layer_type: str | None) -> None:
+        """``layer_type`` None or one of ``LAYER_TYPES``, sliding only with a window: an unknown name gave the
+        model's own mask / RoPE silently, "sliding_attention" without ``sliding_window`` a TypeError in the mask."""
+        check_choice("layer_type", layer_type, (None, *LAYER_TYPES))
+        if layer_type == SLIDING and self.features.sliding_window is None:
+            raise ValueError(f"layer_type={SLIDING!r} needs features.sliding_window (this config has none)")
+
     def rope_for(self, layer_type: str | None = None) -> tuple[float, RopeScaling | None]:
         """``(theta, scaling)`` of the RoPE of a layer of ``layer_type`` (``local_rope_theta``: sliding
         layers' own base, unscaled, with Hugging Face's numerics when the model's RoPE has them)."""
+        self._check_layer_type(layer_type)
         f = self.features
         if layer_type == SLIDING and f.local_rope_theta is not None:
             return f.local_rope_theta, None if f.rope_scaling is None else RopeScaling()
@@ -280,6 +288,7 @@ class TransformerConfig:
     def make_mask(self, seq_len: int, layer_type: str | None = None) -> masks_lib.Mask:
         """The ``(seq_len, seq_len)`` attention mask over original positions (lazy, hashable) of a layer
         of ``layer_type`` (None or ``"full_attention"``: ``mask``)."""
+        self._check_layer_type(layer_type)
         shape = (seq_len, seq_len)
         if layer_type == SLIDING:
             return masks_lib.LocalMask(shape, window=(self.features.sliding_window - 1, 0))
