@@ -152,7 +152,7 @@ def write_grid(records: list[dict], out_dir: str, title: str = "") -> dict:
 
 
 def grid_table(summary: list[dict]) -> str:
-    cols = [m for m in METRICS if m in summary[0]]
+    cols = [m for m in METRICS if summary and m in summary[0]]  # no rows: the header alone (was an IndexError)
     lines = ["| length | depth | samples | " + " | ".join(cols) + " |", "|" + "---|" * (3 + len(cols))]
     for r in summary:
         lines.append(f"| {r['length']} | {r['depth']:.2f} | {r['samples']} | "

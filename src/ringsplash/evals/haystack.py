@@ -9,11 +9,13 @@ import sysconfig
 
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_int, check_positive_int
 from ringsplash.evals.tokenizer import Tokenizer
 
 
 def default_text(max_chars: int = 2_000_000) -> str:
     """Deterministic local text: pydoc topics, then stdlib source files, up to ``max_chars``."""
+    max_chars = check_positive_int("max_chars", as_scalar(max_chars))  # -1 cut the last character off
     parts, total = [], 0
     try:
         from pydoc_data.topics import topics
@@ -67,7 +69,8 @@ class Haystack:
 
     def window(self, n: int, offset: int = 0) -> np.ndarray:
         """``n`` tokens starting at ``offset`` (mod the stream's length), wrapping around."""
-        idx = (int(offset) + np.arange(n)) % self.tokens.size
+        n = check_int("n", as_scalar(n), minimum=0)  # -5 gave no tokens, 10.0 an IndexError
+        idx = (check_int("offset", as_scalar(offset)) + np.arange(n)) % self.tokens.size
         return self.tokens[idx]
 
 

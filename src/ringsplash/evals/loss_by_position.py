@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_bool, check_int, check_positive_int
 from ringsplash.evals.scoring import Scorer
 
 
@@ -43,6 +44,7 @@ class LossByPosition(NamedTuple):
 def document_rows(tokens: np.ndarray | Sequence[int], seq_len: int, num_docs: int) -> np.ndarray:
     """``[num_docs, seq_len]``: consecutive, non-overlapping windows of a token stream."""
     tokens = np.asarray(tokens)
+    seq_len, num_docs = check_int("seq_len", as_scalar(seq_len)), check_int("num_docs", as_scalar(num_docs))  # 10.0
     if seq_len < 2 or num_docs < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 2 and num_docs={num_docs} >= 1")
     if tokens.size < seq_len * num_docs:
@@ -54,13 +56,14 @@ def document_rows(tokens: np.ndarray | Sequence[int], seq_len: int, num_docs: in
 def bucket_edges(seq_len: int, bucket_size: int | None = None, *, log: bool = False) -> np.ndarray:
     """Bucket edges over the ``seq_len - 1`` scored positions: every ``bucket_size`` positions
     (default ``(seq_len - 1) / 16`` rounded up), or with ``log`` at 0, 1, 2, 4, 8, ..."""
-    n = seq_len - 1
-    if log:
+    # by name: seq_len 0 gave edges [-1], bucket_size 0 meant the default, 4.5 gave float edges
+    n = check_int("seq_len", as_scalar(seq_len), minimum=2) - 1
+    if bucket_size is not None:
+        bucket_size = check_positive_int("bucket_size", as_scalar(bucket_size))
+    if check_bool("log", as_scalar(log)):
         edges = [0] + [2**k for k in range(int(np.ceil(np.log2(n))) + 1) if 2**k < n] + [n]
         return np.unique(np.asarray(edges))
-    size = bucket_size or max(1, -(-n // 16))
-    if size < 1:
-        raise ValueError(f"bucket_size={bucket_size} must be >= 1")
+    size = max(1, -(-n // 16)) if bucket_size is None else bucket_size
     return np.unique(np.append(np.arange(0, n, size), n))
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_float, check_int, check_positive_int, plain_fields
 from ringsplash.evals.haystack import Haystack
 from ringsplash.evals.tokenizer import Tokenizer, symbol_token
 
@@ -29,8 +30,11 @@ class NeedleTask:
     decode: Callable[[Sequence[int]], str] = dataclasses.field(compare=False)
 
     def __post_init__(self):
-        if self.key_len < 1:
-            raise ValueError(f"key_len={self.key_len} must be >= 1")
+        plain_fields(self)  # NumPy scalars as Python numbers; then key_len and every token id by name
+        check_positive_int("key_len", self.key_len)  # 2.5 and True were taken (passkey_task(digits=...))
+        for name in ("prefix", "needle_before", "needle_after", "question", "alphabet"):
+            object.__setattr__(self, name, tuple(check_int(f"{name}[{i}]", as_scalar(t), minimum=0)
+                                                 for i, t in enumerate(getattr(self, name))))
         if len(self.alphabet) < 2 or len(self.alphabet) != len(self.symbols):
             raise ValueError(f"alphabet ({len(self.alphabet)} tokens) needs >= 2 tokens and one symbol each "
                              f"(got {len(self.symbols)} symbols)")
@@ -67,6 +71,9 @@ class NeedleTask:
 
 
 def check_length_depth(task: NeedleTask, length: int, depth: float) -> None:
+    check_positive_int("length", as_scalar(length))  # 512.0 was an IndexError inside the haystack window
+    if isinstance(depth, bool) or not isinstance(as_scalar(depth), (int, float)):
+        check_float("depth", as_scalar(depth))  # a TypeError naming depth
     if not 0.0 <= float(depth) <= 1.0:
         raise ValueError(f"depth={depth} must be in [0, 1] (0 = needle at the start of the haystack, 1 = at its end)")
     if int(length) < task.overhead:
@@ -104,9 +111,12 @@ def niah_task(tokenizer: Tokenizer, digits: int = 7) -> NeedleTask:
 def token_passkey_task(key_token: int, separator: int, values: Sequence[int]) -> NeedleTask:
     """Passkey in the associative-recall vocabulary (``ringsplash.data.RecallTask``): the needle is
     ``key_token value`` in filler tokens, the question ``separator key_token``, the answer the value."""
-    values = tuple(int(v) for v in values)
-    return NeedleTask(name="passkey", prefix=(), needle_before=(int(key_token),), needle_after=(),
-                      question=(int(separator), int(key_token)), alphabet=values,
+    # token ids by name (int() truncated 1.5 to 1; -1 was kept)
+    key_token = check_int("key_token", as_scalar(key_token), minimum=0)
+    separator = check_int("separator", as_scalar(separator), minimum=0)
+    values = tuple(check_int(f"values[{i}]", as_scalar(v), minimum=0) for i, v in enumerate(values))
+    return NeedleTask(name="passkey", prefix=(), needle_before=(key_token,), needle_after=(),
+                      question=(separator, key_token), alphabet=values,
                       symbols=tuple(f"<{v}>" for v in values), key_len=1,
                       decode=lambda ids: "".join(f"<{int(i)}>" for i in ids))
 

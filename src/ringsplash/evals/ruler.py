@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ringsplash._internal.scalar_checks import as_scalar, check_int, check_positive_int
 from ringsplash.evals.scoring import GenerateFn
 from ringsplash.evals.tokenizer import Tokenizer
 
@@ -60,6 +61,9 @@ def string_match_part(preds: Sequence[str], refs: Sequence[Sequence[str]]) -> fl
 def _check_pairs(preds, refs) -> None:
     if len(preds) == 0 or len(preds) != len(refs):
         raise ValueError(f"preds and refs must be non-empty and of one length, got {len(preds)} and {len(refs)}")
+    if any(isinstance(r, str) for r in refs):  # a string's characters were matched as its references
+        raise TypeError("refs must hold one sequence of reference strings per sample (e.g. [['42']]), got a string "
+                        "as a sample's references")
     if any(len(r) == 0 for r in refs):
         raise ValueError("every sample needs at least one reference")
 
@@ -212,7 +216,11 @@ def ruler_samples(task: str, tokenizer: Tokenizer, length: int, num_samples: int
         raise ValueError(f"task={task!r} must be one of {RULER_TASKS}")
     if num_samples < 1:
         raise ValueError(f"num_samples={num_samples} must be >= 1")
-    new = TOKENS_TO_GENERATE[task] if max_new_tokens is None else max_new_tokens
+    # by name: length 1024.0 and max_new_tokens 0 / -3 were taken, a negative seed failed in NumPy
+    length = check_positive_int("length", as_scalar(length))
+    seed = check_int("seed", as_scalar(seed), minimum=0)
+    new = TOKENS_TO_GENERATE[task] if max_new_tokens is None else check_positive_int("max_new_tokens",
+                                                                                    as_scalar(max_new_tokens))
     budget = int(length) - int(new)
     if budget < 1:
         raise ValueError(f"length={length} does not fit: it must exceed max_new_tokens={new}")
