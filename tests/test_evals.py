@@ -269,7 +269,8 @@ def test_cli_refuses_a_model_without_tokenizer_json_unless_told_the_tokenizer(hf
 
 CLI_BAD_FLAGS = [("--lengths", "0"), ("--lengths", "4x"), ("--lengths", ","), ("--depths", "1.5"), ("--depths", "nan"),
                  ("--samples", "0"), ("--batch-size", "-1"), ("--max-new-tokens", "0"), ("--dtype", "float64"),
-                 ("--ruler-tasks", ","), ("--ruler-tasks", "niah_single,qa")]
+                 ("--ruler-tasks", ","), ("--ruler-tasks", "niah_single,qa"),
+                 ("--seed", "-1")]  # --seed -1 was accepted, then refused by NumPy once the model had loaded
 
 
 @pytest.mark.parametrize("flag, value", CLI_BAD_FLAGS, ids=[" ".join(c) for c in CLI_BAD_FLAGS])
@@ -582,3 +583,54 @@ def test_single_device_keeps_the_parameters_of_a_ring_model(model):
         assert x is y
     with pytest.raises(ValueError, match="attention='ring' must be one of"):
         evals.single_device(model, "ring")
+
+
+def test_evals_api_names_bad_sizes_token_ids_and_references():
+    """The evals' Python API checks its numbers by name (NumPy integers accepted): before, bucket_edges(0) gave
+    edges [-1], bucket_size=0 meant the default and 4.5 float edges; passkey_task(digits=True) and
+    token_passkey_task(1.5, ...) were taken (int() truncated the id); a prompt of length 512.0 and
+    Haystack.window(10.0) were IndexErrors, window(-5) no tokens; ruler_samples took length 1024.0 and
+    max_new_tokens 0 / -3; a string as a sample's references had its characters matched; default_text(-1) cut
+    a character off; grid_table([]) was an IndexError."""
+    import inspect
+
+    unwrap = inspect.unwrap
+    tok = evals.BytesTokenizer()
+    bucket_edges = unwrap(evals.bucket_edges)
+    for args, error, match in [((0,), ValueError, r"seq_len must be >= 2, got seq_len=0"),
+                               ((64, 0), ValueError, r"bucket_size must be a positive int, got bucket_size=0"),
+                               ((64, 4.5), ValueError, r"bucket_size must be a positive int, got bucket_size=4.5")]:
+        with pytest.raises(error, match=match):
+            bucket_edges(*args)
+    np.testing.assert_array_equal(bucket_edges(np.int64(65), np.int64(16)), [0, 16, 32, 48, 64])
+    with pytest.raises(TypeError, match=r"seq_len must be an int, got seq_len=10.0"):
+        unwrap(evals.document_rows)(np.arange(100), 10.0, 2)
+    with pytest.raises(ValueError, match=r"key_len must be a positive int, got key_len=True"):
+        unwrap(evals.passkey_task)(tok, True)
+    with pytest.raises(TypeError, match=r"key_token must be an int, got key_token=1.5"):
+        unwrap(evals.token_passkey_task)(1.5, 2, [3, 4])
+    with pytest.raises(ValueError, match=r"values\[1\] must be >= 0, got values\[1\]=-4"):
+        unwrap(evals.token_passkey_task)(1, 2, [3, -4])
+    hay = evals.Haystack(np.arange(1, 50, dtype=np.int32))
+    window = unwrap(evals.Haystack.window)
+    with pytest.raises(ValueError, match=r"n must be >= 0, got n=-5"):
+        window(hay, -5)
+    with pytest.raises(TypeError, match=r"n must be an int, got n=10.0"):
+        window(hay, 10.0)
+    task = evals.passkey_task(tok)
+    with pytest.raises(ValueError, match=r"length must be a positive int, got length=512.0"):
+        unwrap(evals.needle.check_length_depth)(task, 512.0, 0.5)  # what NeedleTask.prompt checks first
+    assert len(task.prompt(hay, 512, 0.5, np.zeros(5, np.int64))) == 512
+    ruler_samples, text = unwrap(evals.ruler_samples), "The quick brown fox jumps over the lazy dog. " * 200
+    for kw, match in [(dict(length=1024.0), r"length must be a positive int, got length=1024.0"),
+                      (dict(max_new_tokens=0), r"max_new_tokens must be a positive int, got max_new_tokens=0"),
+                      (dict(max_new_tokens=-3), r"max_new_tokens must be a positive int, got max_new_tokens=-3"),
+                      (dict(seed=-1), r"seed must be >= 0, got seed=-1")]:
+        with pytest.raises(ValueError, match=match):
+            ruler_samples("niah_single", tok, **{"length": 1024, "num_samples": 1, "text": text, **kw})
+    with pytest.raises(TypeError, match=r"refs must hold one sequence of reference strings per sample"):
+        unwrap(evals.string_match_all)(["x y z"], ["xyz"])  # was 100.0: 'x', 'y', 'z' each found
+    assert evals.string_match_all(["x y z"], [["xyz"]]) == 0.0
+    with pytest.raises(ValueError, match=r"max_chars must be a positive int, got max_chars=-1"):
+        unwrap(evals.default_text)(-1)
+    assert evals.grid_table([]).startswith("| length | depth | samples |")

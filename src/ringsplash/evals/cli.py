@@ -56,6 +56,17 @@ def _count(s: str) -> int:
     return value
 
 
+def _seed(s: str) -> int:
+    """``--seed``: an integer >= 0 (a NumPy seed; -1 was accepted and failed only once the model had loaded)."""
+    try:
+        value = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ringsplash.evals", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
                    help="parameter dtype (compute dtype: --compute-dtype)")
     p.add_argument("--compute-dtype", default=None, choices=DTYPES)
     p.add_argument("--batch-size", type=_count, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     return p
 
 
