@@ -3,6 +3,7 @@ and near-perfect for a model trained here on recall, heatmaps and results files,
 equal to a direct computation, RULER-style task generation, the CLI, the lm-eval adapter on a
 local task, and bad input."""
 
+import inspect
 import json
 import os
 import pathlib
@@ -376,6 +377,8 @@ def test_bad_input_errors(scorer, tmp_path):
         evals.document_rows(np.arange(10), 8, 2)
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         evals.load_tokenizer(str(tmp_path / "nope.json"))
+    with pytest.raises(TypeError, match=r"tokenizer must be 'bytes' or a path .* got None"):  # was os.stat's error
+        inspect.unwrap(evals.load_tokenizer)(None)
 
 
 # ----------------------------------------------------------------------------- lm-eval adapter

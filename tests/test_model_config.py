@@ -1,5 +1,7 @@
 """TransformerConfig: every rejected combination raises a ValueError naming the option and the fix."""
 
+import inspect
+
 import pytest
 
 from ringsplash import masks
@@ -162,3 +164,13 @@ def test_make_mask_and_rope_for_name_an_unknown_layer_type():
         config.make_mask(128, "sliding_attention")
     assert config.make_mask(128, "full_attention") == config.make_mask(128)
     assert config.rope_for(None) == config.rope_for("full_attention")
+
+
+def test_from_dict_refuses_what_is_not_a_dict_naming_it():
+    """from_dict(None) was "'NoneType' object is not iterable"; a list a dict-update error."""
+    from_dict = inspect.unwrap(TransformerConfig.from_dict.__func__)  # past the call-time type check
+    for bad in (None, [1, 2]):
+        with pytest.raises(TypeError, match=r"d must be a dict \(TransformerConfig.to_dict\(\)'s\), got "):
+            from_dict(TransformerConfig, bad)
+    config = TransformerConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=2, max_seq_len=128)
+    assert from_dict(TransformerConfig, config.to_dict()) == config

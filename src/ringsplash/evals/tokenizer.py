@@ -56,6 +56,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
     """``"bytes"``, a ``tokenizer.json`` file, or a directory holding one (e.g. a Hugging Face model dir)."""
     if spec == "bytes":
         return BytesTokenizer()
+    if not isinstance(spec, (str, os.PathLike)):  # None was a TypeError from os.stat
+        raise TypeError(f"tokenizer must be 'bytes' or a path (a tokenizer.json file or a directory holding one), "
+                        f"got {spec!r}")
     path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer={spec!r} must be 'bytes', a tokenizer.json file or a directory holding "

@@ -7,7 +7,7 @@ A config that constructs is a config that runs: each rejected combination raises
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from ringsplash import masks as masks_lib
@@ -326,6 +326,8 @@ class TransformerConfig:
     def from_dict(cls, d: dict) -> "TransformerConfig":
         """The config of ``to_dict``'s dict (also the flat form of the previous release, which
         checkpoints and run directories written before hold)."""
+        if not isinstance(d, Mapping):  # None was "'NoneType' object is not iterable"
+            raise TypeError(f"d must be a dict (TransformerConfig.to_dict()'s), got {type(d).__name__}: {d!r}")
         d = dict(d)
         if isinstance(d.get("mask"), str) and d["mask"] not in MASKS:
             raise ValueError(f"the config records a custom mask ({d['mask']}), which a dict cannot rebuild: "
