@@ -45,26 +45,22 @@ def _floats(s: str) -> list[float]:
     return out
 
 
-def _count(s: str) -> int:
-    """A count flag: an integer >= 1."""
-    try:
-        value = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (``--seed -1`` was accepted and failed once the model had loaded)."""
+    def parse(s: str) -> int:
+        try:
+            value = int(s)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {s!r}")
+        return value
+
+    return parse
 
 
-def _seed(s: str) -> int:
-    """``--seed``: an integer >= 0 (a NumPy seed; -1 was accepted and failed only once the model had loaded)."""
-    try:
-        value = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
-    return value
+_count = _int_at_least(1)  # a count flag
+_seed = _int_at_least(0)  # a NumPy seed
 
 
 def parser() -> argparse.ArgumentParser:
