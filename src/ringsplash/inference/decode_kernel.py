@@ -38,18 +38,21 @@ from ringsplash.splash.tpu_tiles import NUM_LANES, lanes, tile_bytes
 BLOCK_BYTES = 4 << 20
 #: the largest block of slots a step reads (one kv head of 128: 1 MiB of bfloat16)
 MAX_BLOCK_KV = 4096
+#: a grid step's fixed cost in bytes of HBM reads (about 0.35 us, the Pallas TPU guide's figure, at v5e's
+#: 819 GB/s): what choosing a smaller block that wastes fewer slots weighs against
+STEP_COST_BYTES = 288 << 10
 #: the scoped VMEM a call may be compiled with (within v5e's, v6e's and v5p's 64-128 MiB); a call that needs
 #: more is refused with ringsplash's error, never Mosaic's
 MAX_VMEM_LIMIT = 48 << 20
 #: Mosaic's default scoped VMEM on v5e, the smallest of the chips: a call needing less keeps the default
 DEFAULT_SCOPED_VMEM = 16 << 20
-#: where the kernel's K / V live: ``"auto"``: where XLA places them (compiled for v5e, a cache that fits VMEM, as
-#: GQA 8:2's 2 x 42 MB at 10,240 slots and batch 1, is copied whole into VMEM at the start of a 4-step decode program
-#: and back to HBM after its write); ``"hbm"``: constrained to HBM (``pltpu.with_memory_space_constraint``), so
-#: XLA never copies the cache and every call reads its layer from HBM. Which is faster where the cache fits VMEM is
-#: not measured on a chip yet (``scripts/bench_decode_tpu.py --cache-memory auto,hbm``). Read when a call is traced:
-#: a program traced before a change keeps its placement (``jax.clear_caches()`` drops it).
-CACHE_MEMORY = "auto"
+#: where the kernel's K / V live: ``"hbm"``: constrained to HBM (``pltpu.with_memory_space_constraint``), so every
+#: call reads its layer from HBM; ``"auto"``: where XLA places them (compiled for v5e, a cache that fits VMEM, as
+#: GQA 8:2's at 8K and batch 1, is copied whole into VMEM at the start of a 4-step decode program and back to HBM
+#: after its write). On a v5e chip (2026-12-07, ``a208748``, GQA 8:2, 8,320 slots) ``"hbm"`` decoded at 0.558 ms a
+#: token at batch 1 against 0.581 and at 1.538 against 1.536 at batch 8. Read when a call is traced: a program
+#: traced before a change keeps its placement (``jax.clear_caches()`` drops it).
+CACHE_MEMORY = "hbm"
 _CACHE_MEMORIES = ("auto", "hbm")
 _F32 = jnp.float32
 
@@ -68,19 +71,26 @@ def vmem_bytes(block_kv: int, kv_heads: int, group: int, head_dim: int, value_di
 
 def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None,
                  value_dim: int | None = None) -> int:
-    """The slots per grid step: the largest multiple of 128 that keeps a step's K and V blocks within
-    ``block_bytes`` as VMEM holds them (head sizes padded to whole 128 lanes; None: ``BLOCK_BYTES``; ``value_dim``
-    None: ``head_dim``; at least 128 slots, at most ``MAX_BLOCK_KV`` and ``max_len``). It need not divide
-    ``max_len``: the last block then starts ``max_len - block_kv`` in, overlapping the one before, whose slots it
-    skips (a 131,200-slot cache, 1,025 lanes, got 128-slot blocks from the largest-divisor rule of 2026-12-07, and
-    ``generate`` ran at 54% of the HBM roofline at 128K). ``max_len`` must be a multiple of 128."""
+    """The slots per grid step: a multiple of 128 that keeps a step's K and V blocks within ``block_bytes`` as
+    VMEM holds them (head sizes padded to whole 128 lanes; None: ``BLOCK_BYTES``; ``value_dim`` None:
+    ``head_dim``; at least 128 slots, at most ``MAX_BLOCK_KV`` and ``max_len``), chosen to read the whole cache in
+    the least time: blocks x (a block's bytes + ``STEP_COST_BYTES``). A block that does not divide ``max_len``
+    makes the last one start ``max_len - block_kv`` in, overlapping the one before, and it reads its whole block
+    for the slots the one before did not hold: the largest block under the budget for 8,320 slots (GQA 8:2, 4,096
+    slots) read 12,288 for 8,256 live, and ``generate`` at batch 8 ran at 73% of the HBM roofline on a v5e chip
+    (2026-12-07, ``a208748``); 2,816-slot blocks read 8,448. ``max_len`` must be a multiple of 128."""
     if max_len % NUM_LANES:
         raise ValueError(f"decode_attention: the cache's max_len must be a multiple of {NUM_LANES}, got {max_len=}")
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
     value_dim = head_dim if value_dim is None else value_dim
     per_slot = kv_heads * (lanes(head_dim) + lanes(value_dim)) * itemsize  # head sizes padded to whole lanes
-    target = max(1, min(block_bytes // per_slot, MAX_BLOCK_KV) // NUM_LANES)
-    return NUM_LANES * min(target, max_len // NUM_LANES)
+    cache_lanes = max_len // NUM_LANES
+    target = max(1, min(block_bytes // per_slot, MAX_BLOCK_KV, max_len) // NUM_LANES)
+
+    def cost(block_lanes):  # bytes-equivalent of reading the whole cache in blocks of block_lanes x 128 slots
+        return -(-cache_lanes // block_lanes) * (block_lanes * NUM_LANES * per_slot + STEP_COST_BYTES)
+
+    return NUM_LANES * min(range(target, 0, -1), key=cost)  # ties: the largest block
 
 
 # ----------------------------------------------------------------------------------------
