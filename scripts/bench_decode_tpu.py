@@ -123,12 +123,12 @@ def attention_rows(args, shapes, prompts, batches, hbm):
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     from ringsplash.inference import bucket_length
-    from ringsplash.inference.decode_kernel import block_kv_for, decode_attention, tail_kv_for
+    from ringsplash.inference.decode_kernel import block_kv_for, decode_attention
 
     interpret = pltpu.InterpretParams() if args.cpu_smoke else False
     print("\n## decode attention alone: ringsplash's kernel beside ragged_paged_attention (one layer's K/V, the same "
           "contents)\n")
-    print("| model | prompt | batch | cache slots | ours ms | block / tail | ragged_paged_attention ms | its layout "
+    print("| model | prompt | batch | cache slots | ours ms | block | ragged_paged_attention ms | its layout "
           "| ratio (rpa / ours) | max abs diff | note |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for name, shape in shapes.items():
@@ -149,21 +149,20 @@ def attention_rows(args, shapes, prompts, batches, hbm):
                 lengths = jnp.full((batch,), prompt, jnp.int32)
                 note, ours, block, ours_out = "", None, None, None
                 # the fastest block size and grid tried; the others in the note
-                for budget, grid, tails in itertools.product(args.block_bytes, args.grids, args.tails):
+                for budget, grid in itertools.product(args.block_bytes, args.grids):
                     bk = block_kv_for(slots, shape.kv_heads, d, 2, budget)
-                    tk = tail_kv_for(bk, shape.kv_heads, d, 2) if tails == "on" else bk
-                    ours_fn = jax.jit(lambda q, k, v, n, bk=bk, tk=tk, live=grid == "live": decode_attention(
-                        q, k, v, n, block_kv=bk, tail_kv=tk, live_grid=live, interpret=interpret)[0])
+                    ours_fn = jax.jit(lambda q, k, v, n, bk=bk, live=grid == "live": decode_attention(
+                        q, k, v, n, block_kv=bk, live_grid=live, interpret=interpret)[0])
                     try:
                         t = timed(chained(ours_fn, args.attention_calls), (q, k, v, lengths), args.repeats,
                                   1) / args.attention_calls
                     except Exception as exc:
-                        note += f"ours at block {bk} / {tk}, {grid} grid: {mb.short_error(exc, 80)}; "
+                        note += f"ours at block {bk}, {grid} grid: {mb.short_error(exc, 80)}; "
                         continue
-                    if len(args.block_bytes) > 1 or len(args.grids) > 1 or len(args.tails) > 1:
-                        note += f"block {bk} / {tk}, {grid} grid: {1e3 * t:.3f} ms; "
+                    if len(args.block_bytes) > 1 or len(args.grids) > 1:
+                        note += f"block {bk}, {grid} grid: {1e3 * t:.3f} ms; "
                     if ours is None or t < ours:
-                        ours, block, ours_out = t, f"{bk} / {tk}", ours_fn(q, k, v, lengths)
+                        ours, block, ours_out = t, bk, ours_fn(q, k, v, lengths)
                 if ours is None:
                     print("| " + " | ".join(cells + ["-"] * 6) + f" | {note.rstrip('; ')} |", flush=True)
                     continue
@@ -300,12 +299,11 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                     continue
                 tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32)
                 repeats = args.repeats if batch * prompt <= args.long_tokens else max(1, args.repeats - 1)
-                for per_call, memory, tails in itertools.product(args.steps_per_program, args.cache_memory,
-                                                                 args.tails):
-                    saved = gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY, kernel.TAILS
-                    gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY, kernel.TAILS = per_call, memory, tails == "on"
-                    if len(args.cache_memory) > 1 or len(args.tails) > 1:
-                        jax.clear_caches()  # the placement and the tails are read when a program is traced
+                for per_call, memory in itertools.product(args.steps_per_program, args.cache_memory):
+                    saved = gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY
+                    gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY = per_call, memory
+                    if len(args.cache_memory) > 1:
+                        jax.clear_caches()  # the placement is read when a program is traced
                     try:
                         one, many = time_generate(model, tokens, repeats)
                     except Exception as exc:
@@ -314,7 +312,7 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         gc.collect()
                         continue
                     finally:
-                        gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY, kernel.TAILS = saved
+                        gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY = saved
                     per_token = (many - one) / (NEW_TOKENS - 1)
                     roof = roofline_s(config, counts, shape, batch, prompt, bandwidth) if bandwidth else None
                     tight = roofline_s(config, counts, shape, batch, prompt, bandwidth, True) if bandwidth else None
@@ -324,8 +322,6 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         note = f"{per_call} steps per program; " + note
                     if len(args.cache_memory) > 1:
                         note = f"cache memory {memory}; " + note
-                    if len(args.tails) > 1:
-                        note = f"tails {tails}; " + note
                     row = cells + [f"{one:.3f}", "-" if mfu is None else f"{100 * mfu:.1f}%",
                                    f"{1e3 * per_token:.3f}", f"{batch / per_token:,.0f}" if per_token > 0 else "-",
                                    "-" if roof is None else f"{1e3 * roof:.3f}",
@@ -336,7 +332,7 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         profile_generate(model, tokens, args.profile, f"{name}-{prompt}-{batch}", args.top)
                         args.profile = None
                     mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
-                                steps_per_program=per_call, cache_memory=memory, tails=tails, one_s=one, many_s=many,
+                                steps_per_program=per_call, cache_memory=memory, one_s=one, many_s=many,
                                 ms_per_token=1e3 * per_token, roofline_ms=None if roof is None else 1e3 * roof,
                                 streamed_roofline_ms=None if tight is None else 1e3 * tight,
                                 prefill_mfu=mfu)
@@ -370,10 +366,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-memory", default=None,
                    help="generate: decode_kernel.CACHE_MEMORY values to try, comma-separated (auto: where XLA "
                         "places the cache; hbm: kept in HBM), a row each (default: the library's own)")
-    p.add_argument("--tails", default="on",
-                   help="decode kernel: on (rows' tails past their last whole block read in tail blocks, the "
-                        "default) and/or off (as whole blocks: decode_kernel.TAILS = False), comma-separated; the "
-                        "attention part reports the fastest, generate a row each")
     p.add_argument("--grids", default="live",
                    help="decode kernel: live (the grid stops at the longest row's last block, the default) and/or "
                         "all (every block of the cache), comma-separated; the fastest is reported")
@@ -403,9 +395,6 @@ def main(argv=None) -> None:
     kernel_module = importlib.import_module("ringsplash.inference.decode_kernel")
     args.block_bytes = [int(x) for x in (args.block_bytes or str(kernel_module.BLOCK_BYTES)).split(",")]
     args.grids = args.grids.split(",")
-    args.tails = args.tails.split(",")
-    if not set(args.tails) <= {"on", "off"}:
-        sys.exit(f"--tails: expected on and/or off, got {','.join(args.tails)!r}")
     if not set(args.grids) <= {"live", "all"}:
         sys.exit(f"--grids: expected live and/or all, got {','.join(args.grids)!r}")
     gen_module = importlib.import_module("ringsplash.inference.generate")
@@ -435,8 +424,7 @@ def main(argv=None) -> None:
     decode = importlib.import_module("ringsplash.inference.decode")
     generate = importlib.import_module("ringsplash.inference.generate")
     print(f"decode defaults: DECODE_ATTENTION={decode.DECODE_ATTENTION!r} (the kernel on a TPU), "
-          f"STEPS_PER_PROGRAM={generate.STEPS_PER_PROGRAM}, CACHE_MEMORY={kernel_module.CACHE_MEMORY!r}, "
-          f"TAILS={kernel_module.TAILS}, bucket=True")
+          f"STEPS_PER_PROGRAM={generate.STEPS_PER_PROGRAM}, CACHE_MEMORY={kernel_module.CACHE_MEMORY!r}, bucket=True")
     start = time.perf_counter()
     with open_log(args.log) as log:
         args.log_file = log

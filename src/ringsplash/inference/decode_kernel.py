@@ -2,16 +2,13 @@
 cache blocks that hold visible slots.
 
 Each row ``b`` attends the slots ``starts[b] <= slot < lengths[b]`` of its cache ``[kv_heads, max_len, d]``
-(``starts`` 0 for a causal mask; a sliding window or a chunk raises it). The grid runs over ``(batch, steps)``. A
-row's steps read its whole blocks of ``block_kv`` slots from the one holding ``starts[b]``, then the live slots past
-the last whole block, its *tail*, in blocks of ``tail_kv`` slots (or in one more whole block where that costs less):
-a row reads fewer than ``tail_kv`` slots past its length where that is the cheaper way (GQA 8:2 at 8,256 live slots
-of a 10,240-slot cache read 10,368 slots in blocks of 3,456; with 768-slot tails, 8,448). Both block specs' index maps
-clamp: a step that reads the other kind names the block already in VMEM, and the pipeline issues no copy for it;
-nor for the steps past a row's last block, which cost only a grid step each; the grid's step bound is the most
-steps any row takes (traced), so a bucket's padding past every row costs no step. One block holds every kv head of
-its slots, and the kernel runs all the query heads of a GQA group against their kv head's block: K and V are read
-from HBM once per step, whatever the group size.
+(``starts`` 0 for a causal mask; a sliding window or a chunk raises it). The grid runs over ``(batch, kv blocks)``;
+the kv blocks' index map starts at the row's first live block and clamps to its last, so the steps past a row's
+length name the block already in VMEM and the pipeline issues no copy for them: slots past the length (a row shorter
+than the batch's longest) cost no HBM bandwidth, only a grid step each; the grid's kv-block bound is the longest
+row's block count (traced), so a bucket's padding past every row costs no step. One block holds every kv head of its
+slots, and the kernel runs all the query heads of a GQA group against their kv head's block: K and V are read from
+HBM once per step, whatever the group size.
 
 The arithmetic is the oracle's (``_local_partial`` in ``decode.py``): float32 scores times ``scale``, the
 optional soft-cap, online softmax in float32, ``P`` cast to V's dtype for ``P @ V``. It returns the partial
@@ -22,7 +19,6 @@ Stale slots (past a row's length) must hold finite values, as for the XLA path: 
 ``0 * V`` of a finite ``V`` is 0.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -57,32 +53,20 @@ DEFAULT_SCOPED_VMEM = 16 << 20
 #: token at batch 1 against 0.581 and at 1.538 against 1.536 at batch 8. Read when a call is traced: a program
 #: traced before a change keeps its placement (``jax.clear_caches()`` drops it).
 CACHE_MEMORY = "hbm"
-#: whether a call without ``tail_kv`` reads rows' tails in tail blocks (``tail_kv_for``) or as whole blocks (False,
-#: the kernel before tails). Read when a call is traced, as ``CACHE_MEMORY`` is.
-TAILS = True
 _CACHE_MEMORIES = ("auto", "hbm")
 _F32 = jnp.float32
 
 
-def vmem_bytes(block_kv: int, kv_heads: int, group: int, head_dim: int, value_dim: int, itemsize: int,
-               tail_kv: int | None = None) -> int:
-    """The scoped VMEM one call needs, every buffer at its tiled shape: the double-buffered K and V blocks (and tail
-    blocks, ``tail_kv`` not None), q and the outputs (double-buffered), the float32 scratch, and the step's float32
-    score temporaries (s, p and their exponentials: four ``[group, block_kv]`` tiles a kv head, counted for one head
-    at a time)."""
-    kv_blocks = lambda slots: 2 * kv_heads * (tile_bytes(slots, head_dim, itemsize) + tile_bytes(slots, value_dim,
-                                                                                                 itemsize))
-    kv = kv_blocks(block_kv) + (0 if tail_kv is None else kv_blocks(tail_kv))
+def vmem_bytes(block_kv: int, kv_heads: int, group: int, head_dim: int, value_dim: int, itemsize: int) -> int:
+    """The scoped VMEM one call needs, every buffer at its tiled shape: the double-buffered K and V blocks, q and
+    the outputs (double-buffered), the float32 scratch, and the step's float32 score temporaries (s, p and their
+    exponentials: four ``[group, block_kv]`` tiles a kv head, counted for one head at a time)."""
+    kv = 2 * kv_heads * (tile_bytes(block_kv, head_dim, itemsize) + tile_bytes(block_kv, value_dim, itemsize))
     q = 2 * kv_heads * tile_bytes(group, head_dim, itemsize)
     out = 2 * kv_heads * (tile_bytes(group, value_dim, 4) + tile_bytes(group, NUM_LANES, 4))
     scratch = kv_heads * (2 * tile_bytes(group, NUM_LANES, 4) + tile_bytes(group, value_dim, 4))
     temps = 4 * tile_bytes(group, block_kv, 4)
     return kv + q + out + scratch + temps
-
-
-def _slot_bytes(kv_heads: int, head_dim: int, value_dim: int | None, itemsize: int) -> int:
-    """Bytes of K and V one cache slot takes in VMEM (head sizes padded to whole 128 lanes)."""
-    return kv_heads * (lanes(head_dim) + lanes(head_dim if value_dim is None else value_dim)) * itemsize
 
 
 def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, block_bytes: int | None = None,
@@ -98,7 +82,8 @@ def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, bloc
     if max_len % NUM_LANES:
         raise ValueError(f"decode_attention: the cache's max_len must be a multiple of {NUM_LANES}, got {max_len=}")
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
-    per_slot = _slot_bytes(kv_heads, head_dim, value_dim, itemsize)
+    value_dim = head_dim if value_dim is None else value_dim
+    per_slot = kv_heads * (lanes(head_dim) + lanes(value_dim)) * itemsize  # head sizes padded to whole lanes
     cache_lanes = max_len // NUM_LANES
     target = max(1, min(block_bytes // per_slot, MAX_BLOCK_KV, max_len) // NUM_LANES)
 
@@ -108,67 +93,6 @@ def block_kv_for(max_len: int, kv_heads: int, head_dim: int, itemsize: int, bloc
     return NUM_LANES * min(range(target, 0, -1), key=cost)  # ties: the largest block
 
 
-def tail_kv_for(block_kv: int, kv_heads: int, head_dim: int, itemsize: int, value_dim: int | None = None) -> int:
-    """The slots per step of a row's tail (its live slots past its last whole block of ``block_kv``): the multiple
-    of 128 (at most ``block_kv``) that reads a tail of any length from 1 to ``block_kv`` slots in the least time on
-    average, each tail read the cheaper way: in steps of this size or as one more whole block, a step costing its
-    bytes + ``STEP_COST_BYTES``. ``block_kv`` itself: no tails. GQA 8:2 in 3,456-slot blocks: 768 (an average tail
-    costs 2.6 MiB of reads instead of a block's 3.7)."""
-    per_slot = _slot_bytes(kv_heads, head_dim, value_dim, itemsize)
-    block_lanes = block_kv // NUM_LANES
-    block_cost = block_kv * per_slot + STEP_COST_BYTES
-
-    def mean_cost(tail_lanes):  # summed over the tails of 1 ... block_lanes lanes
-        step = tail_lanes * NUM_LANES * per_slot + STEP_COST_BYTES
-        return sum(min(block_cost, -(-r // tail_lanes) * step) for r in range(1, block_lanes + 1))
-
-    return NUM_LANES * min(range(block_lanes, 0, -1), key=mean_cost)  # ties: the largest
-
-
-def _tail_steps_bound(block_kv: int, tail_kv: int, per_slot: int) -> int:
-    """The most tail steps that cost less than one more whole block (0: tails are read as whole blocks)."""
-    if tail_kv >= block_kv:
-        return 0
-    return (block_kv * per_slot + STEP_COST_BYTES - 1) // (tail_kv * per_slot + STEP_COST_BYTES)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Steps:
-    """How the grid's steps read a row's live slots: whole blocks of ``block_kv`` slots from the one holding the
-    row's first visible slot, then its tail in ``tail_kv``-slot blocks, at most ``max_tail`` of them (a longer
-    tail is read as one more whole block; ``max_tail`` 0: no tails) in a cache of ``max_len`` slots."""
-
-    block_kv: int
-    tail_kv: int
-    max_tail: int
-    max_len: int
-
-    def row(self, start, length):
-        """``(first, blocks, tail_steps)`` of the rows ``start <= slot < length`` (scalars or per row): ``blocks``
-        blocks from block ``first`` (the last may run past the length: a tail read as a block), then ``tail_steps``
-        tail blocks from block ``first + blocks``'s first slot. An empty row (``start == length == 0``): no steps."""
-        first = lax.div(start, self.block_kv)  # lax.div: the operands are >= 0 (jnp's // lowers through sign)
-        whole = lax.div(length - first * self.block_kv, self.block_kv)
-        rest = length - (first + whole) * self.block_kv
-        tail_steps = lax.div(rest + self.tail_kv - 1, self.tail_kv)
-        as_block = (whole == 0) | (tail_steps > self.max_tail)
-        return first, whole + (as_block & (rest > 0)).astype(whole.dtype), jnp.where(as_block, 0, tail_steps)
-
-    def block_lanes(self, block):
-        """The first slot of the copy of block ``block``, in lanes: ``block * block_kv``, except a last block
-        that would run past ``max_len`` (``block_kv`` not dividing it) starts ``max_len - block_kv`` in."""
-        return jnp.minimum(block * (self.block_kv // NUM_LANES), (self.max_len - self.block_kv) // NUM_LANES)
-
-    def tail_lanes(self, first, blocks, i):
-        """The first slot of the copy of tail block ``i``, in lanes (clamped inside the cache the same way)."""
-        lanes_in = (first + blocks) * (self.block_kv // NUM_LANES) + i * (self.tail_kv // NUM_LANES)
-        return jnp.minimum(lanes_in, (self.max_len - self.tail_kv) // NUM_LANES)
-
-    def bound(self) -> int:
-        """The most steps a row can take: the grid's step bound without ``live_grid``."""
-        return max(pl.cdiv(self.max_len, self.block_kv), self.max_len // self.block_kv + self.max_tail)
-
-
 # ----------------------------------------------------------------------------------------
 # kernel body
 
@@ -176,14 +100,18 @@ class _Steps:
 def _decode_kernel(
     # prefetched
     layer_ref, starts_ref, lengths_ref,
-    # inputs: q, k, v, then the tail blocks' k and v where there are tails; outputs o, lse; scratch m, l, acc
-    q_ref, k_ref, v_ref, *refs,
-    steps: _Steps, scale: float, soft_cap: float | None,
+    # inputs
+    q_ref, k_ref, v_ref,
+    # outputs
+    o_ref, lse_ref,
+    # scratch
+    m_ref, l_ref, acc_ref,
+    *, block_kv: int, max_len: int, scale: float, soft_cap: float | None,
 ):
-    tail_refs, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = refs[:-5], refs[-5:]
     b, j = pl.program_id(0), pl.program_id(1)
     start, length = starts_ref[b], lengths_ref[b]
-    first, blocks, tail_steps = steps.row(start, length)
+    block = lax.div(start, block_kv) + j  # the block this step stands for (its copy is skipped past the last)
+    first_slot = block * block_kv  # the block's own slots start here; its copy starts at _block_offset
     kv_heads = k_ref.shape[0]
 
     @pl.when(j == 0)
@@ -192,17 +120,16 @@ def _decode_kernel(
         l_ref[...] = jnp.zeros(l_ref.shape, _F32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
-    def accumulate(k_ref, v_ref, own_first, copy_lanes):
-        """Fold the block copied from slot ``copy_lanes * 128`` into the running softmax; its own slots start at
-        ``own_first`` (a copy clamped inside the cache overlaps the block before: the overlap counted once)."""
-        slot = copy_lanes * NUM_LANES + lax.broadcasted_iota(jnp.int32, (1, k_ref.shape[1]), 1)
-        visible = (slot >= jnp.maximum(start, own_first)) & (slot < length)
+    @pl.when((first_slot < length) & (start < length))
+    def _compute():
+        slot = _block_offset(block, block_kv, max_len) + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        visible = (slot >= jnp.maximum(start, first_slot)) & (slot < length)  # the overlap counted once
         for h in range(kv_heads):  # static: every query head of the group against this kv head's block
             q = q_ref[h]  # [group, d]
             s = lax.dot_general(q, k_ref[h], (((1,), (1,)), ((), ())), preferred_element_type=_F32) * scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(visible, s, -jnp.inf)  # [group, slots]; every processed block has a visible slot
+            s = jnp.where(visible, s, -jnp.inf)  # [group, block_kv]; every processed block has a visible slot
             m_prev = m_ref[h]  # [group, 128], the lanes equal
             m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_next)
@@ -212,17 +139,6 @@ def _decode_kernel(
             pv = lax.dot_general(p.astype(v_ref.dtype), v_ref[h], (((1,), (0,)), ((), ())),
                                  preferred_element_type=_F32)
             acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
-
-    @pl.when(j < blocks)
-    def _block():
-        accumulate(k_ref, v_ref, (first + j) * steps.block_kv, steps.block_lanes(first + j))
-
-    if tail_refs:
-        @pl.when((j >= blocks) & (j < blocks + tail_steps))
-        def _tail():
-            i = j - blocks
-            own_first = (first + blocks) * steps.block_kv + i * steps.tail_kv
-            accumulate(*tail_refs, own_first, steps.tail_lanes(first, blocks, i))
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _finish():
@@ -242,37 +158,37 @@ def _row_map(b, j, layer_ref, starts_ref, lengths_ref):
     return b, 0, 0, 0
 
 
-def _kv_map(b, j, layer_ref, starts_ref, lengths_ref, *, steps: _Steps):
-    """The first slot (an element index) of the block step ``j`` of row ``b`` reads in layer ``layer_ref[0]``:
-    block ``first + j``, clamped to the row's last: no copy past it, nor while the row's tail steps run."""
-    first, blocks, _ = steps.row(starts_ref[b], lengths_ref[b])
-    block = first + jnp.minimum(j, jnp.maximum(blocks - 1, 0))
-    return layer_ref[0], b, 0, steps.block_lanes(block) * NUM_LANES, 0
+def _live_span(starts, lengths, block_kv: int):
+    """The first and last kv blocks holding a row's visible slots (``last >= first``; scalars or per row)."""
+    first = lax.div(starts, block_kv)  # lax.div: the operands are >= 0 (jnp's // lowers through sign)
+    return first, jnp.maximum(lax.div(jnp.maximum(lengths - 1, 0), block_kv), first)
 
 
-def _tail_map(b, j, layer_ref, starts_ref, lengths_ref, *, steps: _Steps):
-    """The first slot of the tail block step ``j`` of row ``b`` reads: the row's first tail block during its
-    whole-block steps (copied once, ahead of its use), clamped to its last after. A row without a tail names
-    row 0's slot 0, as every such row does: the copy is made once for a run of them, not per row."""
-    first, blocks, tail_steps = steps.row(starts_ref[b], lengths_ref[b])
-    i = jnp.clip(j - blocks, 0, jnp.maximum(tail_steps - 1, 0))
-    none = tail_steps == 0
-    return (layer_ref[0], jnp.where(none, 0, b), 0,
-            jnp.where(none, 0, steps.tail_lanes(first, blocks, i)) * NUM_LANES, 0)
+def _block_offset(block, block_kv: int, max_len: int):
+    """The first slot of the copy of kv block ``block``: ``block * block_kv``, except a last block that would run
+    past ``max_len`` (``block_kv`` not dividing it) starts ``max_len - block_kv`` in, inside the cache."""
+    lanes = jnp.minimum(block * (block_kv // NUM_LANES), (max_len - block_kv) // NUM_LANES)
+    return lanes * NUM_LANES  # a product Mosaic can see is a multiple of the sublane tiling
 
 
-def _live_steps(starts, lengths, steps: _Steps):
-    """The most steps any row takes (at least 1): the grid's traced step bound."""
-    _, blocks, tail_steps = steps.row(starts, lengths)
-    return jnp.maximum(jnp.max(blocks + tail_steps), 1).astype(jnp.int32)
+def _kv_map(b, j, layer_ref, starts_ref, lengths_ref, *, block_kv: int, max_len: int):
+    """The first slot (an element index) of block ``first + j`` of row ``b`` in layer ``layer_ref[0]``, the block
+    clamped to the row's last live one: no copy past the length."""
+    first, last = _live_span(starts_ref[b], lengths_ref[b], block_kv)
+    return layer_ref[0], b, 0, _block_offset(jnp.minimum(first + j, last), block_kv, max_len), 0
+
+
+def _live_blocks(starts, lengths, block_kv: int):
+    """The most kv blocks any row's visible slots span (at least 1): the grid's traced kv-block bound."""
+    first, last = _live_span(starts, lengths, block_kv)
+    return jnp.max(last - first + 1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------
 # pallas_call wrapper
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "block_kv", "tail_kv", "live_grid",
-                                               "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "block_kv", "live_grid", "interpret"))
 def decode_attention(
     q: Float[Array, "batch heads d"],
     k: Float[Array, "*layers batch kv_heads max_len d"],
@@ -284,7 +200,6 @@ def decode_attention(
     scale: float | None = None,
     soft_cap: float | None = None,
     block_kv: int | None = None,
-    tail_kv: int | None = None,
     live_grid: bool = True,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> tuple[Float[Array, "batch heads dv"], Float[Array, "batch heads"]]:
@@ -293,11 +208,9 @@ def decode_attention(
     ``KVCache`` arrays): ``layer`` (an int32 scalar, traced or not) picks one, read in place (a slice passed to the
     kernel would be copied first, every layer of every step). ``heads`` is a multiple of ``kv_heads`` (query head
     ``i`` reads kv head ``i // (heads // kv_heads)``); ``max_len`` a multiple of 128. ``scale`` None: ``d ** -0.5``.
-    ``block_kv``: slots per grid step (None: ``block_kv_for``). ``tail_kv``: slots per step of a row's tail, past
-    its last whole block (None: ``tail_kv_for``, or no tails where ``TAILS`` is False; ``block_kv``: no tails).
-    ``live_grid``: the grid's steps are the most any row takes (a traced bound), not every block of ``max_len``
-    and the most tail steps; the steps past a row's last copy nothing either way, but each costs the pipeline's
-    fixed ~0.35 us: at 32K in a 40,960-slot cache
+    ``block_kv``: slots per grid step (None: ``block_kv_for``). ``live_grid``: the grid's kv-block steps are the
+    most blocks a row's visible slots span (a traced bound), not every block of ``max_len``; the steps past a row's
+    last block copy nothing either way, but each costs the pipeline's fixed ~0.35 us: at 32K in a 40,960-slot cache
     (batch 8, MHA), 128 such steps, about the 3% the kernel trailed ``ragged_paged_attention`` by on a v5e chip
     (2026-12-07, with every block). ``interpret``: the Pallas TPU interpreter (CPU tests)."""
     if k.ndim == 4:  # one layer: a leading axis of 1 (a bitcast, no copy)
@@ -317,20 +230,11 @@ def decode_attention(
         raise ValueError(f"decode_attention: block_kv must be a positive multiple of {NUM_LANES} at most "
                          f"max_len={max_len}, got {block_kv=}")
     group = heads // kv_heads
-    itemsize = max(k.dtype.itemsize, v.dtype.itemsize)
-    if tail_kv is None:
-        tail_kv = tail_kv_for(block_kv, kv_heads, d, itemsize, value_dim=dv) if TAILS else block_kv
-    if tail_kv > block_kv or tail_kv % NUM_LANES or tail_kv <= 0:
-        raise ValueError(f"decode_attention: tail_kv must be a positive multiple of {NUM_LANES} at most "
-                         f"block_kv={block_kv}, got {tail_kv=}")
-    max_tail = _tail_steps_bound(block_kv, tail_kv, _slot_bytes(kv_heads, d, dv, itemsize))
-    steps = _Steps(block_kv, tail_kv if max_tail else block_kv, max_tail, max_len)
-    need = vmem_bytes(block_kv, kv_heads, group, d, dv, itemsize, tail_kv if max_tail else None)
+    need = vmem_bytes(block_kv, kv_heads, group, d, dv, max(k.dtype.itemsize, v.dtype.itemsize))
     limit = None if need <= DEFAULT_SCOPED_VMEM * 3 // 4 else -(-(need * 5 // 4) // (1 << 20)) * (1 << 20)
     if limit is not None and limit > MAX_VMEM_LIMIT:
-        tails = f" and tails of {steps.tail_kv}" if max_tail else ""
-        raise ValueError(f"decode_attention: a block of {block_kv} slots of {kv_heads} kv heads{tails} (head sizes "
-                         f"{d} / {dv}, {k.dtype}) needs {need / 2**20:.1f} MiB of VMEM, over the "
+        raise ValueError(f"decode_attention: a block of {block_kv} slots of {kv_heads} kv heads (head sizes {d} / "
+                         f"{dv}, {k.dtype}) needs {need / 2**20:.1f} MiB of VMEM, over the "
                          f"{MAX_VMEM_LIMIT >> 20} MiB a call may take: pass a smaller block_kv (at least 128), or "
                          f"shard the kv heads")
     scale = d**-0.5 if scale is None else float(scale)
@@ -343,31 +247,27 @@ def decode_attention(
                          f"{CACHE_MEMORY!r}")
     # the interpreter has no memory spaces; the constraint cannot run eagerly
     memory = "auto" if interpret or not isinstance(k, jax.core.Tracer) else CACHE_MEMORY
-    call = _folding_vmap(steps=steps, scale=scale, soft_cap=soft_cap, live_grid=live_grid,
+    call = _folding_vmap(block_kv=block_kv, scale=scale, soft_cap=soft_cap, live_grid=live_grid,
                          interpret=interpret, limit=limit, cache_memory=memory)
     return call(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), starts, lengths, q, k, v)
 
 
-def _kernel_call(layer, starts, lengths, q, k, v, *, steps: _Steps, scale: float, soft_cap: float | None,
+def _kernel_call(layer, starts, lengths, q, k, v, *, block_kv: int, scale: float, soft_cap: float | None,
                  live_grid: bool, interpret, limit: int | None, cache_memory: str):
     """The ``pallas_call`` of ``decode_attention`` on checked operands (``k``, ``v`` with their layer axis)."""
     batch, heads, d = q.shape
     _, _, kv_heads, max_len, dv = v.shape
     group = heads // kv_heads
     qg = q.reshape(batch, kv_heads, group, d)
-    block_kv, tail_kv = steps.block_kv, steps.tail_kv
-    kv_spec = lambda slots, dim, index_map: pl.BlockSpec(  # element offsets: a copy may start off the block grid
-        (None, None, pl.Element(kv_heads), pl.Element(slots), pl.Element(dim)), index_map)
-    kv_map, tail_map = (functools.partial(f, steps=steps) for f in (_kv_map, _tail_map))
-    tails = [kv_spec(tail_kv, d, tail_map), kv_spec(tail_kv, dv, tail_map)] if steps.max_tail else []
+    kv_map = functools.partial(_kv_map, block_kv=block_kv, max_len=max_len)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(batch, _live_steps(starts, lengths, steps) if live_grid else steps.bound()),
+        grid=(batch, _live_blocks(starts, lengths, block_kv) if live_grid else pl.cdiv(max_len, block_kv)),
         in_specs=[
             pl.BlockSpec((None, kv_heads, group, d), _row_map),
-            kv_spec(block_kv, d, kv_map),
-            kv_spec(block_kv, dv, kv_map),
-            *tails,
+            # element offsets (Mosaic takes a whole block spec of them): the last block may start off the grid
+            pl.BlockSpec((None, None, pl.Element(kv_heads), pl.Element(block_kv), pl.Element(d)), kv_map),
+            pl.BlockSpec((None, None, pl.Element(kv_heads), pl.Element(block_kv), pl.Element(dv)), kv_map),
         ],
         out_specs=[
             pl.BlockSpec((None, kv_heads, group, dv), _row_map),
@@ -379,7 +279,7 @@ def _kernel_call(layer, starts, lengths, q, k, v, *, steps: _Steps, scale: float
             pltpu.VMEM((kv_heads, group, dv), _F32),  # acc
         ],
     )
-    kernel = functools.partial(_decode_kernel, steps=steps, scale=scale, soft_cap=soft_cap)
+    kernel = functools.partial(_decode_kernel, block_kv=block_kv, max_len=max_len, scale=scale, soft_cap=soft_cap)
     live = batch * kv_heads * max_len  # an upper bound: the slots read are at most these
     o, lse = pl.pallas_call(
         kernel,
@@ -393,7 +293,7 @@ def _kernel_call(layer, starts, lengths, q, k, v, *, steps: _Steps, scale: float
             bytes_accessed=int(live * (d * k.dtype.itemsize + dv * v.dtype.itemsize) + q.size * q.dtype.itemsize)),
         interpret=interpret,
         name="ringsplash_decode_attention",
-    )(layer, starts, lengths, qg, *_placed(k, v, cache_memory) * (2 if steps.max_tail else 1))
+    )(layer, starts, lengths, qg, *_placed(k, v, cache_memory))
     return o.reshape(batch, heads, dv), lse[..., 0].reshape(batch, heads)
 
 
@@ -456,5 +356,4 @@ def decode_attention_reference(q, k, v, lengths, starts=None, *, scale=None, sof
     return o.reshape(batch, heads, -1), lse.reshape(batch, heads)
 
 
-__all__ = ["BLOCK_BYTES", "block_kv_for", "decode_attention", "decode_attention_reference", "tail_kv_for",
-           "vmem_bytes"]
+__all__ = ["BLOCK_BYTES", "block_kv_for", "decode_attention", "decode_attention_reference", "vmem_bytes"]
