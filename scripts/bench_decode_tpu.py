@@ -299,11 +299,12 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                     continue
                 tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt), dtype=np.int32)
                 repeats = args.repeats if batch * prompt <= args.long_tokens else max(1, args.repeats - 1)
-                for per_call, memory in itertools.product(args.steps_per_program, args.cache_memory):
-                    saved = gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY
-                    gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY = per_call, memory
-                    if len(args.cache_memory) > 1:
-                        jax.clear_caches()  # the placement is read when a program is traced
+                for per_call, memory, budget in itertools.product(args.steps_per_program, args.cache_memory,
+                                                                  args.block_bytes):
+                    saved = gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY, kernel.BLOCK_BYTES
+                    gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY, kernel.BLOCK_BYTES = per_call, memory, budget
+                    if len(args.cache_memory) > 1 or len(args.block_bytes) > 1:
+                        jax.clear_caches()  # the placement and the block are chosen when a program is traced
                     try:
                         one, many = time_generate(model, tokens, repeats)
                     except Exception as exc:
@@ -312,7 +313,7 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         gc.collect()
                         continue
                     finally:
-                        gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY = saved
+                        gen.STEPS_PER_PROGRAM, kernel.CACHE_MEMORY, kernel.BLOCK_BYTES = saved
                     per_token = (many - one) / (NEW_TOKENS - 1)
                     roof = roofline_s(config, counts, shape, batch, prompt, bandwidth) if bandwidth else None
                     tight = roofline_s(config, counts, shape, batch, prompt, bandwidth, True) if bandwidth else None
@@ -322,6 +323,10 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         note = f"{per_call} steps per program; " + note
                     if len(args.cache_memory) > 1:
                         note = f"cache memory {memory}; " + note
+                    if len(args.block_bytes) > 1:
+                        block = kernel.block_kv_for(slots, shape.kv_heads, shape.head_dim,
+                                                    np.dtype(args.dtype).itemsize, budget)
+                        note = f"{budget / 2**20:g} MiB budget: {block}-slot blocks; " + note
                     row = cells + [f"{one:.3f}", "-" if mfu is None else f"{100 * mfu:.1f}%",
                                    f"{1e3 * per_token:.3f}", f"{batch / per_token:,.0f}" if per_token > 0 else "-",
                                    "-" if roof is None else f"{1e3 * roof:.3f}",
@@ -332,7 +337,7 @@ def generate_rows(args, shapes, prompts, batches, hbm, peak, bandwidth):
                         profile_generate(model, tokens, args.profile, f"{name}-{prompt}-{batch}", args.top)
                         args.profile = None
                     mb.log_line(args.log_file, kind="generate", model=name, prompt=prompt, batch=batch, slots=slots,
-                                steps_per_program=per_call, cache_memory=memory, one_s=one, many_s=many,
+                                steps_per_program=per_call, cache_memory=memory, block_bytes=budget, one_s=one, many_s=many,
                                 ms_per_token=1e3 * per_token, roofline_ms=None if roof is None else 1e3 * roof,
                                 streamed_roofline_ms=None if tight is None else 1e3 * tight,
                                 prefill_mfu=mfu)
@@ -358,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generate rows of more prompt tokens (batch x prompt) than this take one repeat fewer "
                         "(their prefill dominates the run's time)")
     p.add_argument("--block-bytes", default=None,
-                   help="decode kernel: bytes of K and V per grid step to try, comma-separated (the fastest is reported; "
-                        "default: decode_kernel.BLOCK_BYTES)")
+                   help="decode kernel: bytes of K and V per grid step to try, comma-separated (attention: the fastest is "
+                        "reported; generate: a row each, decode_kernel.BLOCK_BYTES set; default: BLOCK_BYTES)")
     p.add_argument("--steps-per-program", default=None,
                    help="generate: STEPS_PER_PROGRAM values to try, comma-separated, a row each (default: "
                         "generate's own)")

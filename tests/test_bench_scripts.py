@@ -297,21 +297,23 @@ def test_bench_decode_tpu_pages_hold_the_same_cache():
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_bench_decode_tpu_cpu_smoke_prints_both_tables():
-    """scripts/bench_decode_tpu.py --cpu-smoke --models gqa: the kernel-alone row (the TPU interpreter; no peer on
-    the CPU) and generate's row (ms per token, the roofline against the given bandwidth)."""
+    """scripts/bench_decode_tpu.py --cpu-smoke --models gqa with two block budgets: the kernel-alone row (the TPU
+    interpreter; no peer on the CPU; the faster budget) and a generate row per budget (ms per token, the roofline
+    against the given bandwidth, the budget's block in the note)."""
     env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_decode_tpu.py"), "--cpu-smoke", "--models", "gqa",
-         "--peak-tflops", "0.5", "--hbm-gbps", "20", "--log", os.devnull],
+         "--block-bytes", "65536,4194304", "--peak-tflops", "0.5", "--hbm-gbps", "20", "--log", os.devnull],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "| model | prompt | batch | cache slots | ours ms | block | ragged_paged_attention ms |" in out
     assert "| model | prompt | batch | cache slots | 1 token s | prefill MFU (lower bound) | ms / token |" in out
     rows = [c for c in map(_cells, out.splitlines()) if c[0] in ("mha", "gqa")]
-    assert [(c[0], c[1], c[2], c[3]) for c in rows] == [("gqa", "200", "2", "384")] * 2, out
-    attention, generate = rows
-    assert float(attention[4]) > 0 and attention[5] == "384" and "not a TPU speed" in attention[10], attention
+    assert [(c[0], c[1], c[2], c[3]) for c in rows] == [("gqa", "200", "2", "384")] * 3, out
+    attention, generate, generate_4mib = rows
+    assert "0.0625 MiB budget: 128-slot blocks" in generate[11] and "4 MiB budget: 384-slot blocks" in generate_4mib[11]
+    assert float(attention[4]) > 0 and attention[5] in ("128", "384") and "not a TPU speed" in attention[10], attention
     assert float(generate[4]) > 0 and generate[5].endswith("%") and float(generate[8]) > 0, generate
     # the streamed roofline (no input embedding table) is the tighter bound: at most the issue's roofline's %
     assert generate[10].endswith("%") and float(generate[10][:-1]) <= float(generate[9][:-1]), generate
